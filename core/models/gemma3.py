@@ -1,0 +1,180 @@
+"""Gemma-3 checkpoint directories built here: configs, seeded weights, a local tokenizer.
+
+`make_tiny` writes a complete checkpoint (safetensors + config + processor) of the real
+`Gemma3ForConditionalGeneration` architecture at toy size, loadable offline with
+`from_pretrained` exactly as a user's own Gemma-3 directory. `make_gemma3_4b` writes the real
+Gemma-3-4B config and processor; its weights are made at load time (see `load_or_init`).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from transformers import (
+    Gemma3Config,
+    Gemma3ForConditionalGeneration,
+    Gemma3Processor,
+    Gemma3TextConfig,
+    SiglipVisionConfig,
+)
+from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+from wicore.engines.checkpoint import SEED_FILE
+from wicore.models.corpus import tokenizer_corpus
+from wicore.models.tokenizer import BOI, EOI, IMAGE_SOFT, train_tokenizer
+
+
+
+def tiny_config(tokenizer, *, sliding_window: int = 16, image_size: int = 64) -> Gemma3Config:
+    """2 text layers (one sliding, one full), hidden 64, SigLIP 64 px / patch 8 -> 16 image tokens."""
+    text = Gemma3TextConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        query_pre_attn_scalar=16,
+        sliding_window=sliding_window,
+        layer_types=["sliding_attention", "full_attention"],
+        max_position_embeddings=4096,
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0},
+        },
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    vision = SiglipVisionConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        image_size=image_size,
+        patch_size=8,
+        vision_use_head=False,
+    )
+    return Gemma3Config(
+        text_config=text,
+        vision_config=vision,
+        mm_tokens_per_image=16,
+        boi_token_index=tokenizer.convert_tokens_to_ids(BOI),
+        eoi_token_index=tokenizer.convert_tokens_to_ids(EOI),
+        image_token_index=tokenizer.convert_tokens_to_ids(IMAGE_SOFT),
+    )
+
+
+def gemma3_4b_config() -> Gemma3Config:
+    """Gemma-3-4B's real shape (as transformers' conversion script writes it)."""
+    text = Gemma3TextConfig(
+        vocab_size=262_208,
+        hidden_size=2560,
+        intermediate_size=10_240,
+        num_hidden_layers=34,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=256,
+        query_pre_attn_scalar=256,
+        sliding_window=1024,
+        max_position_embeddings=131_072,
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0},
+        },
+    )
+    vision = SiglipVisionConfig(
+        hidden_size=1152,
+        intermediate_size=4304,
+        num_hidden_layers=27,
+        num_attention_heads=16,
+        image_size=896,
+        patch_size=14,
+        vision_use_head=False,
+    )
+    return Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=256)
+
+
+def make_processor(tokenizer, config: Gemma3Config) -> Gemma3Processor:
+    size = config.vision_config.image_size
+    image_processor = Gemma3ImageProcessorPil(
+        size={"height": size, "width": size},
+        image_mean=[0.5, 0.5, 0.5],
+        image_std=[0.5, 0.5, 0.5],
+    )
+    return Gemma3Processor(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        chat_template=tokenizer.chat_template,
+        image_seq_length=config.mm_tokens_per_image,
+    )
+
+
+def seeded_model(config: Gemma3Config, seed: int, dtype=torch.float32, device="cpu"):
+    """Random weights from `seed`, with a non-zero projector (HF's init zeroes it)."""
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = Gemma3ForConditionalGeneration._from_config(config, dtype=dtype)
+    projector = model.model.multi_modal_projector.mm_input_projection_weight
+    with torch.no_grad():
+        projector.normal_(0.0, config.text_config.hidden_size**-0.5)
+    return model.eval()
+
+
+def make_tiny(out_dir: str | Path, *, seed: int = 0, sliding_window: int = 16) -> Path:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = train_tokenizer(tokenizer_corpus(), vocab_size=1024)
+    config = tiny_config(tokenizer, sliding_window=sliding_window)
+    seeded_model(config, seed).save_pretrained(out)
+    make_processor(tokenizer, config).save_pretrained(out)
+    return out
+
+
+def make_gemma3_4b(out_dir: str | Path, *, seed: int = 0) -> Path:
+    """Config + processor of Gemma-3-4B; weights are seeded at load time (see `load_or_init`).
+
+    The tokenizer is ours (trained locally) with its special tokens placed at Gemma-3's ids, so
+    prompts expand to the real image-token layout (boi 255999, 256 x 262144, eoi 256000).
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    config = gemma3_4b_config()
+    tokenizer = train_tokenizer(tokenizer_corpus(), vocab_size=2048)
+    tokenizer = _place_specials_like_gemma3(tokenizer, config)
+    config.save_pretrained(out)
+    make_processor(tokenizer, config).save_pretrained(out)
+    (out / SEED_FILE).write_text(json.dumps({"seed": seed}))
+    return out
+
+
+def _place_specials_like_gemma3(tokenizer, config: Gemma3Config):
+    """Re-number a small trained vocab into Gemma-3's 262,208-id space.
+
+    Specials go to Gemma-3's ids, every other trained token keeps its relative order after
+    them, and the gaps are filled with `<unused_N>` tokens that never occur in text.
+    """
+    from tokenizers import Tokenizer
+
+    from wicore.models.tokenizer import SPECIAL_TOKENS, wrap_tokenizer
+
+    fixed = {"<pad>": 0, "<eos>": 1, "<bos>": 2, "<unk>": 3, "<mask>": 4,
+             "<start_of_turn>": 105, "<end_of_turn>": 106,
+             BOI: config.boi_token_index, EOI: config.eoi_token_index, IMAGE_SOFT: config.image_token_index}
+    state = json.loads(tokenizer.backend_tokenizer.to_str())
+    vocab: dict[str, int] = state["model"]["vocab"]
+    ordinary = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1]) if t not in SPECIAL_TOKENS]
+    taken = set(fixed.values())
+    free_ids = (i for i in range(config.text_config.vocab_size) if i not in taken)
+    new_vocab = dict(fixed)
+    for token in ordinary:
+        new_vocab[token] = next(free_ids)
+    for n, i in enumerate(free_ids):
+        new_vocab[f"<unused_{n}>"] = i
+    state["model"]["vocab"] = new_vocab
+    for added in state["added_tokens"]:
+        added["id"] = new_vocab[added["content"]]
+    return wrap_tokenizer(Tokenizer.from_str(json.dumps(state)))

@@ -1,0 +1,160 @@
+"""What crosses a process or Redis boundary: caption jobs and their results (pydantic, JSON).
+
+Nothing here imports Redis, RQ or torch, so the producer, the scheduler, the worker and the
+engines all share these definitions.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from enum import Enum
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+DEFAULT_PROMPT = "Describe this image in detail."
+SHA256_HEX = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
+
+
+class Strict(BaseModel):
+    """Unknown keys fail loudly; instances are immutable."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Lane(str, Enum):
+    """Priority lanes, drained in this order."""
+
+    HIGH = "high"
+    NORMAL = "normal"
+    LOW = "low"
+
+    @property
+    def rank(self) -> int:
+        return list(Lane).index(self)
+
+
+class ImageRef(Strict):
+    """An image by reference: a path under the worker's allowed roots, or a blob the producer
+    stored in Redis under its sha256. The hash is always the hash of the image's bytes."""
+
+    sha256: SHA256_HEX
+    path: str | None = None
+
+    @property
+    def is_blob(self) -> bool:
+        return self.path is None
+
+
+class TextPart(Strict):
+    type: Literal["text"] = "text"
+    text: str
+
+
+class ImagePart(Strict):
+    type: Literal["image"] = "image"
+
+
+class ChatMessage(Strict):
+    role: Literal["system", "user", "assistant"]
+    content: str | list[TextPart | ImagePart]
+
+    @property
+    def image_count(self) -> int:
+        if isinstance(self.content, str):
+            return 0
+        return sum(isinstance(part, ImagePart) for part in self.content)
+
+
+class GenerationParams(Strict):
+    max_new_tokens: int = Field(64, ge=1, le=32_768)
+    temperature: float = Field(0.0, ge=0.0, le=100.0)  # 0 = greedy
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0)  # 0 = off
+    seed: int | None = Field(None, ge=0, lt=2**63)
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False  # generate exactly max_new_tokens (benchmarks)
+
+    @field_validator("stop")
+    @classmethod
+    def _nonempty_stops(cls, stop: tuple[str, ...]) -> tuple[str, ...]:
+        if any(s == "" for s in stop):
+            raise ValueError("stop strings must be non-empty")
+        return stop
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+class CaptionJob(Strict):
+    """One image + one prompt (or chat) -> text. The payload of every wicore RQ job."""
+
+    image: ImageRef
+    prompt: str | None = None
+    messages: tuple[ChatMessage, ...] | None = None
+    params: GenerationParams = GenerationParams()
+    model: str = Field(min_length=1, max_length=128)
+    priority: Lane = Lane.NORMAL
+    deadline: float | None = None  # unix seconds; past it the job fails unrun
+    metadata: dict[str, Any] = {}
+    submitted_at: float = Field(default_factory=time.time)
+
+    @model_validator(mode="after")
+    def _one_image(self) -> CaptionJob:
+        if self.prompt is not None and self.messages is not None:
+            raise ValueError("give either prompt or messages, not both")
+        if self.messages is not None:
+            images = sum(m.image_count for m in self.messages)
+            if images != 1:
+                raise ValueError(f"messages must hold exactly one image part, found {images}")
+        return self
+
+    def chat(self) -> list[dict[str, Any]]:
+        """The conversation in Hugging Face chat-template form."""
+        if self.messages is not None:
+            return [m.model_dump(mode="json") for m in self.messages]
+        text = self.prompt if self.prompt is not None else DEFAULT_PROMPT
+        return [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": text}]}]
+
+    @property
+    def job_id(self) -> str:
+        return job_id_for(self)
+
+
+def job_id_for(job: CaptionJob) -> str:
+    """Content-derived id: the same image, conversation, parameters and model give the same id,
+    so resubmitting the same work is deduplicated. Priority, deadline and metadata do not count."""
+    work = {
+        "image": job.image.sha256,
+        "chat": job.chat(),
+        "params": job.params.model_dump(mode="json"),
+        "model": job.model,
+    }
+    canonical = json.dumps(work, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return "wc-" + hashlib.sha256(canonical.encode()).hexdigest()[:32]
+
+
+class Timings(Strict):
+    queued_s: float  # submitted -> taken by a worker
+    preprocess_s: float  # image fetch + decode
+    engine_s: float  # in the engine (shared batch time)
+    total_s: float  # submitted -> result written
+
+
+FinishReason = Literal["stop", "length", "stop_string"]
+
+
+class CaptionResult(Strict):
+    job_id: str
+    text: str
+    finish_reason: FinishReason
+    prompt_tokens: int
+    output_tokens: int
+    token_ids: tuple[int, ...]
+    timings: Timings
+    worker: str
+    engine: str
+    model: str

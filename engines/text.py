@@ -1,0 +1,55 @@
+"""Turning generated token ids into a finished text; shared by every engine so that they agree
+to the character on where a sequence ends (EOS, stop string, length)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from wicore.schemas import FinishReason, GenerationParams
+
+
+def stop_token_ids(model_dir: str | Path, tokenizer) -> frozenset[int]:
+    """EOS ids of the checkpoint's generation config, plus `<end_of_turn>` (Gemma chat models end
+    their turn with it)."""
+    from transformers import GenerationConfig
+
+    ids: set[int] = set()
+    try:
+        eos = GenerationConfig.from_pretrained(model_dir).eos_token_id
+    except OSError:
+        eos = None
+    if eos is None:
+        eos = tokenizer.eos_token_id
+    ids.update(eos if isinstance(eos, list) else [eos])
+    end_of_turn = tokenizer.convert_tokens_to_ids("<end_of_turn>")
+    if isinstance(end_of_turn, int) and end_of_turn != tokenizer.unk_token_id:
+        ids.add(end_of_turn)
+    return frozenset(i for i in ids if i is not None)
+
+
+def finish_sequence(
+    tokenizer, generated: list[int], params: GenerationParams, eos_ids: frozenset[int]
+) -> tuple[list[int], str, FinishReason]:
+    """Cut `generated` at the first EOS (kept in the ids, not in the text) or the first stop string
+    (the text ends before it; the ids end with the token that completed it)."""
+    tokens: list[int] = []
+    reason: FinishReason = "length"
+    for token in generated[: params.max_new_tokens]:
+        tokens.append(token)
+        if not params.ignore_eos and token in eos_ids:
+            reason = "stop"
+            break
+    text = tokenizer.decode(tokens, skip_special_tokens=True)
+    cut = first_stop(text, params.stop)
+    if cut is None:
+        return tokens, text, reason
+    for n in range(1, len(tokens) + 1):
+        if first_stop(tokenizer.decode(tokens[:n], skip_special_tokens=True), params.stop) is not None:
+            tokens = tokens[:n]
+            break
+    return tokens, text[:cut], "stop_string"
+
+
+def first_stop(text: str, stops: tuple[str, ...]) -> int | None:
+    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
+    return min(hits) if hits else None

@@ -1,0 +1,46 @@
+"""Shared fixtures: a real redis-server (embedded, or REDIS_URL), a tiny Gemma-3 checkpoint."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import redis
+
+from wicore.embedded import EmbeddedRedis
+
+
+@pytest.fixture(scope="session")
+def redis_server_url():
+    """REDIS_URL when set (a throwaway database!), else one embedded redis-server per session."""
+    if os.environ.get("REDIS_URL"):
+        yield os.environ["REDIS_URL"]
+        return
+    with EmbeddedRedis() as server:
+        yield server.url
+
+
+@pytest.fixture
+def redis_url(redis_server_url):
+    """A flushed database for each test."""
+    connection = redis.Redis.from_url(redis_server_url)
+    connection.flushdb()
+    yield redis_server_url
+    connection.flushdb()
+    connection.close()
+
+
+@pytest.fixture
+def redis_conn(redis_url):
+    connection = redis.Redis.from_url(redis_url)
+    yield connection
+    connection.close()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """A tiny Gemma-3 checkpoint (random weights, local tokenizer), built once per session."""
+    from wicore.models.gemma3 import make_tiny
+
+    return make_tiny(tmp_path_factory.mktemp("models") / "tiny")
