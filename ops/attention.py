@@ -1,0 +1,169 @@
+"""Attention for serving Gemma-style decoders: packed prefill with the exact Gemma-3 mask, and
+paged decode over a block-table KV cache.
+
+Paged KV layout (one layer): `k_cache`, `v_cache`: [num_pages, block_size, kv_heads, head_dim].
+A sequence's `block_tables[row]` lists its pages; the token at position `t` lives in page
+`block_tables[row, (t // block_size) % ring]` at offset `t % block_size`. `ring` is the number of
+table entries a layer group cycles through: the table width for full-attention layers (no
+wrap-around), ceil(window / block_size) + 1 for sliding-window layers, which then keep only the
+pages their window still needs.
+
+Masks follow transformers' Gemma-3 (`create_masks_for_vision_model`): a query at `i` sees key `j`
+when (j <= i or both are in the same image's run of soft tokens), and on sliding layers also
+j > i - window (the window is exclusive: `window` keys including the query itself).
+
+`paged_decode_attention` picks the Triton kernel on CUDA and the plain-torch reference elsewhere.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PackedBatch:
+    """Where each sequence of a packed prefill batch sits, and its padded [B, L] layout.
+
+    `gather` maps each padded cell [B, L] to a packed row (padding cells point at row 0);
+    `scatter` maps each packed row to its cell in the flattened [B * L] layout.
+    """
+
+    lengths: list[int]
+    gather: torch.Tensor  # [B, L] int64
+    scatter: torch.Tensor  # [N] int64
+    valid: torch.Tensor  # [B, L] bool
+
+    @property
+    def max_len(self) -> int:
+        return max(self.lengths)
+
+
+def pack_layout(lengths: list[int], device: torch.device | str) -> PackedBatch:
+    batch, longest = len(lengths), max(lengths)
+    lens = torch.tensor(lengths, dtype=torch.int64)
+    starts = torch.cumsum(lens, 0) - lens
+    cols = torch.arange(longest)
+    valid = cols[None, :] < lens[:, None]  # [B, L]
+    gather = torch.where(valid, starts[:, None] + cols[None, :], torch.zeros((), dtype=torch.int64))
+    scatter = (torch.arange(batch)[:, None] * longest + cols[None, :])[valid]
+    return PackedBatch(lengths, gather.to(device), scatter.to(device), valid.to(device))
+
+
+def gemma3_prefill_masks(
+    layout: PackedBatch, image_groups: torch.Tensor, window: int | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Boolean masks [B, 1, L, L] (True = attend) for full and sliding layers.
+
+    `image_groups`: [B, L] int64, the index of the image run each token belongs to, -1 for text
+    (and padding). Padding query rows attend to everything so that SDPA never sees an empty row
+    (their outputs are dropped).
+    """
+    longest = layout.max_len
+    device = layout.valid.device
+    i = torch.arange(longest, device=device)[:, None]
+    j = torch.arange(longest, device=device)[None, :]
+    same_image = (image_groups[:, :, None] == image_groups[:, None, :]) & (image_groups[:, :, None] >= 0)
+    full = (j <= i)[None] | same_image  # [B, L, L]
+    pad_rows = ~layout.valid[:, :, None]
+    sliding = None
+    if window is not None:
+        sliding = ((full & (j > i - window)[None]) | pad_rows)[:, None]
+    return (full | pad_rows)[:, None], sliding
+
+
+def prefill_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layout: PackedBatch,
+    mask: torch.Tensor,
+    scale: float,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """q: [N, Hq, D], k/v: [N, Hkv, D] packed rows -> [N, Hq, D]. `mask`: [B, 1, L, L] bool.
+
+    The rows are padded to [B, H, L, D] for SDPA; the attention FLOPs are a small part of a
+    prefill (the projections run packed), so the padding costs little.
+    """
+    n, heads, dim = q.shape
+    groups = heads // k.shape[1]
+    qp, kp, vp = (x[layout.gather].transpose(1, 2) for x in (q, k, v))  # [B, H, L, D]
+    if groups > 1:
+        kp, vp = kp.repeat_interleave(groups, dim=1), vp.repeat_interleave(groups, dim=1)
+    if softcap is None:
+        out = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, scale=scale)
+    else:
+        out = _softcapped_attention(qp, kp, vp, mask, scale, softcap)
+    out = out.transpose(1, 2).reshape(-1, heads, dim)  # [B * L, Hq, D]
+    return out[layout.scatter]
+
+
+def _softcapped_attention(q, k, v, mask, scale: float, softcap: float) -> torch.Tensor:
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, v)
+
+
+def store_kv(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor
+) -> None:
+    """Write k/v [N, Hkv, D] into flat cache slots [N] (page * block_size + offset).
+
+    Tokens a layer must not keep are given a slot in the reserved null page 0; several may land
+    on the same slot, which is harmless since nothing ever reads page 0 for real.
+    """
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k)
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v)
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    rows: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    ring: int,
+    window: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """One query token per sequence. q: [B, Hq, D]; block_tables: [R, T] int32; rows: [B] the
+    table row of each sequence; context_lens: [B] int32 (keys 0 .. len-1, the query is the
+    last). Returns [B, Hq, D]."""
+    if q.is_cuda:
+        from wicore.ops.paged_attention_triton import paged_decode_attention_triton
+
+        return paged_decode_attention_triton(
+            q, k_cache, v_cache, block_tables, rows, context_lens, scale, ring, window, softcap
+        )
+    return paged_decode_attention_reference(
+        q, k_cache, v_cache, block_tables, rows, context_lens, scale, ring, window, softcap
+    )
+
+
+def paged_decode_attention_reference(
+    q, k_cache, v_cache, block_tables, rows, context_lens, scale, ring, window=None, softcap=None
+) -> torch.Tensor:
+    """Plain torch: gather each sequence's visible keys from its pages, then dense attention."""
+    block_size = k_cache.shape[1]
+    groups = q.shape[1] // k_cache.shape[2]
+    out = torch.empty_like(q)
+    for b, (row, length) in enumerate(zip(rows.tolist(), context_lens.tolist(), strict=True)):
+        first = max(0, length - window) if window is not None else 0
+        positions = torch.arange(first, length, device=q.device)
+        pages = block_tables[row, (positions // block_size) % ring].long()
+        offsets = positions % block_size
+        k = k_cache[pages, offsets].transpose(0, 1).repeat_interleave(groups, dim=0)  # [Hq, n, D]
+        v = v_cache[pages, offsets].transpose(0, 1).repeat_interleave(groups, dim=0)
+        scores = torch.matmul(q[b, :, None, :], k.transpose(-1, -2)) * scale  # [Hq, 1, n]
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        out[b] = torch.matmul(probs, v)[:, 0]
+    return out
