@@ -1,0 +1,94 @@
+"""The `fast` engine's options (`EngineConfig.options`), validated: unknown keys and bad values
+raise ConfigError instead of being dropped."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+from wicore.errors import ConfigError
+
+DEFAULT_MAX_MODEL_LEN = 8192  # caps the per-sequence block table width (the model allows 131k)
+
+
+@dataclass(frozen=True)
+class FastOptions:
+    block_size: int = 16  # tokens per KV page (a power of two)
+    max_model_len: int | None = None  # prompt + new tokens; default min(model limit, 8192)
+    gpu_memory_utilization: float = 0.9  # share of the GPU the engine may fill (weights + KV + work)
+    num_kv_blocks: int | None = None  # KV pages in the pool; default: sized from free memory (CUDA)
+    cuda_graphs: bool = True  # capture decode per batch-size bucket (CUDA only)
+    graph_batch_sizes: tuple[int, ...] | None = None  # default [1, 2, 4, 8] + multiples of 16
+    vision_batch_size: int | None = None  # images per vision-tower call; default 32 CUDA, 8 CPU
+    compile_vision: bool = False  # torch.compile the vision tower (CUDA; full batches only)
+    max_prefill_tokens: int | None = None  # tokens per packed prefill; default max(16384, max_model_len)
+    preprocess_threads: int | None = None  # threads resizing images; default 4 CUDA, 0 (inline) CPU
+
+    @classmethod
+    def parse(cls, options: dict[str, Any]) -> FastOptions:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise ConfigError(f"unknown fast engine option(s) {unknown}; known: {sorted(known)}")
+        values = dict(options)
+        if values.get("graph_batch_sizes") is not None:
+            values["graph_batch_sizes"] = tuple(values["graph_batch_sizes"])
+        parsed = cls(**values)
+        parsed._check()
+        return parsed
+
+    def _check(self) -> None:
+        _positive_int("block_size", self.block_size)
+        if self.block_size & (self.block_size - 1):
+            raise ConfigError(f"block_size must be a power of two, got {self.block_size}")
+        for name in ("max_model_len", "num_kv_blocks", "vision_batch_size", "max_prefill_tokens"):
+            if getattr(self, name) is not None:
+                _positive_int(name, getattr(self, name))
+        if self.preprocess_threads is not None:
+            _int_at_least("preprocess_threads", self.preprocess_threads, 0)
+        if isinstance(self.gpu_memory_utilization, bool) or not isinstance(self.gpu_memory_utilization, int | float):
+            raise ConfigError("gpu_memory_utilization must be a number")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        for name in ("cuda_graphs", "compile_vision"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if self.graph_batch_sizes is not None:
+            if not self.graph_batch_sizes:
+                raise ConfigError("graph_batch_sizes must not be empty")
+            for size in self.graph_batch_sizes:
+                _positive_int("graph_batch_sizes entry", size)
+
+    def model_len(self, model_limit: int) -> int:
+        length = self.max_model_len if self.max_model_len is not None else min(model_limit, DEFAULT_MAX_MODEL_LEN)
+        if length > model_limit:
+            raise ConfigError(f"max_model_len {length} exceeds the model's {model_limit} positions")
+        return length
+
+    def prefill_tokens(self, model_len: int) -> int:
+        tokens = self.max_prefill_tokens if self.max_prefill_tokens is not None else max(16384, model_len)
+        if tokens < model_len:
+            raise ConfigError(f"max_prefill_tokens {tokens} must be >= max_model_len {model_len}")
+        return tokens
+
+    def graph_sizes(self, max_batch_size: int) -> list[int]:
+        """Decode batch-size buckets, ascending; a batch is padded up to the next one."""
+        if self.graph_batch_sizes is not None:
+            return sorted(set(self.graph_batch_sizes))
+        sizes = [s for s in [1, 2, 4, 8] if s < max_batch_size] + list(range(16, max_batch_size + 1, 16))
+        return sorted(set(sizes) | {max_batch_size})
+
+    def vision_batch(self, cuda: bool) -> int:
+        return self.vision_batch_size if self.vision_batch_size is not None else (32 if cuda else 8)
+
+    def threads(self, cuda: bool) -> int:
+        return self.preprocess_threads if self.preprocess_threads is not None else (4 if cuda else 0)
+
+
+def _positive_int(name: str, value: Any) -> None:
+    _int_at_least(name, value, 1)
+
+
+def _int_at_least(name: str, value: Any, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ConfigError(f"{name} must be an integer >= {low}, got {value!r}")
