@@ -1,0 +1,239 @@
+"""`FastEngine`: the engine interface over scheduler + model runner.
+
+A step: mark finished vision batches, schedule (admit, pick a vision batch, a prefill batch and
+the decode batch), launch vision on the side stream, prefill and decode on the main stream,
+then read back the tokens sampled one step earlier and return the sequences that ended. Reading
+a step late keeps the device a step ahead of Python; a sequence that ended is decoded at most
+once more and that token is dropped.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+
+import torch
+
+from wicore.engines.base import Completion, Engine, EngineConfig, EngineRequest, failed
+from wicore.engines.checkpoint import load_processor, torch_dtype
+from wicore.engines.fast.block_manager import BlockManager
+from wicore.engines.fast.handles import Readback, VisionJob
+from wicore.engines.fast.inputs import InputProcessor
+from wicore.engines.fast.kv_cache import KVLayout
+from wicore.engines.fast.memory import plan_pages
+from wicore.engines.fast.model_runner import ModelRunner
+from wicore.engines.fast.options import FastOptions
+from wicore.engines.fast.sampler import Sampler
+from wicore.engines.fast.scheduler import Scheduler
+from wicore.engines.fast.sequence import SeqStatus, Sequence
+from wicore.engines.fast.stats import EngineStats
+from wicore.engines.fast.weights import load_gemma3
+from wicore.engines.text import finish_sequence, first_stop, stop_token_ids
+from wicore.errors import JobInputError, PromptTooLong
+
+log = logging.getLogger(__name__)
+VISION_IN_FLIGHT = 2  # vision batches queued on the side stream at once (double buffering)
+
+
+class FastEngine(Engine):
+    name = "fast"
+
+    def __init__(self, config: EngineConfig):
+        super().__init__(config)
+        self.options = opts = FastOptions.parse(config.options)
+        device = torch.device(config.device)
+        cuda = device.type == "cuda"
+        processor = load_processor(config.model_dir)
+        self.tokenizer = processor.tokenizer
+        parts = load_gemma3(config.model_dir, device, config.dtype, config.seed)
+        text = parts.config.text_config
+        self.inputs = InputProcessor(processor, parts.image_token_id, parts.tokens_per_image)
+        self.eos_ids = stop_token_ids(config.model_dir, self.tokenizer)
+        self.max_len = opts.model_len(text.max_position_embeddings)
+        self.prefill_tokens = opts.prefill_tokens(self.max_len)
+        layout = KVLayout.build(text, opts.block_size, self.max_len)
+        sampler = Sampler(text.vocab_size, self.eos_ids, device)
+        self.runner = ModelRunner(parts, layout, config.max_batch_size, sampler, device, torch_dtype(config.dtype))
+        vision_batch = opts.vision_batch(cuda)
+        if cuda and opts.compile_vision:
+            self.runner.compile_vision(vision_batch)
+        num_pages = plan_pages(
+            self.runner,
+            override=opts.num_kv_blocks,
+            max_batch=config.max_batch_size,
+            max_len=self.max_len,
+            vision_batch=vision_batch,
+            prefill_tokens=self.prefill_tokens,
+            utilization=opts.gpu_memory_utilization,
+        )
+        self.runner.allocate_cache(num_pages)
+        self.blocks = BlockManager(num_pages)
+        self.scheduler = Scheduler(layout, self.blocks, config.max_batch_size, vision_batch, self.prefill_tokens)
+        if cuda and opts.cuda_graphs:
+            self.runner.capture_graphs(opts.graph_sizes(config.max_batch_size))
+        threads = opts.threads(cuda)
+        self.pool = ThreadPoolExecutor(threads, thread_name_prefix="wicore-pixels") if threads else None
+        self.rng = random.Random(config.seed)  # seeds for sampled requests that bring none
+        self.vision_jobs: deque[VisionJob] = deque()
+        self.readbacks: deque[Readback] = deque()
+        self.unfinished: dict[str, Sequence] = {}
+        self.counters = EngineStats()
+
+    # -- the interface ----------------------------------------------------------------------
+
+    def add(self, requests: list[EngineRequest]) -> list[Completion]:
+        rejected = []
+        for request in requests:
+            try:
+                seq = self._sequence(request)
+            except JobInputError as error:
+                rejected.append(failed(request.id, error, input_error=True))
+                continue
+            self.scheduler.add(seq)
+            self.unfinished[request.id] = seq
+        self.counters.rejected += len(rejected)
+        return rejected
+
+    def num_unfinished(self) -> int:
+        return len(self.unfinished)
+
+    def step(self) -> list[Completion]:
+        try:
+            return self._step()
+        except Exception as error:  # a device failure must not take the worker down
+            log.exception("fast engine step failed; failing %d requests", len(self.unfinished))
+            return self._fail_all(error)
+
+    def stats(self) -> dict:
+        return self.counters.report(self.runner, self.blocks)
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=False, cancel_futures=True)
+        self.runner = None
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    # -- a step -----------------------------------------------------------------------------
+
+    def _step(self) -> list[Completion]:
+        done = self._fail_unreadable_images()
+        self._collect_vision()
+        vision = self.scheduler.schedule_vision(VISION_IN_FLIGHT - len(self.vision_jobs))
+        for seq in self.scheduler.take_admitted():
+            self.runner.set_table(seq.row, seq.table)
+        if vision:
+            self.vision_jobs.append(self.runner.launch_vision(vision))
+            self.counters.images += sum(s.num_images for s in vision)
+            self._collect_vision()  # on CPU it is done already
+        prefill, decode = self.scheduler.schedule_model()
+        launched = 0
+        if prefill:
+            self.readbacks.append(self.runner.prefill(prefill))
+            self.counters.record_prefill(prefill)
+            for seq in prefill:
+                seq.status = SeqStatus.RUNNING
+            launched += 1
+        if decode:
+            readback, graphed = self.runner.decode(decode)
+            self.readbacks.append(readback)
+            self.counters.record_decode(len(decode), graphed)
+            launched += 1
+        done += self._read_tokens(keep=launched)
+        if not launched and not done:
+            self._wait_for_work()
+        self.counters.steps += 1
+        return done
+
+    def _collect_vision(self) -> None:
+        while self.vision_jobs and self.vision_jobs[0].done():
+            for seq in self.vision_jobs.popleft().seqs:
+                seq.status = SeqStatus.READY
+
+    def _read_tokens(self, keep: int) -> list[Completion]:
+        """Process every readback but the newest `keep` (those launched this step)."""
+        done = []
+        while len(self.readbacks) > keep:
+            readback = self.readbacks.popleft()
+            for seq, token in zip(readback.seqs, readback.tokens(), strict=True):
+                if not seq.finished and self._append(seq, token):
+                    done.append(self._finish(seq))
+        return done
+
+    def _append(self, seq: Sequence, token: int) -> bool:
+        """Record a token; True when the sequence ends with it."""
+        seq.generated.append(token)
+        params = seq.request.params
+        if len(seq.generated) >= seq.max_new or (not params.ignore_eos and token in self.eos_ids):
+            return True
+        if params.stop:
+            text = self.tokenizer.decode(seq.generated, skip_special_tokens=True)
+            return first_stop(text, params.stop) is not None
+        return False
+
+    def _finish(self, seq: Sequence) -> Completion:
+        seq.finished = True
+        ids, text, reason = finish_sequence(self.tokenizer, seq.generated, seq.request.params, self.eos_ids)
+        self.scheduler.finish(seq)
+        del self.unfinished[seq.id]
+        self.counters.record_finish(len(ids))
+        return Completion(seq.id, text, ids, reason, prompt_tokens=seq.prompt_len, engine_s=seq.age())
+
+    def _wait_for_work(self) -> None:
+        """Nothing ran this step: block on what everything waits for instead of spinning."""
+        if self.vision_jobs:
+            self.vision_jobs[0].wait()
+        elif self.readbacks:
+            self.readbacks[0].tokens()
+        else:
+            pending = [s.pixels for s in self.scheduler.waiting if isinstance(s.pixels, Future)]
+            if pending:
+                wait(pending[:1])
+
+    # -- requests ---------------------------------------------------------------------------
+
+    def _sequence(self, request: EngineRequest) -> Sequence:
+        prompt = self.inputs.prompt(request.chat, len(request.images))
+        params = request.params
+        if len(prompt.ids) + params.max_new_tokens > self.max_len:
+            raise PromptTooLong(
+                f"prompt of {len(prompt.ids)} tokens + {params.max_new_tokens} new tokens exceeds "
+                f"max_model_len {self.max_len}"
+            )
+        if self.pool is not None and request.images:
+            pixels = self.pool.submit(self.inputs.pixels, request.images)
+        else:
+            pixels = self._pixels_now(request)
+        seed = params.seed if params.seed is not None else self.rng.getrandbits(63)
+        seq = Sequence(request, prompt, pixels, seed)
+        if not self.scheduler.fits_ever(seq):
+            raise PromptTooLong(f"a {seq.max_len}-token sequence does not fit in the KV cache")
+        return seq
+
+    def _pixels_now(self, request: EngineRequest):
+        try:
+            return self.inputs.pixels(request.images)
+        except Exception as error:
+            raise JobInputError(f"image preprocessing failed: {error}") from error
+
+    def _fail_unreadable_images(self) -> list[Completion]:
+        """Images that failed to preprocess, at the head of the queue (admission stops there)."""
+        done = []
+        waiting = self.scheduler.waiting
+        while waiting and waiting[0].pixels_failed:
+            seq = waiting.popleft()
+            del self.unfinished[seq.id]
+            done.append(failed(seq.id, f"image preprocessing failed: {seq.pixels.exception()}", input_error=True))
+        return done
+
+    def _fail_all(self, error: Exception) -> list[Completion]:
+        for seq in list(self.scheduler.admitted):
+            self.scheduler.finish(seq)
+        self.scheduler.waiting.clear()
+        self.vision_jobs.clear()
+        self.readbacks.clear()
+        done = [failed(seq_id, error, input_error=False) for seq_id in self.unfinished]
+        self.unfinished.clear()
+        return done

@@ -1,0 +1,87 @@
+"""Handles on asynchronous device work: a vision batch on the side stream, sampled tokens on
+their way to the host, and per-phase GPU timing. On CPU everything is synchronous and every
+handle is born complete."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from wicore.engines.fast.sequence import Sequence
+
+
+@dataclass
+class VisionJob:
+    seqs: list[Sequence]
+    event: torch.cuda.Event | None  # recorded on the side stream after the projector
+
+    def done(self) -> bool:
+        return self.event is None or self.event.query()
+
+    def wait(self) -> None:
+        if self.event is not None:
+            self.event.synchronize()
+
+
+@dataclass
+class Readback:
+    """Tokens sampled for `seqs` (one each), copied to pinned host memory behind an event, so
+    the host reads them a step later without stalling the device."""
+
+    seqs: list[Sequence]
+    host: torch.Tensor  # [len(seqs)] int64
+    event: torch.cuda.Event | None
+
+    @classmethod
+    def start(cls, seqs: list[Sequence], tokens: torch.Tensor) -> Readback:
+        if not tokens.is_cuda:
+            return cls(seqs, tokens, None)
+        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+        host.copy_(tokens, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return cls(seqs, host, event)
+
+    def ready(self) -> bool:
+        return self.event is None or self.event.query()
+
+    def tokens(self) -> list[int]:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host.tolist()
+
+
+@dataclass
+class PhaseClock:
+    """Seconds per phase: CUDA events on the GPU (summed once they complete), wall time on CPU."""
+
+    cuda: bool
+    seconds: dict[str, float] = field(default_factory=lambda: {"vision": 0.0, "prefill": 0.0, "decode": 0.0})
+    pending: list[tuple[str, object, object]] = field(default_factory=list)
+
+    def start(self, stream=None):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(stream)
+        return event
+
+    def stop(self, phase: str, mark, stream=None) -> None:
+        if not self.cuda:
+            self.seconds[phase] += time.perf_counter() - mark
+            return
+        end = torch.cuda.Event(enable_timing=True)
+        end.record(stream)
+        self.pending.append((phase, mark, end))
+
+    def collect(self) -> dict[str, float]:
+        still = []
+        for phase, start, end in self.pending:
+            if end.query():
+                self.seconds[phase] += start.elapsed_time(end) / 1000.0
+            else:
+                still.append((phase, start, end))
+        self.pending = still
+        return dict(self.seconds)

@@ -1,0 +1,63 @@
+"""Request -> model inputs, exactly as the reference engine's processor call produces them.
+
+Token ids: the checkpoint's chat template, then every `<start_of_image>` expanded to the
+processor's full image sequence ("\\n\\n<boi>" + soft tokens + "<eoi>\\n\\n") and tokenized
+without special tokens: the same text `Gemma3Processor` tokenizes, without processing the
+images a second time. Pixels: `pixel_values` below, the one place to swap in
+`wicore.ops.preprocess` once it lands.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from wicore.errors import JobInputError
+
+
+@dataclass(frozen=True)
+class Prompt:
+    ids: list[int]
+    image_starts: list[int]  # position of each image's first soft token
+
+
+def pixel_values(image_processor, images: list) -> np.ndarray:
+    """float32 [N, 3, H, W], identical to the HF image processor's output."""
+    return np.asarray(image_processor(images, return_tensors="np")["pixel_values"], dtype=np.float32)
+
+
+class InputProcessor:
+    def __init__(self, processor, image_token_id: int, tokens_per_image: int):
+        self.processor = processor
+        self.tokenizer = processor.tokenizer
+        self.image_token_id = image_token_id
+        self.tokens_per_image = tokens_per_image
+
+    def prompt(self, chat: list[dict[str, Any]], num_images: int) -> Prompt:
+        try:
+            text = self.processor.apply_chat_template(chat, add_generation_prompt=True)
+        except Exception as error:  # a malformed conversation is the request's fault
+            raise JobInputError(f"chat template failed: {error}") from error
+        boi = self.processor.boi_token
+        if text.count(boi) != num_images:
+            raise JobInputError(f"the chat has {text.count(boi)} image parts but {num_images} images were given")
+        expanded = text.replace(boi, self.processor.full_image_sequence)
+        ids = self.tokenizer(expanded, add_special_tokens=False)["input_ids"]
+        return Prompt(ids, self._image_starts(ids, num_images))
+
+    def _image_starts(self, ids: list[int], num_images: int) -> list[int]:
+        is_image = np.asarray(ids) == self.image_token_id
+        starts = np.flatnonzero(is_image & ~np.concatenate(([False], is_image[:-1]))).tolist()
+        ends = np.flatnonzero(is_image & ~np.concatenate((is_image[1:], [False]))).tolist()
+        if len(starts) != num_images or any(
+            e - s + 1 != self.tokens_per_image for s, e in zip(starts, ends, strict=False)
+        ):
+            raise JobInputError("the prompt's image placeholders do not match the images")
+        return starts
+
+    def pixels(self, images: list) -> np.ndarray:
+        if not images:
+            return np.zeros((0, 3, 1, 1), dtype=np.float32)
+        return pixel_values(self.processor.image_processor, images)

@@ -1,0 +1,196 @@
+"""The owner of the device: weights, KV cache, block tables, streams, graphs; runs the vision
+tower, packed prefills and decode steps, and samples.
+
+Device-resident state, indexed by a sequence's table row (rows 0..max_rows-1, plus a null row
+for padding): `tables` [groups, rows + 1, width] int32 (uploaded once, at admission) and
+`last_token` [rows + 1] int64, the token each sequence feeds next. Sampling writes
+`last_token` on the device, so a decode step needs only rows and positions from the host and
+never waits for the previous step's tokens to reach Python; those are read back one step late.
+
+Streams (CUDA): vision (pixel upload from pinned memory + tower + projector) runs on a side
+stream and records an event; the prefill that consumes its embeddings waits on that event on
+the main stream, where prefill and decode run. Decode steps replay CUDA graphs per batch bucket.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import numpy as np
+import torch
+
+from wicore.engines.fast.attention import DecodeAttention, PrefillAttention, layer_specs
+from wicore.engines.fast.graph_runner import GraphRunner
+from wicore.engines.fast.handles import PhaseClock, Readback, VisionJob
+from wicore.engines.fast.kv_cache import KVCache, KVLayout
+from wicore.engines.fast.sampler import Sampler, SamplingBatch
+from wicore.engines.fast.sequence import Sequence
+from wicore.engines.fast.weights import Gemma3Parts
+from wicore.ops.attention import gemma3_prefill_masks, pack_layout
+
+
+class ModelRunner:
+    def __init__(self, parts: Gemma3Parts, layout: KVLayout, max_rows: int, sampler: Sampler, device, dtype):
+        self.parts, self.layout, self.sampler = parts, layout, sampler
+        self.device, self.dtype = torch.device(device), dtype
+        self.cuda = self.device.type == "cuda"
+        self.text_config = parts.config.text_config
+        self.null_row = max_rows
+        self.tables = torch.zeros(
+            (len(layout.groups), max_rows + 1, layout.table_width), dtype=torch.int32, device=device
+        )
+        self.last_token = torch.zeros(max_rows + 1, dtype=torch.int64, device=device)
+        self.side_stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self.clock = PhaseClock(self.cuda)
+        self.encode_full = None  # optional compiled tower for full vision batches
+        self.graphs: GraphRunner | None = None
+        self.cache: KVCache | None = None
+        self.specs = []
+
+    # -- setup ------------------------------------------------------------------------------
+
+    def allocate_cache(self, num_pages: int) -> None:
+        self.cache = None  # free a previous (profiling) cache first
+        c = self.text_config
+        self.cache = KVCache(self.layout, num_pages, c.num_key_value_heads, c.head_dim, self.dtype, self.device)
+        self.specs = layer_specs(c, self.cache)
+
+    def compile_vision(self, batch: int) -> None:
+        self.encode_full = (batch, torch.compile(self.parts.encoder, mode="max-autotune-no-cudagraphs", dynamic=False))
+
+    def capture_graphs(self, sizes: list[int]) -> None:
+        self.graphs = GraphRunner(self.decode_logits, sizes, self.null_row, self.device)
+
+    def set_table(self, row: int, table: np.ndarray) -> None:
+        # A pageable source is staged before the call returns, so `table` may change after.
+        self.tables[:, row].copy_(torch.from_numpy(table), non_blocking=True)
+
+    # -- vision (side stream) ---------------------------------------------------------------
+
+    def launch_vision(self, seqs: list[Sequence]) -> VisionJob:
+        pixels = np.concatenate([s.pixel_array() for s in seqs])  # [N, 3, H, W] float32
+        stream = self.side_stream
+        with torch.cuda.stream(stream) if stream is not None else nullcontext():
+            mark = self.clock.start(stream)
+            source = torch.from_numpy(pixels)
+            if self.cuda:
+                source = source.pin_memory()
+            embeds = self.encode(source.to(self.device, non_blocking=True).to(self.dtype))
+            self.clock.stop("vision", mark, stream)
+            event = None
+            if stream is not None:
+                event = torch.cuda.Event()
+                event.record(stream)
+        start = 0
+        for seq in seqs:
+            seq.image_embeds = embeds[start : start + seq.num_images]  # [n, tokens, hidden]
+            seq.vision_event = event
+            start += seq.num_images
+        return VisionJob(seqs, event)
+
+    @torch.inference_mode()
+    def encode(self, pixels: torch.Tensor) -> torch.Tensor:
+        if self.encode_full is not None and pixels.shape[0] == self.encode_full[0]:
+            return self.encode_full[1](pixels)
+        return self.parts.encoder(pixels)
+
+    # -- prefill ----------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def prefill(self, seqs: list[Sequence]) -> Readback:
+        for event in {id(s.vision_event): s.vision_event for s in seqs if s.vision_event is not None}.values():
+            torch.cuda.current_stream().wait_event(event)  # normally complete already
+        mark = self.clock.start()
+        inputs = self._prefill_inputs(seqs)
+        embeds = [s.image_embeds.flatten(0, 1) for s in seqs if s.num_images]
+        if embeds:
+            inputs["image_embeds"] = torch.cat(embeds)  # [image tokens, hidden]
+            if self.cuda:
+                for s in seqs:  # made on the side stream, read here on the main one
+                    if s.num_images:
+                        s.image_embeds.record_stream(torch.cuda.current_stream())
+        logits = self.prefill_logits(**inputs)
+        for seq in seqs:
+            seq.image_embeds, seq.vision_event = None, None
+        readback = self._sample(seqs, logits, [0] * len(seqs))
+        self.clock.stop("prefill", mark)
+        return readback
+
+    def prefill_logits(self, ids, positions, slots, image_rows, image_groups, last, layout, image_embeds=None):
+        """Packed prompts -> logits [B, vocab] at each prompt's last token. ids, positions,
+        image_rows, last: int64 [N] / [I] / [B]; slots [groups, N]; image_groups [B, L]."""
+        decoder = self.parts.decoder
+        x = decoder.embed(ids)
+        if image_embeds is not None:
+            x = x.index_copy(0, image_rows, image_embeds.to(x.dtype))
+        masks = gemma3_prefill_masks(layout, image_groups, self.text_config.sliding_window)
+        attention = PrefillAttention(self.cache, self.specs, layout, masks, slots)
+        hidden = decoder(x, positions, attention)
+        return decoder.logits(hidden[last])
+
+    def _prefill_inputs(self, seqs: list[Sequence]) -> dict:
+        lengths = [s.prompt_len for s in seqs]
+        offsets = np.cumsum([0] + lengths[:-1])
+        vocab = self.text_config.vocab_size
+        ids = np.concatenate([np.asarray(s.prompt.ids, dtype=np.int64) for s in seqs])
+        ids[ids >= vocab] = 0  # an out-of-vocabulary image token id embeds as pad (as HF)
+        tpi = self.parts.tokens_per_image
+        groups = np.full((len(seqs), max(lengths)), -1, dtype=np.int64)  # image run of each cell
+        image_rows = []
+        for b, (seq, offset) in enumerate(zip(seqs, offsets, strict=True)):
+            for i, start in enumerate(seq.prompt.image_starts):
+                groups[b, start : start + tpi] = i
+                image_rows.append(offset + start + np.arange(tpi))
+        slots = np.concatenate([self.layout.prefill_slots(s.table, s.prompt_len) for s in seqs], axis=1)
+
+        def dev(array: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(array).to(self.device, non_blocking=True)
+
+        return {
+            "ids": dev(ids),
+            "positions": dev(np.concatenate([np.arange(n) for n in lengths])),
+            "slots": dev(slots),
+            "image_rows": dev(np.concatenate(image_rows) if image_rows else np.zeros(0, dtype=np.int64)),
+            "image_groups": dev(groups),
+            "last": dev(offsets + np.asarray(lengths) - 1),
+            "layout": pack_layout(lengths, self.device),
+        }
+
+    # -- decode -----------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def decode(self, seqs: list[Sequence]) -> tuple[Readback, bool]:
+        """One token for each sequence; returns the readback and whether a graph ran."""
+        mark = self.clock.start()
+        rows = [s.row for s in seqs]
+        positions = [s.next_position for s in seqs]
+        graphed = self.graphs is not None and self.graphs.fits(len(seqs))
+        if graphed:
+            logits = self.graphs.run(rows, positions)
+        else:
+            logits = self.decode_logits(_tensor(rows, self.device), _tensor(positions, self.device))
+        readback = self._sample(seqs, logits, [s.launched for s in seqs])
+        self.clock.stop("decode", mark)
+        return readback, graphed
+
+    def decode_logits(self, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """rows, positions: [B] int64 on the device -> logits [B, vocab]. Graph-capturable."""
+        decoder = self.parts.decoder
+        x = decoder.embed(self.last_token[rows])
+        attention = DecodeAttention(self.cache, self.specs, self.tables, rows, positions)
+        return decoder.logits(decoder(x, positions, attention))
+
+    # -- sampling ---------------------------------------------------------------------------
+
+    def _sample(self, seqs: list[Sequence], logits: torch.Tensor, indices: list[int]) -> Readback:
+        params = [s.request.params for s in seqs]
+        batch = SamplingBatch.build(params, [s.seed for s in seqs], indices, self.device)
+        tokens = self.sampler(logits, batch)
+        self.last_token.index_copy_(0, _tensor([s.row for s in seqs], self.device), tokens)
+        for seq in seqs:
+            seq.launched += 1
+        return Readback.start(seqs, tokens)
+
+
+def _tensor(values: list[int], device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True)

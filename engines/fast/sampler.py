@@ -1,0 +1,121 @@
+"""Token selection on the device: greedy, temperature, top-k, top-p, per-request seeds.
+
+Sampling is Gumbel-max with counter-based noise: token = argmax(logits / T + g) where
+g = -log(-log(u)) and u is a hash of (request seed, token index, vocabulary id). No RNG state
+is consumed, so a request draws the same tokens whatever its batch mates are, the noise needs
+no host round trip and no host sync, and the whole sampler can be captured in a CUDA graph.
+Top-k / top-p (applied in that order after the temperature, as transformers does) only mask
+logits to -inf before the argmax. Requests with `ignore_eos` get their EOS logits masked, as
+transformers' `min_new_tokens` does, so they generate exactly max_new_tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from wicore.schemas import GenerationParams
+
+MASK32 = 0xFFFFFFFF
+
+
+def mix32(x):
+    """A 32-bit integer finaliser (lowbias32), for Python ints and int64 tensors < 2**32."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & MASK32
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & MASK32
+    return x ^ (x >> 16)
+
+
+def request_key(seed: int, index: int) -> int:
+    """The noise key of one token of one request (host side, pure Python)."""
+    x = mix32((seed & MASK32) ^ mix32((index + 0x632BE5AB) & MASK32))
+    return mix32(x ^ ((seed >> 32) & MASK32))
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row sampling settings of one step, on the device. `None` fields are unused."""
+
+    greedy_only: bool
+    temperature: torch.Tensor | None = None  # [B] float32, 0 = greedy row
+    top_k: torch.Tensor | None = None  # [B] int64, 0 = off (None: off for all rows)
+    top_p: torch.Tensor | None = None  # [B] float32, 1 = off (None: off for all rows)
+    keys: torch.Tensor | None = None  # [B] int64 noise keys
+    suppress: torch.Tensor | None = None  # [B] bool: mask EOS logits (ignore_eos)
+
+    @classmethod
+    def build(cls, params: list[GenerationParams], seeds: list[int], indices: list[int], device) -> SamplingBatch:
+        """`indices`: the index (0 = first new token) of the token each row samples now."""
+        suppress = None
+        if any(p.ignore_eos for p in params):
+            suppress = torch.tensor([p.ignore_eos for p in params], dtype=torch.bool).to(device, non_blocking=True)
+        if all(p.greedy for p in params):
+            return cls(True, suppress=suppress)
+
+        def tensor(values, dtype):
+            return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+        return cls(
+            False,
+            temperature=tensor([p.temperature for p in params], torch.float32),
+            top_k=tensor([p.top_k for p in params], torch.int64) if any(p.top_k for p in params) else None,
+            top_p=tensor([p.top_p for p in params], torch.float32) if any(p.top_p < 1 for p in params) else None,
+            keys=tensor([request_key(s, i) for s, i in zip(seeds, indices, strict=True)], torch.int64),
+            suppress=suppress,
+        )
+
+
+class Sampler:
+    def __init__(self, vocab_size: int, eos_ids: frozenset[int], device):
+        self.eos_ids = torch.tensor(sorted(i for i in eos_ids if i < vocab_size), dtype=torch.int64, device=device)
+        self.token_hash = mix32((torch.arange(vocab_size, dtype=torch.int64, device=device) + 0x9E3779B9) & MASK32)
+
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """logits [B, V] -> token ids [B] int64."""
+        logits = logits.float()
+        if batch.suppress is not None and self.eos_ids.numel():
+            eos = logits[:, self.eos_ids]
+            logits = logits.index_copy(1, self.eos_ids, eos.masked_fill(batch.suppress[:, None], float("-inf")))
+        greedy = logits.argmax(dim=-1)
+        if batch.greedy_only:
+            return greedy
+        sampled = self._sample(logits, batch)
+        return torch.where(batch.temperature > 0, sampled, greedy)
+
+    def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        temperature = torch.where(batch.temperature > 0, batch.temperature, torch.ones_like(batch.temperature))
+        x = logits / temperature[:, None]
+        if batch.top_k is not None:
+            x = mask_top_k(x, batch.top_k)
+        if batch.top_p is not None:
+            x = mask_top_p(x, batch.top_p)
+        return (x + self.gumbel(batch.keys)).argmax(dim=-1)
+
+    def gumbel(self, keys: torch.Tensor) -> torch.Tensor:
+        """Gumbel noise [B, V] from the row keys and the vocabulary ids."""
+        bits = mix32(keys[:, None] ^ self.token_hash[None, :]) >> 8  # 24 random bits
+        u = (bits.float() + 0.5) * (1.0 / (1 << 24))  # in (0, 1)
+        return -torch.log(-torch.log(u))
+
+
+def mask_top_k(x: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    """Keep logits >= the k-th largest of each row (k = 0: all), like transformers' TopK."""
+    vocab = x.shape[-1]
+    k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))
+    kth = torch.sort(x, dim=-1, descending=True).values.gather(1, (k - 1)[:, None])
+    return x.masked_fill(x < kth, float("-inf"))
+
+
+def mask_top_p(x: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Keep the smallest set of most likely tokens whose probability reaches p (the top token
+    always stays)."""
+    values, order = torch.sort(x, dim=-1, descending=True)
+    probs = torch.softmax(values, dim=-1)
+    before = torch.cumsum(probs, dim=-1) - probs  # probability mass strictly above each token
+    drop_sorted = (before >= top_p[:, None]) & (top_p < 1.0)[:, None]
+    drop_sorted[:, 0] = False
+    drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
+    return x.masked_fill(drop, float("-inf"))

@@ -1,0 +1,107 @@
+"""Which sequences do what in the next step.
+
+FIFO admission: the oldest waiting sequence is admitted when a table row and every KV page it
+can ever need (prompt + max_new_tokens) are free, so a running sequence never waits for memory
+and nothing is preempted. Admitted sequences go through the vision tower in batches of about
+`vision_batch` images, are prefilled together (up to `prefill_tokens` tokens a step) and then
+decode one token per step until they finish; finished sequences give their pages and row back.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import numpy as np
+
+from wicore.engines.fast.block_manager import BlockManager
+from wicore.engines.fast.kv_cache import KVLayout
+from wicore.engines.fast.sequence import SeqStatus, Sequence
+
+
+class Scheduler:
+    def __init__(self, layout: KVLayout, blocks: BlockManager, max_rows: int, vision_batch: int, prefill_tokens: int):
+        self.layout, self.blocks = layout, blocks
+        self.vision_batch, self.prefill_tokens = vision_batch, prefill_tokens
+        self.free_rows = deque(range(max_rows))
+        self.waiting: deque[Sequence] = deque()
+        self.admitted: list[Sequence] = []  # ENCODING, READY and RUNNING, in admission order
+        self.newly_admitted: list[Sequence] = []
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def fits_ever(self, seq: Sequence) -> bool:
+        return self.layout.pages_for(seq.max_len) <= self.blocks.num_pages - 1
+
+    def schedule_vision(self, vision_slots: int) -> list[Sequence]:
+        """Admit what fits, then pick the next vision batch if `vision_slots` (batches that may
+        still be queued on the side stream) allows one."""
+        self._admit()
+        return self._take_vision() if vision_slots > 0 else []
+
+    def take_admitted(self) -> list[Sequence]:
+        """Sequences admitted since the last call (their tables must reach the device)."""
+        admitted, self.newly_admitted = self.newly_admitted, []
+        return admitted
+
+    def schedule_model(self) -> tuple[list[Sequence], list[Sequence]]:
+        """(prefill batch, decode batch) of this step."""
+        return self._take_prefill(), [s for s in self.admitted if s.wants_decode]
+
+    def _admit(self) -> None:
+        while self.waiting and self.free_rows:
+            seq = self.waiting[0]
+            need = self.layout.pages_for(seq.max_len)
+            if not seq.pixels_ready or not self.blocks.can_allocate(need):
+                return
+            self.waiting.popleft()
+            seq.row = self.free_rows.popleft()
+            seq.pages = self.blocks.allocate(need)
+            seq.table = self._table(seq.pages, seq.max_len)
+            seq.status = SeqStatus.ENCODING if seq.num_images else SeqStatus.READY
+            self.admitted.append(seq)
+            self.newly_admitted.append(seq)
+
+    def _table(self, pages: list[int], num_tokens: int) -> np.ndarray:
+        """[groups, width] int32: the pages of each group's logical blocks (0 = null page)."""
+        table = np.zeros((len(self.layout.groups), self.layout.table_width), dtype=np.int32)
+        taken = 0
+        for g, group in enumerate(self.layout.groups):
+            count = self.layout.blocks(group, num_tokens)
+            table[g, :count] = pages[taken : taken + count]
+            taken += count
+        return table
+
+    def _take_vision(self) -> list[Sequence]:
+        batch, images = [], 0
+        for seq in self.admitted:
+            if seq.status == SeqStatus.ENCODING and not seq.vision_launched:
+                if batch and images + seq.num_images > self.vision_batch:
+                    break
+                batch.append(seq)
+                images += seq.num_images
+        for seq in batch:
+            seq.vision_launched = True
+        return batch
+
+    def _take_prefill(self) -> list[Sequence]:
+        batch, tokens = [], 0
+        for seq in self.admitted:
+            if seq.status == SeqStatus.READY:
+                if batch and tokens + seq.prompt_len > self.prefill_tokens:
+                    break
+                batch.append(seq)
+                tokens += seq.prompt_len
+        return batch
+
+    def finish(self, seq: Sequence) -> None:
+        """Give the sequence's pages and row back. Work already queued on the device for it
+        runs before anything queued later, so the next owner cannot be overwritten."""
+        self.admitted.remove(seq)
+        self.blocks.release(seq.pages)
+        self.free_rows.append(seq.row)
+        seq.pages, seq.row, seq.status = [], -1, SeqStatus.FINISHED
+
+    @property
+    def num_admitted(self) -> int:
+        return len(self.admitted)
