@@ -1,0 +1,49 @@
+"""Options of the fast engine: validated, defaults resolved per device."""
+
+from __future__ import annotations
+
+import pytest
+
+from wicore.engines.fast.options import FastOptions
+from wicore.errors import ConfigError
+
+
+def test_defaults():
+    options = FastOptions.parse({})
+    assert options.block_size == 16 and options.cuda_graphs and not options.compile_vision
+    assert options.model_len(131_072) == 8192 and options.model_len(4096) == 4096
+    assert options.prefill_tokens(8192) == 16384
+    assert options.graph_sizes(64) == [1, 2, 4, 8, 16, 32, 48, 64]
+    assert options.graph_sizes(40) == [1, 2, 4, 8, 16, 32, 40]
+    assert options.vision_batch(cuda=True) == 32 and options.vision_batch(cuda=False) == 8
+
+
+def test_explicit_values():
+    options = FastOptions.parse({"block_size": 32, "graph_batch_sizes": [8, 1, 4], "num_kv_blocks": 100})
+    assert options.graph_sizes(256) == [1, 4, 8] and options.num_kv_blocks == 100
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"block_sise": 16},
+        {"block_size": 12},
+        {"block_size": True},
+        {"gpu_memory_utilization": 1.5},
+        {"cuda_graphs": "yes"},
+        {"graph_batch_sizes": []},
+        {"graph_batch_sizes": [0, 4]},
+        {"vision_batch_size": 0},
+        {"preprocess_threads": -1},
+    ],
+)
+def test_bad_options_raise(options):
+    with pytest.raises(ConfigError):
+        FastOptions.parse(options)
+
+
+def test_lengths_must_fit_the_model():
+    with pytest.raises(ConfigError):
+        FastOptions.parse({"max_model_len": 5000}).model_len(4096)
+    with pytest.raises(ConfigError):
+        FastOptions.parse({"max_prefill_tokens": 100}).prefill_tokens(4096)

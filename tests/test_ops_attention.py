@@ -1,0 +1,148 @@
+"""Attention ops: the paged decode reference against dense attention, the prefill masks
+against transformers' own Gemma-3 mask functions, and the Triton kernel against the reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from fast_requests import one_torch_thread  # noqa: F401 (fixture)
+
+from wicore.ops.attention import (
+    gemma3_prefill_masks,
+    pack_layout,
+    paged_decode_attention,
+    paged_decode_attention_reference,
+    prefill_attention,
+    store_kv,
+)
+
+BLOCK = 4
+
+
+def dense_attention(q, k, v, mask, scale):
+    """q [Hq, Lq, D], k/v [Hkv, L, D], mask [Lq, L] bool."""
+    groups = q.shape[0] // k.shape[0]
+    k, v = k.repeat_interleave(groups, 0), v.repeat_interleave(groups, 0)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+
+
+def paged_setup(lengths, ring, pages=64, kv_heads=2, dim=8, seed=0):
+    """Random K/V for each sequence, written into shuffled pages through its block table
+    (ring entries); returns the caches, tables and the dense K/V per sequence."""
+    gen = torch.Generator().manual_seed(seed)
+    k_cache = torch.zeros(pages, BLOCK, kv_heads, dim)
+    v_cache = torch.zeros_like(k_cache)
+    free = (torch.randperm(pages - 1, generator=gen) + 1).tolist()
+    tables = torch.zeros(len(lengths), 16, dtype=torch.int32)
+    dense = []
+    for row, length in enumerate(lengths):
+        entries = min(ring, -(-length // BLOCK))
+        tables[row, :entries] = torch.tensor([free.pop() for _ in range(entries)], dtype=torch.int32)
+        k = torch.randn(length, kv_heads, dim, generator=gen)
+        v = torch.randn(length, kv_heads, dim, generator=gen)
+        pos = torch.arange(length)
+        slots = tables[row, (pos // BLOCK) % ring].long() * BLOCK + pos % BLOCK
+        for t in range(length):  # in order, so ring pages end up holding the newest tokens
+            store_kv(k_cache, v_cache, k[t : t + 1], v[t : t + 1], slots[t : t + 1])
+        dense.append((k, v))
+    return k_cache, v_cache, tables, dense
+
+
+@pytest.mark.parametrize("window, ring", [(None, 16), (6, 3), (9, 4)])
+def test_paged_reference_matches_dense(window, ring):
+    lengths = [1, 5, 23, 37]
+    k_cache, v_cache, tables, dense = paged_setup(lengths, ring)
+    q = torch.randn(len(lengths), 4, 8)
+    rows = torch.tensor([0, 1, 2, 3])
+    out = paged_decode_attention_reference(
+        q, k_cache, v_cache, tables, rows, torch.tensor(lengths, dtype=torch.int32), 0.3, ring, window
+    )
+    for b, (k, v) in enumerate(dense):
+        j = torch.arange(lengths[b])
+        mask = (j > lengths[b] - 1 - window) if window else torch.ones_like(j, dtype=torch.bool)
+        want = dense_attention(q[b][:, None], k.transpose(0, 1), v.transpose(0, 1), mask[None], 0.3)
+        torch.testing.assert_close(out[b], want[:, 0], rtol=1e-5, atol=1e-5)
+
+
+def hf_gemma3_mask(token_type_ids, window):
+    """transformers' own composition: full = causal | same image block, sliding = that & window."""
+    from transformers.masking_utils import (
+        and_masks,
+        blockwise_overlay,
+        causal_mask_function,
+        or_masks,
+        sliding_window_overlay,
+    )
+    from transformers.models.gemma3.modeling_gemma3 import get_block_sequence_ids_for_mask
+
+    blocks = get_block_sequence_ids_for_mask(token_type_ids[None])
+    full = or_masks(causal_mask_function, blockwise_overlay(blocks))
+    sliding = and_masks(full, sliding_window_overlay(window))
+    n = token_type_ids.shape[0]
+    i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+    b = torch.zeros((), dtype=torch.long)
+    return full(b, b, i, j), sliding(b, b, i, j)
+
+
+def test_prefill_masks_match_transformers():
+    types = [torch.tensor([0, 0, 1, 1, 1, 1, 0, 0, 1, 1, 1, 1, 0, 0, 0]), torch.tensor([0, 1, 1, 1, 1, 0, 0])]
+    layout = pack_layout([len(t) for t in types], "cpu")
+    groups = torch.full((2, layout.max_len), -1)
+    for b, t in enumerate(types):
+        starts = (t == 1) & ~torch.cat([torch.tensor([False]), t[:-1] == 1])
+        groups[b, : len(t)] = torch.where(t == 1, torch.cumsum(starts.long(), 0) - 1, -1)
+    full, sliding = gemma3_prefill_masks(layout, groups, window=3)
+    for b, t in enumerate(types):
+        want_full, want_sliding = hf_gemma3_mask(t, 3)
+        n = len(t)
+        assert torch.equal(full[b, 0, :n, :n], want_full)
+        assert torch.equal(sliding[b, 0, :n, :n], want_sliding)
+        assert full[b, 0, n:].all()  # padding rows see everything (no NaN rows)
+
+
+def test_packed_prefill_matches_per_sequence_attention():
+    lengths = [5, 9, 2]
+    layout = pack_layout(lengths, "cpu")
+    groups = torch.full((3, 9), -1)
+    groups[1, 2:6] = 0
+    full, _ = gemma3_prefill_masks(layout, groups, window=None)
+    n = sum(lengths)
+    q, k, v = torch.randn(n, 4, 8), torch.randn(n, 2, 8), torch.randn(n, 2, 8)
+    out = prefill_attention(q, k, v, layout, full, scale=0.25)
+    start = 0
+    for b, length in enumerate(lengths):
+        rows = slice(start, start + length)
+        want = dense_attention(
+            q[rows].transpose(0, 1),
+            k[rows].transpose(0, 1),
+            v[rows].transpose(0, 1),
+            full[b, 0, :length, :length],
+            0.25,
+        )
+        torch.testing.assert_close(out[rows], want.transpose(0, 1), rtol=1e-5, atol=1e-5)
+        start += length
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window, ring, softcap", [(None, 16, None), (6, 3, None), (9, 4, 30.0)])
+def test_triton_kernel_matches_reference(dtype, window, ring, softcap):
+    lengths = [1, 5, 23, 37, 64]
+    k_cache, v_cache, tables, _ = paged_setup(lengths, ring, kv_heads=4, dim=256)
+    q = torch.randn(len(lengths), 8, 256)
+    args = (
+        tables,
+        torch.arange(len(lengths)),
+        torch.tensor(lengths, dtype=torch.int32),
+        256**-0.5,
+        ring,
+        window,
+        softcap,
+    )
+    want = paged_decode_attention_reference(q, k_cache, v_cache, *args)
+    cuda = [x.to("cuda") if isinstance(x, torch.Tensor) else x for x in args]
+    out = paged_decode_attention(q.to("cuda", dtype), k_cache.to("cuda", dtype), v_cache.to("cuda", dtype), *cuda)
+    tolerance = 2e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(out.float().cpu(), want, rtol=tolerance, atol=tolerance)
