@@ -175,3 +175,32 @@ def test_config_only_checkpoint(tiny_model_dir, tmp_path):
     requests = mixed_requests()[:3]
     out, ref = FastEngine(config).generate(requests), ReferenceEngine(config).generate(requests)
     assert mismatches(out, ref) == []
+
+
+def test_padded_decode_rows_do_not_change_results(fast):
+    # What a CUDA graph bucket sees: real rows followed by null rows at position 0.
+    fast.add(mixed_requests()[:3])
+    while not any(s.wants_decode for s in fast.scheduler.admitted):
+        fast.step()
+    seqs = [s for s in fast.scheduler.admitted if s.wants_decode]
+    rows = torch.tensor([s.row for s in seqs])
+    positions = torch.tensor([s.next_position for s in seqs])
+    null = torch.full((5,), fast.runner.null_row)
+    with torch.inference_mode():
+        plain = fast.runner.decode_logits(rows, positions)
+        padded = fast.runner.decode_logits(
+            torch.cat([rows, null]), torch.cat([positions, torch.zeros(5, dtype=torch.long)])
+        )
+    torch.testing.assert_close(padded[: len(seqs)], plain, rtol=1e-5, atol=1e-5)
+    while fast.num_unfinished():
+        fast.step()
+
+
+def test_warm_up_phases_run(fast):
+    # The CUDA memory profile's phases, on CPU at small sizes (shapes and arguments only).
+    from wicore.engines.fast.memory import _decode, _prefill, _vision
+
+    with torch.inference_mode():
+        _vision(fast.runner, 2)
+        _prefill(fast.runner, 2048)
+        _decode(fast.runner, 3)

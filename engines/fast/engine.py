@@ -78,7 +78,7 @@ class FastEngine(Engine):
         self.rng = random.Random(config.seed)  # seeds for sampled requests that bring none
         self.vision_jobs: deque[VisionJob] = deque()
         self.readbacks: deque[Readback] = deque()
-        self.unfinished: dict[str, Sequence] = {}
+        self.unfinished: set[Sequence] = set()  # added and not yet returned
         self.counters = EngineStats()
 
     # -- the interface ----------------------------------------------------------------------
@@ -92,7 +92,7 @@ class FastEngine(Engine):
                 rejected.append(failed(request.id, error, input_error=True))
                 continue
             self.scheduler.add(seq)
-            self.unfinished[request.id] = seq
+            self.unfinished.add(seq)
         self.counters.rejected += len(rejected)
         return rejected
 
@@ -145,6 +145,7 @@ class FastEngine(Engine):
         if not launched and not done:
             self._wait_for_work()
         self.counters.steps += 1
+        self.runner.clock.collect()  # fold finished GPU timings in; keeps the pending list short
         return done
 
     def _collect_vision(self) -> None:
@@ -177,7 +178,7 @@ class FastEngine(Engine):
         seq.finished = True
         ids, text, reason = finish_sequence(self.tokenizer, seq.generated, seq.request.params, self.eos_ids)
         self.scheduler.finish(seq)
-        del self.unfinished[seq.id]
+        self.unfinished.discard(seq)
         self.counters.record_finish(len(ids))
         return Completion(seq.id, text, ids, reason, prompt_tokens=seq.prompt_len, engine_s=seq.age())
 
@@ -224,7 +225,7 @@ class FastEngine(Engine):
         waiting = self.scheduler.waiting
         while waiting and waiting[0].pixels_failed:
             seq = waiting.popleft()
-            del self.unfinished[seq.id]
+            self.unfinished.discard(seq)
             done.append(failed(seq.id, f"image preprocessing failed: {seq.pixels.exception()}", input_error=True))
         return done
 
@@ -234,6 +235,6 @@ class FastEngine(Engine):
         self.scheduler.waiting.clear()
         self.vision_jobs.clear()
         self.readbacks.clear()
-        done = [failed(seq_id, error, input_error=False) for seq_id in self.unfinished]
+        done = [failed(seq.id, error, input_error=False) for seq in self.unfinished]
         self.unfinished.clear()
         return done

@@ -1,11 +1,14 @@
 """How many KV pages to allocate.
 
 CPU: enough for `max_batch_size` sequences of `max_model_len` (or `num_kv_blocks`).
-CUDA: after the weights are loaded, one warm-up pass at the largest shapes the engine will run
-(a full vision batch, a full packed prefill, a max-batch decode with the sampling path) measures
-peak activation memory; the pages are what is left of `gpu_memory_utilization` of the device:
-    budget = total * utilization - used_now - (peak_activations - allocated_now)
-(nano-vllm's rule). The warm-up runs with a 2-page cache whose writes all land on the null page.
+CUDA: after the weights are loaded, a warm-up at the largest shapes the engine will run
+measures the activation peak of each phase: a full vision batch, a full packed prefill, a
+max-batch decode with the sampling path. Vision runs on its own stream beside prefill/decode,
+so the headroom is vision + max(prefill, decode). The pages get what is left of
+`gpu_memory_utilization` of the device:
+    budget = total * utilization - used_after_warm_up - headroom
+(nano-vllm's rule, with per-phase peaks). The warm-up runs with a 2-page cache whose writes all
+land on the null page.
 """
 
 from __future__ import annotations
@@ -32,37 +35,54 @@ def plan_pages(runner: ModelRunner, *, override, max_batch, max_len, vision_batc
     if not runner.cuda:
         return max_batch * runner.layout.pages_for(max_len) + 1
     torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
     runner.allocate_cache(2)
-    warm_up(runner, vision_batch, prefill_tokens, max_batch)
-    torch.cuda.synchronize()
+    peaks = warm_up(runner, vision_batch, prefill_tokens, max_batch)
+    torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(runner.device)
-    peak, current = torch.cuda.max_memory_allocated(), torch.cuda.memory_allocated()
-    budget = total * utilization - (total - free) - (peak - current)
+    headroom = peaks["vision"] + max(peaks["prefill"], peaks["decode"])
+    budget = total * utilization - (total - free) - headroom
     c = runner.text_config
     pages = int(budget // runner.layout.page_bytes(c.num_key_value_heads, c.head_dim, runner.dtype))
-    log.info(
-        "KV budget %.2f GiB -> %d pages (peak activations %.2f GiB)", budget / 2**30, pages, (peak - current) / 2**30
-    )
+    gib = {phase: round(peak / 2**30, 2) for phase, peak in peaks.items()}
+    log.info("KV budget %.2f GiB -> %d pages; activation peaks (GiB): %s", budget / 2**30, pages, gib)
     if pages < runner.layout.pages_for(max_len) + 1:
         raise ConfigError(f"only {max(pages, 0)} KV pages fit in GPU memory: not one {max_len}-token sequence")
     return pages
 
 
 @torch.inference_mode()
-def warm_up(runner: ModelRunner, vision_batch: int, prefill_tokens: int, max_batch: int) -> None:
-    vision = runner.parts.config.vision_config
-    pixels = torch.zeros(
-        vision_batch, 3, vision.image_size, vision.image_size, device=runner.device, dtype=runner.dtype
-    )
-    runner.encode(pixels)
-    lengths = [PROFILE_PROMPT] * max(1, prefill_tokens // PROFILE_PROMPT)
+def warm_up(runner: ModelRunner, vision_batch: int, prefill_tokens: int, max_batch: int) -> dict[str, int]:
+    """Run each phase once at its largest shape; returns its activation peak in bytes."""
+    return {
+        "vision": _peak(lambda: _vision(runner, vision_batch)),
+        "prefill": _peak(lambda: _prefill(runner, prefill_tokens)),
+        "decode": _peak(lambda: _decode(runner, max_batch)),
+    }
+
+
+def _peak(run) -> int:
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    run()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base
+
+
+def _vision(runner: ModelRunner, batch: int) -> None:
+    size = runner.parts.config.vision_config.image_size
+    pixels = torch.zeros(batch, 3, size, size, device=runner.device)  # float32, as uploaded
+    runner.encode(pixels.to(runner.dtype))
+
+
+def _prefill(runner: ModelRunner, tokens: int) -> None:
+    lengths = [PROFILE_PROMPT] * max(1, tokens // PROFILE_PROMPT)
     n, groups = sum(lengths), len(runner.layout.groups)
 
     def dev(array):
         return torch.from_numpy(np.asarray(array, dtype=np.int64)).to(runner.device)
 
-    logits = runner.prefill_logits(
+    runner.prefill_logits(
         ids=dev(np.zeros(n)),
         positions=dev(np.concatenate([np.arange(k) for k in lengths])),
         slots=dev(np.zeros((groups, n))),
@@ -71,8 +91,10 @@ def warm_up(runner: ModelRunner, vision_batch: int, prefill_tokens: int, max_bat
         last=dev(np.cumsum(lengths) - 1),
         layout=pack_layout(lengths, runner.device),
     )
-    del logits
-    rows = torch.full((max_batch,), runner.null_row, dtype=torch.int64, device=runner.device)
+
+
+def _decode(runner: ModelRunner, batch: int) -> None:
+    rows = torch.full((batch,), runner.null_row, dtype=torch.int64, device=runner.device)
     logits = runner.decode_logits(rows, torch.zeros_like(rows))
-    sampled = GenerationParams(temperature=1.0, top_k=50, top_p=0.9)
-    runner.sampler(logits, SamplingBatch.build([sampled] * max_batch, [0] * max_batch, [0] * max_batch, runner.device))
+    sampled = GenerationParams(temperature=1.0, top_k=50, top_p=0.9, ignore_eos=True)
+    runner.sampler(logits, SamplingBatch.build([sampled] * batch, [0] * batch, [0] * batch, runner.device))
