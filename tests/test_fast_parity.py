@@ -204,3 +204,17 @@ def test_warm_up_phases_run(fast):
         _vision(fast.runner, 2)
         _prefill(fast.runner, 2048)
         _decode(fast.runner, 3)
+
+
+@pytest.mark.parametrize("threads", [0, 2])
+def test_pixels_in_threads_and_unreadable_images(tiny_model_dir, expected, threads):
+    engine = FastEngine(EngineConfig(str(tiny_model_dir), max_batch_size=4, options={"preprocess_threads": threads}))
+    broken = request("broken", variant=9)
+    broken.images[0] = object()  # not an image: the image processor raises
+    done = engine.add([broken, *mixed_requests()[:3]])
+    while engine.num_unfinished():
+        done += engine.step()
+    failures = [c for c in done if not c.ok]
+    assert [(c.id, c.input_error) for c in failures] == [("broken", True)]
+    good = [c for c in done if c.ok]
+    assert mismatches(good, by_id(expected, good)) == [] and len(good) == 3

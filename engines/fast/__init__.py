@@ -1,4 +1,17 @@
-"""The `fast` engine: Gemma-3 served with a paged KV cache, continuous batching, CUDA graphs."""
+"""The `fast` engine: Gemma-3 served with a paged KV cache, continuous batching, CUDA graphs.
+
+Owners, one per concern:
+- `engine.FastEngine`: the Engine interface; a step = schedule -> launch -> read back.
+- `scheduler.Scheduler`: waiting / admitted sequences; FIFO admission by free rows and pages;
+  picks the vision, prefill and decode batches.
+- `block_manager.BlockManager`: the pool of KV pages (refcounts; room for prefix hashes).
+- `kv_cache`: layer groups, pages, block tables, sliding-window rings.
+- `model_runner.ModelRunner`: the device: weights, cache, tables, streams, prefill, decode.
+- `graph_runner.GraphRunner`: CUDA graphs of decode per batch-size bucket.
+- `sampler.Sampler`: greedy / seeded Gumbel-max sampling with top-k / top-p on the device.
+- `vision`, `text_model`, `layers`, `weights`: our own Gemma-3 modules and their loading.
+- `inputs`: chat -> token ids and pixels, identical to the HF processor.
+"""
 
 from wicore.engines.fast.engine import FastEngine
 

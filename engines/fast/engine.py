@@ -100,11 +100,13 @@ class FastEngine(Engine):
         return len(self.unfinished)
 
     def step(self) -> list[Completion]:
+        done: list[Completion] = []
         try:
-            return self._step()
+            self._step(done)
         except Exception as error:  # a device failure must not take the worker down
             log.exception("fast engine step failed; failing %d requests", len(self.unfinished))
-            return self._fail_all(error)
+            done += self._fail_all(error)
+        return done
 
     def stats(self) -> dict:
         return self.counters.report(self.runner, self.blocks)
@@ -118,8 +120,9 @@ class FastEngine(Engine):
 
     # -- a step -----------------------------------------------------------------------------
 
-    def _step(self) -> list[Completion]:
-        done = self._fail_unreadable_images()
+    def _step(self, done: list[Completion]) -> None:
+        """Appends to `done` as sequences end, so a failure later in the step loses none."""
+        self._fail_unreadable_images(done)
         self._collect_vision()
         vision = self.scheduler.schedule_vision(VISION_IN_FLIGHT - len(self.vision_jobs))
         for seq in self.scheduler.take_admitted():
@@ -141,27 +144,28 @@ class FastEngine(Engine):
             self.readbacks.append(readback)
             self.counters.record_decode(len(decode), graphed)
             launched += 1
-        done += self._read_tokens(keep=launched)
-        if not launched and not done:
+        finished = self._read_tokens(keep=launched, done=done)
+        if not launched and not finished:
             self._wait_for_work()
         self.counters.steps += 1
         self.runner.clock.collect()  # fold finished GPU timings in; keeps the pending list short
-        return done
 
     def _collect_vision(self) -> None:
         while self.vision_jobs and self.vision_jobs[0].done():
             for seq in self.vision_jobs.popleft().seqs:
                 seq.status = SeqStatus.READY
 
-    def _read_tokens(self, keep: int) -> list[Completion]:
-        """Process every readback but the newest `keep` (those launched this step)."""
-        done = []
+    def _read_tokens(self, keep: int, done: list[Completion]) -> int:
+        """Process every readback but the newest `keep` (those launched this step); returns
+        how many sequences ended."""
+        ended = 0
         while len(self.readbacks) > keep:
             readback = self.readbacks.popleft()
             for seq, token in zip(readback.seqs, readback.tokens(), strict=True):
                 if not seq.finished and self._append(seq, token):
                     done.append(self._finish(seq))
-        return done
+                    ended += 1
+        return ended
 
     def _append(self, seq: Sequence, token: int) -> bool:
         """Record a token; True when the sequence ends with it."""
@@ -188,10 +192,8 @@ class FastEngine(Engine):
             self.vision_jobs[0].wait()
         elif self.readbacks:
             self.readbacks[0].tokens()
-        else:
-            pending = [s.pixels for s in self.scheduler.waiting if isinstance(s.pixels, Future)]
-            if pending:
-                wait(pending[:1])
+        elif self.scheduler.waiting and isinstance(self.scheduler.waiting[0].pixels, Future):
+            wait([self.scheduler.waiting[0].pixels])  # admission is FIFO: the head decides
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -219,15 +221,13 @@ class FastEngine(Engine):
         except Exception as error:
             raise JobInputError(f"image preprocessing failed: {error}") from error
 
-    def _fail_unreadable_images(self) -> list[Completion]:
+    def _fail_unreadable_images(self, done: list[Completion]) -> None:
         """Images that failed to preprocess, at the head of the queue (admission stops there)."""
-        done = []
         waiting = self.scheduler.waiting
         while waiting and waiting[0].pixels_failed:
             seq = waiting.popleft()
             self.unfinished.discard(seq)
             done.append(failed(seq.id, f"image preprocessing failed: {seq.pixels.exception()}", input_error=True))
-        return done
 
     def _fail_all(self, error: Exception) -> list[Completion]:
         for seq in list(self.scheduler.admitted):

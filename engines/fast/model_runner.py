@@ -68,14 +68,11 @@ class ModelRunner:
     # -- vision (side stream) ---------------------------------------------------------------
 
     def launch_vision(self, seqs: list[Sequence]) -> VisionJob:
-        pixels = np.concatenate([s.pixel_array() for s in seqs])  # [N, 3, H, W] float32
+        pixels = self._stage_pixels(seqs)  # [N, 3, H, W] float32, pinned on CUDA
         stream = self.side_stream
         with torch.cuda.stream(stream) if stream is not None else nullcontext():
             mark = self.clock.start(stream)
-            source = torch.from_numpy(pixels)
-            if self.cuda:
-                source = source.pin_memory()
-            embeds = self.encode(source.to(self.device, non_blocking=True).to(self.dtype))
+            embeds = self.encode(pixels.to(self.device, non_blocking=True).to(self.dtype))
             self.clock.stop("vision", mark, stream)
             event = None
             if stream is not None:
@@ -87,6 +84,18 @@ class ModelRunner:
             seq.vision_event = event
             start += seq.num_images
         return VisionJob(seqs, event)
+
+    def _stage_pixels(self, seqs: list[Sequence]) -> torch.Tensor:
+        """One host copy into (pinned) memory; the host allocator keeps the buffer alive until
+        the asynchronous upload has read it."""
+        arrays = [s.pixel_array() for s in seqs]
+        shape = (sum(a.shape[0] for a in arrays), *arrays[0].shape[1:])
+        staging = torch.empty(shape, dtype=torch.float32, pin_memory=self.cuda)
+        start = 0
+        for array in arrays:
+            staging[start : start + array.shape[0]] = torch.from_numpy(array)
+            start += array.shape[0]
+        return staging
 
     @torch.inference_mode()
     def encode(self, pixels: torch.Tensor) -> torch.Tensor:
