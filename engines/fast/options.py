@@ -21,7 +21,7 @@ class FastOptions:
     graph_batch_sizes: tuple[int, ...] | None = None  # default [1, 2, 4, 8] + multiples of 16
     vision_batch_size: int | None = None  # images per vision-tower call; default 32 CUDA, 8 CPU
     compile_vision: bool = False  # torch.compile the vision tower (CUDA; full batches only)
-    max_prefill_tokens: int | None = None  # tokens per packed prefill; default max(16384, max_model_len)
+    max_prefill_tokens: int | None = None  # prefill batch x longest prompt; default max(16384, max_model_len)
     preprocess_threads: int | None = None  # threads resizing images; default 4 CUDA, 0 (inline) CPU
 
     @classmethod

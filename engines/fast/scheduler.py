@@ -85,13 +85,16 @@ class Scheduler:
         return batch
 
     def _take_prefill(self) -> list[Sequence]:
-        batch, tokens = [], 0
+        """Ready sequences, oldest first, while the batch padded to its longest prompt stays
+        within `prefill_tokens` (attention runs padded: its masks grow with batch x longest^2)."""
+        batch, longest = [], 0
         for seq in self.admitted:
             if seq.status == SeqStatus.READY:
-                if batch and tokens + seq.prompt_len > self.prefill_tokens:
+                longest_next = max(longest, seq.prompt_len)
+                if batch and (len(batch) + 1) * longest_next > self.prefill_tokens:
                     break
                 batch.append(seq)
-                tokens += seq.prompt_len
+                longest = longest_next
         return batch
 
     def finish(self, seq: Sequence) -> None:
