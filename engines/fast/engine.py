@@ -42,25 +42,41 @@ class FastEngine(Engine):
 
     def __init__(self, config: EngineConfig):
         super().__init__(config)
-        self.options = opts = FastOptions.parse(config.options)
+        self.options = FastOptions.parse(config.options)
         device = torch.device(config.device)
-        cuda = device.type == "cuda"
+        self.cuda = device.type == "cuda"
         processor = load_processor(config.model_dir)
         self.tokenizer = processor.tokenizer
-        parts = load_gemma3(config.model_dir, device, config.dtype, config.seed)
-        text = parts.config.text_config
-        self.inputs = InputProcessor(processor, parts.image_token_id, parts.tokens_per_image)
         self.eos_ids = stop_token_ids(config.model_dir, self.tokenizer)
-        self.max_len = opts.model_len(text.max_position_embeddings)
-        self.prefill_tokens = opts.prefill_tokens(self.max_len)
+        parts = load_gemma3(config.model_dir, device, config.dtype, config.seed)
+        self.inputs = InputProcessor(processor, parts.image_token_id, parts.tokens_per_image)
+        self.max_len = self.options.model_len(parts.config.text_config.max_position_embeddings)
+        self.prefill_tokens = self.options.prefill_tokens(self.max_len)
+        self.runner, self.blocks = self._device_state(parts, device)
+        vision_batch = self.options.vision_batch(self.cuda)
+        self.scheduler = Scheduler(
+            self.runner.layout, self.blocks, config.max_batch_size, vision_batch, self.prefill_tokens
+        )
+        threads = self.options.threads(self.cuda)
+        self.pool = ThreadPoolExecutor(threads, thread_name_prefix="wicore-pixels") if threads else None
+        self.rng = random.Random(config.seed)  # seeds for sampled requests that bring none
+        self.vision_jobs: deque[VisionJob] = deque()
+        self.readbacks: deque[Readback] = deque()
+        self.unfinished: set[Sequence] = set()  # added and not yet returned
+        self.counters = EngineStats()
+
+    def _device_state(self, parts, device) -> tuple[ModelRunner, BlockManager]:
+        """The model runner with its KV cache sized and (CUDA) its decode graphs captured."""
+        opts, config = self.options, self.config
+        text = parts.config.text_config
         layout = KVLayout.build(text, opts.block_size, self.max_len)
         sampler = Sampler(text.vocab_size, self.eos_ids, device)
-        self.runner = ModelRunner(parts, layout, config.max_batch_size, sampler, device, torch_dtype(config.dtype))
-        vision_batch = opts.vision_batch(cuda)
-        if cuda and opts.compile_vision:
-            self.runner.compile_vision(vision_batch)
+        runner = ModelRunner(parts, layout, config.max_batch_size, sampler, device, torch_dtype(config.dtype))
+        vision_batch = opts.vision_batch(self.cuda)
+        if self.cuda and opts.compile_vision:
+            runner.compile_vision(vision_batch)
         num_pages = plan_pages(
-            self.runner,
+            runner,
             override=opts.num_kv_blocks,
             max_batch=config.max_batch_size,
             max_len=self.max_len,
@@ -68,18 +84,10 @@ class FastEngine(Engine):
             prefill_tokens=self.prefill_tokens,
             utilization=opts.gpu_memory_utilization,
         )
-        self.runner.allocate_cache(num_pages)
-        self.blocks = BlockManager(num_pages)
-        self.scheduler = Scheduler(layout, self.blocks, config.max_batch_size, vision_batch, self.prefill_tokens)
-        if cuda and opts.cuda_graphs:
-            self.runner.capture_graphs(opts.graph_sizes(config.max_batch_size))
-        threads = opts.threads(cuda)
-        self.pool = ThreadPoolExecutor(threads, thread_name_prefix="wicore-pixels") if threads else None
-        self.rng = random.Random(config.seed)  # seeds for sampled requests that bring none
-        self.vision_jobs: deque[VisionJob] = deque()
-        self.readbacks: deque[Readback] = deque()
-        self.unfinished: set[Sequence] = set()  # added and not yet returned
-        self.counters = EngineStats()
+        runner.allocate_cache(num_pages)
+        if self.cuda and opts.cuda_graphs:
+            runner.capture_graphs(opts.graph_sizes(config.max_batch_size))
+        return runner, BlockManager(num_pages)
 
     # -- the interface ----------------------------------------------------------------------
 
