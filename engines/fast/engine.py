@@ -87,6 +87,8 @@ class FastEngine(Engine):
         runner.allocate_cache(num_pages)
         if self.cuda and opts.cuda_graphs:
             runner.capture_graphs(opts.graph_sizes(config.max_batch_size))
+        if self.cuda:
+            torch.cuda.synchronize()  # setup ran on the default stream; steps run on others
         return runner, BlockManager(num_pages)
 
     # -- the interface ----------------------------------------------------------------------
@@ -110,7 +112,8 @@ class FastEngine(Engine):
     def step(self) -> list[Completion]:
         done: list[Completion] = []
         try:
-            self._step(done)
+            with self.runner.on_main_stream():
+                self._step(done)
         except Exception as error:  # a device failure must not take the worker down
             log.exception("fast engine step failed; failing %d requests", len(self.unfinished))
             done += self._fail_all(error)

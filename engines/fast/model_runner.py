@@ -9,7 +9,8 @@ never waits for the previous step's tokens to reach Python; those are read back 
 
 Streams (CUDA): vision (pixel upload from pinned memory + tower + projector) runs on a side
 stream and records an event; the prefill that consumes its embeddings waits on that event on
-the main stream, where prefill and decode run. Decode steps replay CUDA graphs per batch bucket.
+the main (high-priority) stream, where prefill, decode, sampling and readbacks run. Decode steps
+replay CUDA graphs per batch bucket.
 """
 
 from __future__ import annotations
@@ -40,6 +41,9 @@ class ModelRunner:
             (len(layout.groups), max_rows + 1, layout.table_width), dtype=torch.int32, device=device
         )
         self.last_token = torch.zeros(max_rows + 1, dtype=torch.int64, device=device)
+        # Prefill/decode get a high-priority stream so their small kernels slot in between the
+        # vision tower's long GEMMs on the (normal-priority) side stream.
+        self.main_stream = torch.cuda.Stream(self.device, priority=-1) if self.cuda else None
         self.side_stream = torch.cuda.Stream(self.device) if self.cuda else None
         self.clock = PhaseClock(self.cuda)
         self.encode_full = None  # optional compiled tower for full vision batches
@@ -60,6 +64,10 @@ class ModelRunner:
 
     def capture_graphs(self, sizes: list[int]) -> None:
         self.graphs = GraphRunner(self.decode_logits, sizes, self.null_row, self.device)
+
+    def on_main_stream(self):
+        """Context for everything a step runs outside the vision tower."""
+        return torch.cuda.stream(self.main_stream) if self.main_stream is not None else nullcontext()
 
     def set_table(self, row: int, table: np.ndarray) -> None:
         # A pageable source is staged before the call returns, so `table` may change after.
