@@ -29,7 +29,9 @@ class Attention(Protocol):
 
 def rope_inv_freq(config, layer_type: str) -> torch.Tensor:
     """Inverse frequencies [D/2] (float32, CPU) for one layer type: 'default' or 'linear'."""
-    params = config.rope_parameters[layer_type]
+    params = (getattr(config, "rope_parameters", None) or {}).get(layer_type)
+    if params is None:
+        raise ConfigError(f"config.rope_parameters has no entry for {layer_type} (transformers >= 5 configs do)")
     if params.get("partial_rotary_factor", 1.0) != 1.0:
         raise ConfigError("partial rotary embeddings are not supported")
     dim = config.head_dim
