@@ -120,7 +120,7 @@ class FastEngine(Engine):
         return done
 
     def stats(self) -> dict:
-        return self.counters.report(self.runner, self.blocks)
+        return self.counters.report(self.runner, self.blocks, self.scheduler)
 
     def close(self) -> None:
         if self.pool is not None:

@@ -36,7 +36,7 @@ class EngineStats:
         self.finished += 1
         self.generated_tokens += tokens
 
-    def report(self, runner, blocks) -> dict:
+    def report(self, runner, blocks, scheduler) -> dict:
         seconds = runner.clock.collect() if runner is not None else {}
         steps = sum(self.decode_batch_sizes.values())
         mean_batch = sum(b * n for b, n in self.decode_batch_sizes.items()) / steps if steps else 0.0
@@ -59,4 +59,7 @@ class EngineStats:
             "eager_decodes": self.eager_decodes,
             "kv_pages_used": blocks.num_used,
             "kv_pages_free": blocks.num_free,
+            "kv_block_size": scheduler.layout.block_size,
+            "waiting": len(scheduler.waiting),
+            "admitted": scheduler.num_admitted,
         }
