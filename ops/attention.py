@@ -22,6 +22,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from wicore.ops.transfer import upload
+
 
 @dataclass
 class PackedBatch:
@@ -49,7 +51,7 @@ def pack_layout(lengths: list[int], device: torch.device | str) -> PackedBatch:
     valid = cols[None, :] < lens[:, None]  # [B, L]
     gather = torch.where(valid, starts[:, None] + cols[None, :], torch.zeros((), dtype=torch.int64))
     scatter = (torch.arange(batch)[:, None] * longest + cols[None, :])[valid]
-    return PackedBatch(lengths, gather.to(device), scatter.to(device), valid.to(device))
+    return PackedBatch(lengths, upload(gather, device), upload(scatter, device), upload(valid, device))
 
 
 def gemma3_prefill_masks(

@@ -13,6 +13,8 @@ from collections.abc import Callable
 
 import torch
 
+from wicore.ops.transfer import upload
+
 
 class GraphRunner:
     def __init__(
@@ -58,9 +60,9 @@ class GraphRunner:
         batch = len(rows)
         size = self.bucket(batch)
         pad = size - batch
-        host = torch.tensor([rows + [self.null_row] * pad, positions + [0] * pad], dtype=torch.int64)
-        self.rows[:size].copy_(host[0], non_blocking=True)
-        self.positions[:size].copy_(host[1], non_blocking=True)
+        inputs = upload([rows + [self.null_row] * pad, positions + [0] * pad], self.rows.device, torch.int64)
+        self.rows[:size].copy_(inputs[0])
+        self.positions[:size].copy_(inputs[1])
         self.graphs[size].replay()
         self.replays += 1
         return self.outputs[size][:batch]

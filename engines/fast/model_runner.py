@@ -28,6 +28,7 @@ from wicore.engines.fast.sampler import Sampler, SamplingBatch
 from wicore.engines.fast.sequence import Sequence
 from wicore.engines.fast.weights import Gemma3Parts
 from wicore.ops.attention import gemma3_prefill_masks, pack_layout
+from wicore.ops.transfer import upload
 
 
 class ModelRunner:
@@ -70,8 +71,7 @@ class ModelRunner:
         return torch.cuda.stream(self.main_stream) if self.main_stream is not None else nullcontext()
 
     def set_table(self, row: int, table: np.ndarray) -> None:
-        # A pageable source is staged before the call returns, so `table` may change after.
-        self.tables[:, row].copy_(torch.from_numpy(table), non_blocking=True)
+        self.tables[:, row].copy_(upload(table, self.device))
 
     # -- vision (side stream) ---------------------------------------------------------------
 
@@ -161,7 +161,7 @@ class ModelRunner:
         slots = np.concatenate([self.layout.prefill_slots(s.table, s.prompt_len) for s in seqs], axis=1)
 
         def dev(array: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(array).to(self.device, non_blocking=True)
+            return upload(array, self.device)
 
         return {
             "ids": dev(ids),
@@ -210,4 +210,4 @@ class ModelRunner:
 
 
 def _tensor(values: list[int], device) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True)
+    return upload(values, device, torch.int64)

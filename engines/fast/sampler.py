@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from wicore.ops.transfer import upload
 from wicore.schemas import GenerationParams
 
 MASK32 = 0xFFFFFFFF
@@ -51,12 +52,12 @@ class SamplingBatch:
         """`indices`: the index (0 = first new token) of the token each row samples now."""
         suppress = None
         if any(p.ignore_eos for p in params):
-            suppress = torch.tensor([p.ignore_eos for p in params], dtype=torch.bool).to(device, non_blocking=True)
+            suppress = upload([p.ignore_eos for p in params], device, torch.bool)
         if all(p.greedy for p in params):
             return cls(True, suppress=suppress)
 
         def tensor(values, dtype):
-            return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+            return upload(values, device, dtype)
 
         return cls(
             False,
