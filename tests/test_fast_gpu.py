@@ -60,3 +60,18 @@ def test_cuda_seeded_sampling_ignores_batch_mates(tiny_model_dir):
     alone = engine.generate([request("x", variant=3, **sampled)])
     crowd = engine.generate([request("y", "Hi", variant=2, max_new_tokens=5), request("x", variant=3, **sampled)])
     assert alone[0].token_ids == crowd[1].token_ids
+
+
+def test_steps_never_synchronize_implicitly(tiny_model_dir):
+    # Only the explicit event waits of the one-step-late readback may block the host.
+    config = EngineConfig(str(tiny_model_dir), device="cuda", max_batch_size=4, options={"num_kv_blocks": 4096})
+    engine = FastEngine(config)
+    engine.generate(mixed_requests()[:2])  # warm caches outside the check
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = engine.generate(
+            mixed_requests() + [request("t", variant=2, temperature=0.7, top_p=0.9, max_new_tokens=6)]
+        )
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert [c.error for c in out if not c.ok] == []
