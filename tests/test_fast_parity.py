@@ -218,3 +218,13 @@ def test_pixels_in_threads_and_unreadable_images(tiny_model_dir, expected, threa
     assert [(c.id, c.input_error) for c in failures] == [("broken", True)]
     good = [c for c in done if c.ok]
     assert mismatches(good, by_id(expected, good)) == [] and len(good) == 3
+
+
+def test_kv_pool_bounds_admission_and_rejects_what_never_fits(tiny_model_dir, expected):
+    # 12 pages: one request of ~60 positions needs 4 full-layer pages + a 2-page sliding ring.
+    engine = FastEngine(EngineConfig(str(tiny_model_dir), max_batch_size=4, options={"num_kv_blocks": 12}))
+    rejected = engine.add([request("huge", max_new_tokens=400)])
+    assert [(c.id, c.input_error) for c in rejected] == [("huge", True)] and "KV cache" in rejected[0].error
+    out = engine.generate(mixed_requests()[:4])
+    assert mismatches(out, by_id(expected, out)) == []
+    assert engine.stats()["max_decode_batch"] < 4  # pages, not rows, bounded the batch

@@ -211,20 +211,20 @@ class FastEngine(Engine):
     def _sequence(self, request: EngineRequest) -> Sequence:
         prompt = self.inputs.prompt(request.chat, len(request.images))
         params = request.params
-        if len(prompt.ids) + params.max_new_tokens > self.max_len:
+        total = len(prompt.ids) + params.max_new_tokens
+        if total > self.max_len:
             raise PromptTooLong(
                 f"prompt of {len(prompt.ids)} tokens + {params.max_new_tokens} new tokens exceeds "
                 f"max_model_len {self.max_len}"
             )
+        if not self.scheduler.fits_ever(total):
+            raise PromptTooLong(f"a {total}-token sequence does not fit in the KV cache")
         if self.pool is not None and request.images:
             pixels = self.pool.submit(self.inputs.pixels, request.images)
         else:
             pixels = self._pixels_now(request)
         seed = params.seed if params.seed is not None else self.rng.getrandbits(63)
-        seq = Sequence(request, prompt, pixels, seed)
-        if not self.scheduler.fits_ever(seq):
-            raise PromptTooLong(f"a {seq.max_len}-token sequence does not fit in the KV cache")
-        return seq
+        return Sequence(request, prompt, pixels, seed)
 
     def _pixels_now(self, request: EngineRequest):
         try:

@@ -30,8 +30,9 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
-    def fits_ever(self, seq: Sequence) -> bool:
-        return self.layout.pages_for(seq.max_len) <= self.blocks.num_pages - 1
+    def fits_ever(self, num_tokens: int) -> bool:
+        """Whether a sequence of `num_tokens` positions fits in the pool at all."""
+        return self.layout.pages_for(num_tokens) <= self.blocks.num_pages - 1
 
     def schedule_vision(self, vision_slots: int) -> list[Sequence]:
         """Admit what fits, then pick the next vision batch if `vision_slots` (batches that may
