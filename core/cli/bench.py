@@ -1,0 +1,36 @@
+"""`wicore bench ...`: benchmarks that run wicore and its peer in the same run."""
+
+from __future__ import annotations
+
+import json
+
+import typer
+
+from wicore.cli.common import console, friendly_errors
+
+app = typer.Typer(help="Benchmarks (each runs its peer in the same run and prints a ratio).", no_args_is_help=True)
+
+
+@app.command()
+@friendly_errors
+def queue(
+    jobs: int = typer.Option(2000, help="Jobs per side."),
+    batch_size: int = typer.Option(64, help="Batching worker's batch size."),
+    redis_url: str = typer.Option(None, help="Redis to use (default: a fresh embedded one)."),
+    as_json: bool = typer.Option(False, "--json", help="End with one JSON line."),
+) -> None:
+    """Batching worker (null engine) vs plain RQ SimpleWorker on the same jobs."""
+    from wicore.bench.queue import run_bench
+    from wicore.embedded import redis_url_or_embedded
+
+    with redis_url_or_embedded(redis_url) as url:
+        report = run_bench(url, jobs, batch_size)
+    console.print(
+        f"batching worker: {report['batch_jobs_per_s']:.0f} jobs/s, {report['batch_commands_per_job']} Redis "
+        f"commands/job, {report['batch_redis_cpu_us_per_job']} us Redis CPU/job\n"
+        f"plain RQ:        {report['rq_jobs_per_s']:.0f} jobs/s, {report['rq_commands_per_job']} Redis "
+        f"commands/job, {report['rq_redis_cpu_us_per_job']} us Redis CPU/job\n"
+        f"ratio: {report['ratio']:.1f}x"
+    )
+    if as_json:
+        typer.echo(json.dumps(report))
