@@ -5,6 +5,8 @@ from __future__ import annotations
 import io
 import os
 import struct
+import subprocess
+import sys
 import time
 import zlib
 
@@ -331,3 +333,13 @@ def test_permission_error_is_mapped(tmp_path, monkeypatch):
     monkeypatch.setattr(type(path), "open", refuse)
     with pytest.raises(ImageError, match="no permission to read image file"):
         read_image_file(path)
+
+
+def test_ops_imports_no_queue_or_model_libraries():
+    """ops/ never imports Redis or RQ; torch and transformers stay lazy, so importing ops is cheap."""
+    code = (
+        "import sys, wicore.ops.image, wicore.ops.preprocess, wicore.ops.rgb\n"
+        "print(sorted({m.split('.')[0] for m in sys.modules} & {'redis', 'rq', 'torch', 'transformers'}))"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "[]"
