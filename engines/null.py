@@ -14,6 +14,7 @@ class NullEngine(Engine):
         self.pending: list[EngineRequest] = []
 
     def add(self, requests: list[EngineRequest]) -> list[Completion]:
+        self.requests_seen += len(requests)
         self.pending.extend(requests)
         return []
 

@@ -34,6 +34,7 @@ class ReferenceEngine(Engine):
         self.pending: list[EngineRequest] = []
 
     def add(self, requests: list[EngineRequest]) -> list[Completion]:
+        self.requests_seen += len(requests)
         self.pending.extend(requests)
         return []
 

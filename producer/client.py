@@ -19,7 +19,9 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 
 from redis import Redis
 from rq import Queue, Retry
+from rq.exceptions import NoSuchJobError
 from rq.job import Job, JobStatus
+from rq.results import Result
 from rq.serializers import JSONSerializer
 
 from wicore import keys
@@ -143,13 +145,23 @@ class Producer:
     # -- results ----------------------------------------------------------------------------
 
     def outcome(self, job_id: str, timeout: float | None = None) -> Outcome:
-        """The job's outcome; with `timeout`, block on its result stream (XREAD) up to that long."""
+        """The job's outcome now; with `timeout`, block on its RQ result stream (XREAD, no
+        polling) until it ends or the time is up. A 'retried' entry is not an end."""
         try:
             job = Job.fetch(job_id, connection=self.connection, serializer=JSONSerializer)
-        except Exception as exc:  # rq raises NoSuchJobError
+        except NoSuchJobError as exc:
             raise UnknownJob(f"no job {job_id} in Redis (never submitted, or expired)") from exc
-        result = job.latest_result(timeout=int(timeout)) if timeout else job.latest_result()
-        return outcome_of(job_id, job.get_status(), result)
+        deadline = time.monotonic() + (timeout or 0.0)
+        last_seen = "0-0"
+        while True:
+            latest = Result.fetch_latest(job, serializer=JSONSerializer)
+            outcome = outcome_of(job_id, job.get_status(), latest)
+            left = deadline - time.monotonic()
+            if outcome.done or left <= 0:
+                return outcome
+            last_seen = latest.id if latest else last_seen
+            # Block in slices: redis-py's default socket timeout (5 s) would cut a longer wait.
+            self.connection.xread({Result.get_key(job_id): last_seen}, block=max(1, int(min(left, 2.0) * 1000)))
 
     def result(self, job_id: str, timeout: float | None = None) -> CaptionResult:
         """The job's result; raises JobFailed, ResultTimeout or UnknownJob."""

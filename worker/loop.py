@@ -13,6 +13,7 @@ SIGTERM/SIGINT once = warm shutdown (take nothing new, finish what is in hand); 
 
 from __future__ import annotations
 
+import json
 import logging
 import signal
 import time
@@ -106,15 +107,23 @@ class BatchingWorker:
 
     def _stop(self) -> None:
         self.heartbeat.stop()
+        self._publish_stats()
         self.bridge.requeue_claims(self.bridge.claims_key)
         self.connection.srem(keys.CLAIMANTS, self.name)
         self.record.register_death()
         self.inputs.close()
 
     def _maintain(self) -> None:
-        if time.monotonic() >= self._next_reap:
-            reap_dead_workers(self.connection, self.bridge)
-            self._next_reap = time.monotonic() + self.config.reap_every_s
+        """Every `reap_every_s`: requeue dead workers' jobs, publish our engine's counters."""
+        if time.monotonic() < self._next_reap:
+            return
+        reap_dead_workers(self.connection, self.bridge)
+        self._publish_stats()
+        self._next_reap = time.monotonic() + self.config.reap_every_s
+
+    def _publish_stats(self) -> None:
+        stats = {"jobs_done": self.jobs_done, "in_flight": len(self.in_flight), **self.engine.stats()}
+        self.connection.set(keys.stats(self.name), json.dumps(stats), ex=max(60, int(self.config.liveness_ttl_s * 4)))
 
     def _idle(self) -> bool:
         """Nothing in hand and nothing taken: wait for the doorbell. False ends the loop."""

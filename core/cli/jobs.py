@@ -85,24 +85,28 @@ def enqueue(
 
 @friendly_errors
 def result(
-    job_id: str = typer.Argument(..., help="A job id printed by `wicore enqueue`."),
-    wait: float = typer.Option(0.0, help="Block up to this many seconds for the job to end."),
+    job_ids: list[str] = typer.Argument(..., help="Job ids printed by `wicore enqueue`."),
+    wait: float = typer.Option(0.0, help="Block up to this many seconds for each job to end."),
     redis_url: str = RedisOption,
     config: Path = ConfigOption,
 ) -> None:
-    """Print a job's result as JSON. Exit 1 if the job failed, 3 if it has not ended."""
+    """Print each job's result as one JSON line, in the order given. Exit 1 if any job failed,
+    3 if any has not ended."""
     from wicore.producer import Producer
 
     settings = settings_from(config, redis_url=redis_url)
     producer = Producer(_redis(settings), model="any")
-    try:
-        typer.echo(producer.result(job_id, timeout=wait or None).model_dump_json())
-    except JobFailed as exc:
-        typer.echo(json.dumps({"job_id": job_id, "error": exc.message}))
-        raise typer.Exit(EXIT_FAILED) from None
-    except ResultTimeout as exc:
-        console.print(str(exc))
-        raise typer.Exit(EXIT_UNFINISHED) from None
+    code = 0
+    for job_id in job_ids:
+        try:
+            typer.echo(producer.result(job_id, timeout=wait or None).model_dump_json())
+        except JobFailed as exc:
+            typer.echo(json.dumps({"job_id": job_id, "error": exc.message}))
+            code = max(code, EXIT_FAILED)
+        except ResultTimeout as exc:
+            typer.echo(json.dumps({"job_id": job_id, "error": None, "unfinished": str(exc)}))
+            code = EXIT_UNFINISHED
+    raise typer.Exit(code)
 
 
 @friendly_errors
