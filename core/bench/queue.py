@@ -6,13 +6,18 @@ the same Redis. Reports jobs/s, their ratio, and Redis commands and Redis CPU pe
 from __future__ import annotations
 
 import io
+import json
+import os
+import socket
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from redis import Redis
 from rq import Queue, SimpleWorker
 from rq.serializers import JSONSerializer
 
+from wicore.bench.plots import bar_plot
 from wicore.engines import EngineConfig
 from wicore.engines.null import NullEngine
 from wicore.producer import Producer, ProducerConfig, Submission
@@ -88,6 +93,21 @@ def bench_plain_rq(connection: Redis, jobs: int) -> RunStats:
     return measure(connection, jobs, lambda: worker.work(burst=True, logging_level="WARNING"))
 
 
+def write_results(report: dict, folder: Path) -> list[Path]:
+    folder.mkdir(parents=True, exist_ok=True)
+    stem = folder / f"queue-{socket.gethostname().split('.')[0]}"
+    json_path = stem.with_suffix(".json")
+    json_path.write_text(json.dumps(report, indent=2) + "\n")
+    png = bar_plot(
+        stem.with_suffix(".png"),
+        f"{report['jobs']} jobs, null engine: {report['ratio']:.1f}x plain RQ",
+        [f"wicore batching worker (batch {report['batch_size']})", "RQ SimpleWorker"],
+        [report["batch_jobs_per_s"], report["rq_jobs_per_s"]],
+        "jobs / s",
+    )
+    return [json_path, png]
+
+
 def run_bench(redis_url: str, jobs: int, batch_size: int) -> dict:
     connection = Redis.from_url(redis_url)
     connection.flushdb()
@@ -96,6 +116,8 @@ def run_bench(redis_url: str, jobs: int, batch_size: int) -> dict:
     plain = bench_plain_rq(connection, jobs)
     connection.flushdb()
     return {
+        "command": f"wicore bench queue --jobs {jobs} --batch-size {batch_size}",
+        "cpus": os.cpu_count(),
         "jobs": jobs,
         "batch_size": batch_size,
         **batching.as_dict("batch"),

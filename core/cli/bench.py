@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import typer
 
@@ -18,6 +19,7 @@ def queue(
     batch_size: int = typer.Option(64, help="Batching worker's batch size."),
     redis_url: str = typer.Option(None, help="Redis to use (default: a fresh embedded one)."),
     as_json: bool = typer.Option(False, "--json", help="End with one JSON line."),
+    out: Path = typer.Option(None, help="Folder to write queue-<host>.json and .png into (e.g. bench/results)."),
 ) -> None:
     """Batching worker (null engine) vs plain RQ SimpleWorker on the same jobs."""
     from wicore.bench.queue import run_bench
@@ -32,5 +34,10 @@ def queue(
         f"commands/job, {report['rq_redis_cpu_us_per_job']} us Redis CPU/job\n"
         f"ratio: {report['ratio']:.1f}x"
     )
+    if out is not None:
+        from wicore.bench.queue import write_results
+
+        for path in write_results(report, out):
+            console.print(f"wrote {path}")
     if as_json:
         typer.echo(json.dumps(report))
