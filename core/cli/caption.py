@@ -16,7 +16,15 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColumn, TextColumn, TimeRemainingColumn
 from rich.text import Text
 
-from wicore.cli.common import ConfigOption, ModelIdOption, ModelOption, RedisOption, console, friendly_errors
+from wicore.cli.common import (
+    ConfigOption,
+    EngineOption,
+    ModelIdOption,
+    ModelOption,
+    RedisOption,
+    console,
+    friendly_errors,
+)
 from wicore.cli.inputs import InputItem, expand_inputs
 from wicore.cli.pool import WorkerPool
 from wicore.errors import JobInputError
@@ -66,6 +74,7 @@ def caption(
     dtype: str = typer.Option(None, help="float32 | bfloat16 (default: auto)", show_default=False),
     redis_dir: Path = typer.Option(None, help="Keep the embedded Redis's data here (default: a temp folder)."),
     no_cache: bool = typer.Option(None, "--no-cache", help="Turn off the KV and vision caches."),
+    engine_option: list[str] = EngineOption,
     config: Path = ConfigOption,
 ) -> None:
     """Caption images into OUT.jsonl through Redis, the scheduler and the workers."""
@@ -83,7 +92,8 @@ def caption(
         return
     model_dir, served_id = model_dir_and_id(settings)  # builds the default model once, before workers race
     start = time.perf_counter()
-    counts = _run(settings, todo, output, model_dir, served_id, prompt, max_new_tokens, workers, redis_dir)
+    extra = [arg for pair in engine_option or [] for arg in ("--engine-option", pair)]
+    counts = _run(settings, todo, output, model_dir, served_id, prompt, max_new_tokens, workers, redis_dir, extra)
     elapsed = time.perf_counter() - start
     console.print(
         f"captioned {counts['ok']} of {len(todo)} inputs ({counts['error']} errors, {len(done)} already done) "
@@ -91,14 +101,14 @@ def caption(
     )
 
 
-def _run(settings, todo, output, model_dir, served_id, prompt, max_new_tokens, workers, redis_dir) -> dict[str, int]:
+def _run(settings, todo, output, model_dir, served_id, prompt, max_new_tokens, workers, redis_dir, extra) -> dict:
     from wicore.embedded import redis_url_or_embedded
     from wicore.producer import Producer, ProducerConfig
 
     embedded = settings.redis_url is None
     roots = sorted({str(item.path.resolve().parent) for item in todo if item.path is not None})
     with redis_url_or_embedded(settings.redis_url, redis_dir, keep=redis_dir is not None) as url:
-        worker_args = _worker_args(settings, url, model_dir, served_id, roots if embedded else [])
+        worker_args = _worker_args(settings, url, model_dir, served_id, roots if embedded else []) + extra
         log_dir = Path(redis_dir) if redis_dir else Path(tempfile.gettempdir()) / "wicore-logs"
         with WorkerPool(workers, worker_args, log_dir) as pool, output.open("a") as sink:
             producer = Producer(url, model=served_id, config=ProducerConfig(by_path=embedded))

@@ -54,6 +54,29 @@ def model_id_of(model_dir: Path) -> str:
     return name or "model"
 
 
+EngineOption = typer.Option(
+    None, "--engine-option", help="Engine option KEY=VALUE (VALUE as JSON, else a string); repeatable."
+)
+
+
+def engine_options(pairs: list[str] | None) -> dict:
+    """['vision_batch_size=32', 'cuda_graphs=false'] -> {'vision_batch_size': 32, 'cuda_graphs': False}"""
+    import json
+
+    from wicore.errors import ConfigError
+
+    options = {}
+    for pair in pairs or []:
+        key, sep, raw = pair.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--engine-option wants KEY=VALUE, got {pair!r}")
+        try:
+            options[key] = json.loads(raw)
+        except json.JSONDecodeError:
+            options[key] = raw
+    return options
+
+
 def friendly_errors(command: Callable) -> Callable:
     """Our own errors print one clear line and exit 2, not a traceback."""
 

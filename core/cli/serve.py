@@ -9,10 +9,12 @@ from redis import Redis
 
 from wicore.cli.common import (
     ConfigOption,
+    EngineOption,
     ModelIdOption,
     ModelOption,
     RedisOption,
     console,
+    engine_options,
     friendly_errors,
     model_dir_and_id,
     settings_from,
@@ -37,6 +39,7 @@ def worker(
     burst: bool = typer.Option(False, help="Exit once the queues are empty."),
     max_jobs: int = typer.Option(None, help="Exit after this many jobs."),
     no_cache: bool = typer.Option(None, "--no-cache", help="Turn off the KV and vision caches."),
+    engine_option: list[str] = EngineOption,
     config: Path = ConfigOption,
 ) -> None:
     """Serve caption jobs from Redis: take batches by shape bucket, run them, write results."""
@@ -58,7 +61,7 @@ def worker(
     from wicore.worker.factory import build_engine, build_worker
 
     model_dir, served_id = model_dir_and_id(settings)
-    engine_obj = build_engine(settings, model_dir)
+    engine_obj = build_engine(settings, model_dir, engine_options(engine_option))
     connection = Redis.from_url(settings.redis_url)
     worker_obj = build_worker(settings, connection, engine_obj, served_id, name=name, burst=burst, max_jobs=max_jobs)
     console.print(f"worker [bold]{worker_obj.name}[/bold]: model {served_id} ({model_dir}) on {engine_obj.name}")
