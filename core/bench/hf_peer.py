@@ -23,8 +23,11 @@ class PeerRun:
 
 
 @torch.inference_mode()
-def run_generate(model, processor, images: list[Image.Image], prompt: str, new_tokens: int, batch_size: int) -> PeerRun:
-    """Static batches of `batch_size`, greedy, exactly `new_tokens` new tokens (EOS ignored).
+def run_generate(
+    model, processor, images: list[Image.Image], prompt: str, new_tokens: int, batch_size: int, eos_ids: list[int]
+) -> PeerRun:
+    """Static batches of `batch_size`, greedy, exactly `new_tokens` new tokens (EOS masked, as
+    the engines do for `ignore_eos`).
     Preprocessing is inside the timed loop, as it is for wicore."""
     chat = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": prompt}]}]
     text = processor.apply_chat_template(chat, add_generation_prompt=True)
@@ -38,7 +41,9 @@ def run_generate(model, processor, images: list[Image.Image], prompt: str, new_t
             add_special_tokens=False,
         ).to(model.device)  # fmt: skip
         inputs["pixel_values"] = inputs["pixel_values"].to(model.dtype)
-        out = model.generate(**inputs, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+        out = model.generate(
+            **inputs, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, eos_token_id=eos_ids
+        )
         run.tokens += out[:, inputs["input_ids"].shape[1] :].tolist()
     torch.cuda.synchronize()
     run.seconds = time.perf_counter() - start

@@ -41,3 +41,42 @@ def queue(
             console.print(f"wrote {path}")
     if as_json:
         typer.echo(json.dumps(report))
+
+
+@app.command()
+@friendly_errors
+def caption(
+    preset: str = typer.Option("gemma3-4b", help="Model shape (only gemma3-4b)."),
+    images: int = typer.Option(1024, help="Timed images (distinct, mixed sizes)."),
+    batch_size: int = typer.Option(256, help="Engine running sequences and claim size."),
+    engine: str = typer.Option("fast", help="Engine under test."),
+    engine_option: list[str] = typer.Option(None, "--engine-option", help="KEY=VALUE engine option; repeatable."),
+    hf_batches: str = typer.Option("8,32,64", help="Static batch sizes of the HF peer."),
+    hf_images: int = typer.Option(128, help="Images per batched HF peer run."),
+    workdir: Path = typer.Option(Path("/tmp/wicore-bench"), help="Scratch folder (model config, images, logs)."),
+    out: Path = typer.Option(Path("bench/results"), help="Folder for the JSON and the PNG."),
+    as_json: bool = typer.Option(False, "--json", help="End with one JSON line."),
+) -> None:
+    """Bulk captioning on the GPU: the whole product vs HF generate, with the roofline."""
+    from wicore.bench.caption import CaptionBench, run_caption_bench
+    from wicore.bench.report import print_caption_report, write_caption_report
+    from wicore.cli.common import engine_options
+    from wicore.errors import ConfigError
+
+    if preset != "gemma3-4b":
+        raise ConfigError(f"unknown preset {preset!r} (only gemma3-4b)")
+    bench = CaptionBench(
+        workdir=workdir,
+        images=images,
+        batch_size=batch_size,
+        engine=engine,
+        engine_options=engine_options(engine_option),
+        hf_batches=tuple(int(b) for b in hf_batches.split(",")),
+        hf_images=hf_images,
+    )
+    report = run_caption_bench(bench)
+    for path in write_caption_report(report, out):
+        console.print(f"wrote {path}")
+    print_caption_report(report)
+    if as_json:
+        typer.echo(json.dumps({k: v for k, v in report.items() if k != "engine_stats"}))
