@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from wicore.bench.images import make_images
-from wicore.bench.roofline import image_work, measure_ceilings, roofline_images_per_s
+from wicore.bench.roofline import Ceilings, image_work, measure_ceilings, roofline_images_per_s
 from wicore.schemas import DEFAULT_PROMPT
 
 MODEL_ID = "gemma3-4b"
@@ -36,6 +36,14 @@ class CaptionBench:
     hf_single_images: int = 6  # the batch-1 peer
     warmup_images: int = 64
     prompt: str = DEFAULT_PROMPT
+    device: str = "cuda"
+    model_dir: Path | None = None  # default: `make-model gemma3-4b` (seeded weights on the device)
+
+
+def device_name(device: str) -> str:
+    import torch
+
+    return torch.cuda.get_device_name(0) if device.startswith("cuda") else "cpu"
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -66,6 +74,7 @@ def run_product(bench: CaptionBench, model_dir: Path, paths: list[Path], log: Pa
     warm, timed = paths[: bench.warmup_images], paths[bench.warmup_images :]
     with EmbeddedRedis() as server:
         args = ["--redis-url", server.url, "--model", str(model_dir), "--model-id", MODEL_ID, "--engine", bench.engine,
+                "--device", bench.device,
                 "--batch-size", str(bench.batch_size), "--allow-root", str(paths[0].parent), "--max-queue-delay-ms", "20"]  # fmt: skip
         for key, value in bench.engine_options.items():
             args += ["--engine-option", f"{key}={json.dumps(value)}"]
@@ -118,23 +127,26 @@ def run_peers(bench: CaptionBench, model_dir: Path, paths: list[Path]) -> dict:
     from wicore.ops.image import decode_image
 
     processor = load_processor(model_dir)
-    model = load_hf_model(model_dir, "cuda", "bfloat16")
+    cuda = bench.device.startswith("cuda")
+    model = load_hf_model(model_dir, bench.device, "bfloat16" if cuda else "float32")
     eos = sorted(stop_token_ids(model_dir, processor.tokenizer))
     timed = paths[bench.warmup_images :]
     images = [decode_image(p.read_bytes()) for p in timed[: max(bench.hf_images, bench.hf_single_images)]]
     run_generate(model, processor, images[:2], bench.prompt, 4, 2, eos)  # warm-up (cuBLAS, kernels)
-    torch.cuda.reset_peak_memory_stats()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
     runs = {1: run_generate(model, processor, images[: bench.hf_single_images], bench.prompt, bench.new_tokens, 1, eos)}
     for batch in bench.hf_batches:
         runs[batch] = run_generate(
             model, processor, images[: bench.hf_images], bench.prompt, bench.new_tokens, batch, eos
         )
-    peak = torch.cuda.max_memory_allocated()
+    peak = torch.cuda.max_memory_allocated() if cuda else None
     best = max((b for b in runs if b > 1), key=lambda b: runs[b].images_per_s)
     best_tokens = {str(p): t for p, t in zip(timed, runs[best].tokens)}
     single_tokens = {str(p): t for p, t in zip(timed, runs[1].tokens)}
     del model
-    torch.cuda.empty_cache()
+    if cuda:
+        torch.cuda.empty_cache()
     return {
         "images_per_s": {str(b): r.images_per_s for b, r in runs.items()},
         "best_batch": best,
@@ -156,23 +168,23 @@ def parity(ours: dict[str, list[int]], theirs: dict[str, list[int]]) -> dict:
             "first_divergence_steps": sorted(first_diff)}  # fmt: skip
 
 
-def run_caption_bench(bench: CaptionBench) -> dict:
-    import torch
+def run_caption_bench(bench: CaptionBench, ceilings: Ceilings | None = None) -> dict:
+    from transformers import AutoConfig
 
-    from wicore.models.gemma3 import gemma3_4b_config, make_gemma3_4b
+    from wicore.models.gemma3 import make_gemma3_4b
 
     bench.workdir.mkdir(parents=True, exist_ok=True)
-    ceilings = measure_ceilings()
-    model_dir = make_gemma3_4b(bench.workdir / "gemma3-4b")
+    ceilings = ceilings or measure_ceilings(bench.device)
+    model_dir = bench.model_dir or make_gemma3_4b(bench.workdir / "gemma3-4b")
     paths = make_images(bench.workdir / "images", bench.warmup_images + bench.images, processes=os.cpu_count() or 4)
     product = run_product(bench, model_dir, paths, bench.workdir / "worker.log")
     peers = run_peers(bench, model_dir, paths)
-    config = gemma3_4b_config()
-    prompt_tokens = 281  # "Describe this image in detail." with 256 image tokens in the chat template
+    config = AutoConfig.from_pretrained(model_dir)
+    prompt_tokens = product["engine_stats"].get("mean_prompt_tokens") or 281  # 281: the 4B prompt here
     work = image_work(config, prompt_tokens, bench.new_tokens)
     roofline, bound = roofline_images_per_s(work, ceilings, bench.batch_size, prompt_tokens, bench.new_tokens)
     report = {
-        "gpu": torch.cuda.get_device_name(0),
+        "gpu": device_name(bench.device),
         "command": f"wicore bench caption --preset gemma3-4b --images {bench.images}",
         "engine": bench.engine,
         "engine_options": bench.engine_options,

@@ -22,6 +22,11 @@ class PeerRun:
         return self.images / self.seconds
 
 
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 @torch.inference_mode()
 def run_generate(
     model, processor, images: list[Image.Image], prompt: str, new_tokens: int, batch_size: int, eos_ids: list[int]
@@ -32,7 +37,7 @@ def run_generate(
     chat = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": prompt}]}]
     text = processor.apply_chat_template(chat, add_generation_prompt=True)
     run = PeerRun(batch_size, len(images), 0.0)
-    torch.cuda.synchronize()
+    sync()
     start = time.perf_counter()
     for begin in range(0, len(images), batch_size):
         chunk = images[begin : begin + batch_size]
@@ -45,6 +50,6 @@ def run_generate(
             **inputs, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, eos_token_id=eos_ids
         )
         run.tokens += out[:, inputs["input_ids"].shape[1] :].tolist()
-    torch.cuda.synchronize()
+    sync()
     run.seconds = time.perf_counter() - start
     return run
