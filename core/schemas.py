@@ -16,6 +16,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 DEFAULT_PROMPT = "Describe this image in detail."
 SHA256_HEX = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
+# Model ids appear in queue names (scheduler.buckets), so no dots, colons or spaces.
+MODEL_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_-]*$"
 
 
 class Strict(BaseModel):
@@ -96,7 +98,7 @@ class CaptionJob(Strict):
     prompt: str | None = None
     messages: tuple[ChatMessage, ...] | None = None
     params: GenerationParams = GenerationParams()
-    model: str = Field(min_length=1, max_length=128)
+    model: str = Field(pattern=MODEL_ID_PATTERN, max_length=64)
     priority: Lane = Lane.NORMAL
     deadline: float | None = None  # unix seconds; past it the job fails unrun
     metadata: dict[str, Any] = {}

@@ -1,0 +1,34 @@
+"""Engines by name, imported lazily: a missing optional dependency (tensorrt) costs nothing
+until that engine is chosen. Engines never import Redis or RQ."""
+
+from __future__ import annotations
+
+import importlib
+
+from wicore.engines.base import Completion, Engine, EngineConfig, EngineRequest
+from wicore.errors import ConfigError
+
+ENGINES = {
+    "reference": "wicore.engines.reference:ReferenceEngine",
+    "fast": "wicore.engines.fast:FastEngine",
+    "tensorrt": "wicore.engines.tensorrt:TensorRTEngine",
+    "null": "wicore.engines.null:NullEngine",
+}
+
+
+def engine_class(name: str) -> type[Engine]:
+    if name not in ENGINES:
+        raise ConfigError(f"unknown engine {name!r}; choose one of {', '.join(sorted(ENGINES))}")
+    module_name, class_name = ENGINES[name].split(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigError(f"engine {name!r} is not available here: {exc}") from exc
+    return getattr(module, class_name)
+
+
+def create_engine(name: str, config: EngineConfig) -> Engine:
+    return engine_class(name)(config)
+
+
+__all__ = ["ENGINES", "Completion", "Engine", "EngineConfig", "EngineRequest", "create_engine", "engine_class"]

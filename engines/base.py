@@ -65,6 +65,7 @@ class Engine(abc.ABC):
 
     def __init__(self, config: EngineConfig):
         self.config = config
+        self.requests_seen = 0  # every request ever passed to `add` (stats; tests use it too)
 
     @property
     def model_id(self) -> str:
@@ -86,6 +87,10 @@ class Engine(abc.ABC):
 
     def free_slots(self) -> int:
         return max(0, self.config.max_batch_size - self.num_unfinished())
+
+    def stats(self) -> dict[str, Any]:
+        """Counters for `wicore status` and benchmarks; engines add their own."""
+        return {"requests_seen": self.requests_seen, "unfinished": self.num_unfinished()}
 
     def generate(self, requests: list[EngineRequest]) -> list[Completion]:
         """Run `requests` to the end; completions in request order."""

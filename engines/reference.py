@@ -34,6 +34,7 @@ class ReferenceEngine(Engine):
         self.pending: list[EngineRequest] = []
 
     def add(self, requests: list[EngineRequest]) -> list[Completion]:
+        self.requests_seen += len(requests)
         self.pending.extend(requests)
         return []
 
@@ -100,9 +101,7 @@ class ReferenceEngine(Engine):
         completions = []
         for request, prompt_len, tokens in zip(group, prompt_lens, new_tokens):
             ids, text, reason = finish_sequence(self.tokenizer, tokens, request.params, self.eos_ids)
-            completions.append(
-                Completion(request.id, text, ids, reason, prompt_tokens=prompt_len, engine_s=engine_s)
-            )
+            completions.append(Completion(request.id, text, ids, reason, prompt_tokens=prompt_len, engine_s=engine_s))
         return completions
 
 

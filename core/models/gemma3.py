@@ -26,7 +26,6 @@ from wicore.models.corpus import tokenizer_corpus
 from wicore.models.tokenizer import BOI, EOI, IMAGE_SOFT, train_tokenizer
 
 
-
 def tiny_config(tokenizer, *, sliding_window: int = 16, image_size: int = 64) -> Gemma3Config:
     """2 text layers (one sliding, one full), hidden 64, SigLIP 64 px / patch 8 -> 16 image tokens."""
     text = Gemma3TextConfig(
@@ -161,9 +160,18 @@ def _place_specials_like_gemma3(tokenizer, config: Gemma3Config):
 
     from wicore.models.tokenizer import SPECIAL_TOKENS, wrap_tokenizer
 
-    fixed = {"<pad>": 0, "<eos>": 1, "<bos>": 2, "<unk>": 3, "<mask>": 4,
-             "<start_of_turn>": 105, "<end_of_turn>": 106,
-             BOI: config.boi_token_index, EOI: config.eoi_token_index, IMAGE_SOFT: config.image_token_index}
+    fixed = {
+        "<pad>": 0,
+        "<eos>": 1,
+        "<bos>": 2,
+        "<unk>": 3,
+        "<mask>": 4,
+        "<start_of_turn>": 105,
+        "<end_of_turn>": 106,
+        BOI: config.boi_token_index,
+        EOI: config.eoi_token_index,
+        IMAGE_SOFT: config.image_token_index,
+    }
     state = json.loads(tokenizer.backend_tokenizer.to_str())
     vocab: dict[str, int] = state["model"]["vocab"]
     ordinary = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1]) if t not in SPECIAL_TOKENS]

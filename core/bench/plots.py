@@ -1,0 +1,24 @@
+"""PNG plots for benchmark results (matplotlib, headless)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def bar_plot(path: Path, title: str, labels: list[str], values: list[float], ylabel: str) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.6), dpi=120)
+    bars = ax.bar(labels, values, color="#2a7ab9")
+    for bar, value in zip(bars, values):
+        ax.annotate(f"{value:,.1f}", (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom")
+    ax.set_title(title)
+    ax.set_ylabel(ylabel)
+    ax.spines[["top", "right"]].set_visible(False)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path

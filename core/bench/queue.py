@@ -1,0 +1,126 @@
+"""`wicore bench queue`: the queue path alone. The batching worker with the `null` engine
+against plain RQ's SimpleWorker, on the same jobs (same payloads, same image blob, same
+per-job work: validate, fetch the image, decode it, build the result), in the same run and on
+the same Redis. Reports jobs/s, their ratio, and Redis commands and Redis CPU per job."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import socket
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from redis import Redis
+from rq import Queue, SimpleWorker
+from rq.serializers import JSONSerializer
+
+from wicore.bench.plots import bar_plot
+from wicore.engines import EngineConfig
+from wicore.engines.null import NullEngine
+from wicore.producer import Producer, ProducerConfig, Submission
+from wicore.scheduler.policy import BatchPolicy
+from wicore.worker.loop import BatchingWorker, WorkerConfig
+
+MODEL_ID = "bench-null"
+
+
+@dataclass
+class RunStats:
+    jobs: int
+    seconds: float
+    commands: int
+    redis_cpu_s: float
+
+    @property
+    def jobs_per_s(self) -> float:
+        return self.jobs / self.seconds
+
+    def as_dict(self, prefix: str) -> dict:
+        return {
+            f"{prefix}_jobs_per_s": round(self.jobs_per_s, 1),
+            f"{prefix}_seconds": round(self.seconds, 3),
+            f"{prefix}_commands_per_job": round(self.commands / self.jobs, 2),
+            f"{prefix}_redis_cpu_us_per_job": round(1e6 * self.redis_cpu_s / self.jobs, 1),
+        }
+
+
+def tiny_png() -> bytes:
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.new("RGB", (8, 8), (200, 30, 30)).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def redis_counters(connection: Redis) -> tuple[int, float]:
+    stats, cpu = connection.info("stats"), connection.info("cpu")
+    return int(stats["total_commands_processed"]), float(cpu["used_cpu_sys"]) + float(cpu["used_cpu_user"])
+
+
+def measure(connection: Redis, jobs: int, run) -> RunStats:
+    commands0, cpu0 = redis_counters(connection)
+    start = time.perf_counter()
+    run()
+    seconds = time.perf_counter() - start
+    commands1, cpu1 = redis_counters(connection)
+    return RunStats(jobs, seconds, commands1 - commands0, cpu1 - cpu0)
+
+
+def bench_batching(connection: Redis, jobs: int, batch_size: int) -> RunStats:
+    producer = Producer(connection, model=MODEL_ID, config=ProducerConfig(retries=1))
+    image = tiny_png()
+    producer.submit_many(Submission(image, f"bench job {i}") for i in range(jobs))
+    engine = NullEngine(EngineConfig(model_dir="", max_batch_size=batch_size))
+    policy = BatchPolicy(max_batch_size=batch_size, max_queue_delay_s=0.0)
+    worker = BatchingWorker(connection, engine, WorkerConfig(MODEL_ID, policy=policy, burst=True, max_jobs=jobs))
+    return measure(connection, jobs, worker.run)
+
+
+def bench_plain_rq(connection: Redis, jobs: int) -> RunStats:
+    """The same payloads as plain RQ jobs, run one by one by RQ's SimpleWorker."""
+    producer = Producer(connection, model=MODEL_ID + "-rq", config=ProducerConfig(retries=1))
+    image = tiny_png()
+    payloads = [producer._prepare(Submission(image, f"bench job {i}"))[0] for i in range(jobs)]
+    connection.set(f"wicore:blob:{payloads[0].image.sha256}", image)
+    queue = Queue("bench-plain-rq", connection=connection, serializer=JSONSerializer)
+    queue.enqueue_many(
+        [Queue.prepare_data("wicore.bench.rq_task.null_caption", args=[p.model_dump(mode="json")]) for p in payloads]
+    )
+    worker = SimpleWorker([queue], connection=connection, serializer=JSONSerializer)
+    return measure(connection, jobs, lambda: worker.work(burst=True, logging_level="WARNING"))
+
+
+def write_results(report: dict, folder: Path) -> list[Path]:
+    folder.mkdir(parents=True, exist_ok=True)
+    stem = folder / f"queue-{socket.gethostname().split('.')[0]}"
+    json_path = stem.with_suffix(".json")
+    json_path.write_text(json.dumps(report, indent=2) + "\n")
+    png = bar_plot(
+        stem.with_suffix(".png"),
+        f"{report['jobs']} jobs, null engine: {report['ratio']:.1f}x plain RQ",
+        [f"wicore batching worker (batch {report['batch_size']})", "RQ SimpleWorker"],
+        [report["batch_jobs_per_s"], report["rq_jobs_per_s"]],
+        "jobs / s",
+    )
+    return [json_path, png]
+
+
+def run_bench(redis_url: str, jobs: int, batch_size: int) -> dict:
+    connection = Redis.from_url(redis_url)
+    connection.flushdb()
+    batching = bench_batching(connection, jobs, batch_size)
+    connection.flushdb()
+    plain = bench_plain_rq(connection, jobs)
+    connection.flushdb()
+    return {
+        "command": f"wicore bench queue --jobs {jobs} --batch-size {batch_size}",
+        "cpus": os.cpu_count(),
+        "jobs": jobs,
+        "batch_size": batch_size,
+        **batching.as_dict("batch"),
+        **plain.as_dict("rq"),
+        "ratio": round(batching.jobs_per_s / plain.jobs_per_s, 2),
+    }

@@ -1,0 +1,83 @@
+"""Writing and printing the caption benchmark's report."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+
+def gpu_slug(name: str) -> str:
+    """'NVIDIA H100 80GB HBM3' -> 'h100'; 'NVIDIA H200' -> 'h200'."""
+    match = re.search(r"\b([A-Z]\d{2,4}[A-Za-z]*)\b", name)
+    return (match.group(1) if match else re.sub(r"\W+", "-", name)).lower()
+
+
+def write_caption_report(report: dict, folder: Path) -> list[Path]:
+    folder.mkdir(parents=True, exist_ok=True)
+    stem = folder / f"caption-gemma3-4b-{gpu_slug(report['gpu'])}"
+    json_path = stem.with_suffix(".json")
+    json_path.write_text(json.dumps(report, indent=2, default=str) + "\n")
+    return [json_path, plot_caption(report, stem.with_suffix(".png"))]
+
+
+def plot_caption(report: dict, path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = ["wicore\n" + report["engine"]] + [f"HF generate\nbatch {b}" for b in report["hf_images_per_s"]]
+    values = [report["images_per_s"]] + list(report["hf_images_per_s"].values())
+    fig, ax = plt.subplots(figsize=(7.5, 4), dpi=120)
+    bars = ax.bar(labels, values, color=["#2a7ab9"] + ["#9aa5b1"] * (len(values) - 1))
+    for bar, value in zip(bars, values):
+        ax.annotate(f"{value:.1f}", (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom")
+    roof = report["roofline_images_per_s"]
+    ax.axhline(roof, color="#c0392b", linestyle="--", linewidth=1)
+    ax.annotate(f"roofline {roof:.0f} img/s", (len(values) - 0.5, roof), ha="right", va="bottom", color="#c0392b")
+    ax.set_ylabel("images / s")
+    ax.set_title(
+        f"Gemma-3-4B shape, {report['images']} images, {report['new_tokens']} tokens, {report['gpu']}\n"
+        f"{report['speedup_vs_hf_best']:.1f}x HF best, {100 * report['roofline_fraction']:.0f}% of roofline",
+        fontsize=10,
+    )
+    ax.spines[["top", "right"]].set_visible(False)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def print_caption_report(report: dict) -> None:
+    table = Table("metric", "value", title=f"wicore bench caption ({report['gpu']})")
+    rows = [
+        ("images/s (wicore)", f"{report['images_per_s']:.2f}"),
+        ("output tokens/s", f"{report['output_tokens_per_s']:.0f}"),
+        ("job latency p50 / p99", f"{report['latency_p50_s']:.2f} s / {report['latency_p99_s']:.2f} s"),
+        ("HF generate images/s by batch", ", ".join(f"{b}: {v:.2f}" for b, v in report["hf_images_per_s"].items())),
+        (
+            "speedup vs HF best / batch 1",
+            f"{report['speedup_vs_hf_best']:.2f}x / {report['speedup_vs_hf_batch1']:.1f}x",
+        ),
+        ("roofline images/s", f"{report['roofline_images_per_s']:.1f} ({report['roofline_bound']}-bound)"),
+        ("roofline fraction", f"{report['roofline_fraction']:.3f}"),
+        ("peak GPU memory (wicore / HF)", f"{_gib(report['peak_gpu_bytes'])} / {_gib(report['hf_peak_gpu_bytes'])}"),
+        ("tokens equal to HF best batch", _share(report["parity_vs_hf_best_batch"])),
+        ("HF batch 1 vs HF best batch", _share(report["hf_batch1_vs_hf_best_batch"])),
+        ("errors", str(report["error_count"])),
+    ]
+    for name, value in rows:
+        table.add_row(name, value)
+    Console().print(table)
+
+
+def _gib(value) -> str:
+    return "n/a" if value is None else f"{value / 2**30:.1f} GiB"
+
+
+def _share(p: dict) -> str:
+    return f"{p['identical']}/{p['compared']} ({100 * p['share']:.0f}%)"

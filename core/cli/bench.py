@@ -1,0 +1,82 @@
+"""`wicore bench ...`: benchmarks that run wicore and its peer in the same run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+
+from wicore.cli.common import console, friendly_errors
+
+app = typer.Typer(help="Benchmarks (each runs its peer in the same run and prints a ratio).", no_args_is_help=True)
+
+
+@app.command()
+@friendly_errors
+def queue(
+    jobs: int = typer.Option(2000, help="Jobs per side."),
+    batch_size: int = typer.Option(64, help="Batching worker's batch size."),
+    redis_url: str = typer.Option(None, help="Redis to use (default: a fresh embedded one)."),
+    as_json: bool = typer.Option(False, "--json", help="End with one JSON line."),
+    out: Path = typer.Option(None, help="Folder to write queue-<host>.json and .png into (e.g. bench/results)."),
+) -> None:
+    """Batching worker (null engine) vs plain RQ SimpleWorker on the same jobs."""
+    from wicore.bench.queue import run_bench
+    from wicore.embedded import redis_url_or_embedded
+
+    with redis_url_or_embedded(redis_url) as url:
+        report = run_bench(url, jobs, batch_size)
+    console.print(
+        f"batching worker: {report['batch_jobs_per_s']:.0f} jobs/s, {report['batch_commands_per_job']} Redis "
+        f"commands/job, {report['batch_redis_cpu_us_per_job']} us Redis CPU/job\n"
+        f"plain RQ:        {report['rq_jobs_per_s']:.0f} jobs/s, {report['rq_commands_per_job']} Redis "
+        f"commands/job, {report['rq_redis_cpu_us_per_job']} us Redis CPU/job\n"
+        f"ratio: {report['ratio']:.1f}x"
+    )
+    if out is not None:
+        from wicore.bench.queue import write_results
+
+        for path in write_results(report, out):
+            console.print(f"wrote {path}")
+    if as_json:
+        typer.echo(json.dumps(report))
+
+
+@app.command()
+@friendly_errors
+def caption(
+    preset: str = typer.Option("gemma3-4b", help="Model shape (only gemma3-4b)."),
+    images: int = typer.Option(1024, help="Timed images (distinct, mixed sizes)."),
+    batch_size: int = typer.Option(256, help="Engine running sequences and claim size."),
+    engine: str = typer.Option("fast", help="Engine under test."),
+    engine_option: list[str] = typer.Option(None, "--engine-option", help="KEY=VALUE engine option; repeatable."),
+    hf_batches: str = typer.Option("8,32,64", help="Static batch sizes of the HF peer."),
+    hf_images: int = typer.Option(128, help="Images per batched HF peer run."),
+    workdir: Path = typer.Option(Path("/tmp/wicore-bench"), help="Scratch folder (model config, images, logs)."),
+    out: Path = typer.Option(Path("bench/results"), help="Folder for the JSON and the PNG."),
+    as_json: bool = typer.Option(False, "--json", help="End with one JSON line."),
+) -> None:
+    """Bulk captioning on the GPU: the whole product vs HF generate, with the roofline."""
+    from wicore.bench.caption import CaptionBench, run_caption_bench
+    from wicore.bench.report import print_caption_report, write_caption_report
+    from wicore.cli.common import engine_options
+    from wicore.errors import ConfigError
+
+    if preset != "gemma3-4b":
+        raise ConfigError(f"unknown preset {preset!r} (only gemma3-4b)")
+    bench = CaptionBench(
+        workdir=workdir,
+        images=images,
+        batch_size=batch_size,
+        engine=engine,
+        engine_options=engine_options(engine_option),
+        hf_batches=tuple(int(b) for b in hf_batches.split(",")),
+        hf_images=hf_images,
+    )
+    report = run_caption_bench(bench)
+    for path in write_caption_report(report, out):
+        console.print(f"wrote {path}")
+    print_caption_report(report)
+    if as_json:
+        typer.echo(json.dumps({k: v for k, v in report.items() if k != "engine_stats"}))

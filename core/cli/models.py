@@ -1,0 +1,28 @@
+"""`wicore make-model`: checkpoint directories built here (no hub)."""
+
+from __future__ import annotations
+
+from enum import Enum
+from pathlib import Path
+
+import typer
+
+from wicore.cli.common import console, friendly_errors
+
+
+class Preset(str, Enum):
+    tiny = "tiny"
+    gemma3_4b = "gemma3-4b"
+
+
+@friendly_errors
+def make_model(
+    preset: Preset = typer.Argument(..., help="tiny: a complete toy checkpoint; gemma3-4b: the real config only."),
+    out_dir: Path = typer.Argument(..., help="Directory to write."),
+    seed: int = typer.Option(0, help="Weight seed."),
+) -> None:
+    """Write a Gemma-3 checkpoint directory that loads offline like a user's own."""
+    from wicore.models.gemma3 import make_gemma3_4b, make_tiny
+
+    path = make_tiny(out_dir, seed=seed) if preset is Preset.tiny else make_gemma3_4b(out_dir, seed=seed)
+    console.print(f"wrote {preset.value} to {path}")

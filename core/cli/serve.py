@@ -1,0 +1,86 @@
+"""`wicore worker` and `wicore dashboard`: the long-running verbs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+from redis import Redis
+
+from wicore.cli.common import (
+    ConfigOption,
+    EngineOption,
+    ModelIdOption,
+    ModelOption,
+    RedisOption,
+    console,
+    engine_options,
+    friendly_errors,
+    model_dir_and_id,
+    settings_from,
+)
+from wicore.errors import ConfigError
+
+
+@friendly_errors
+def worker(
+    redis_url: str = RedisOption,
+    model: Path = ModelOption,
+    model_id: str = ModelIdOption,
+    engine: str = typer.Option(None, help="reference | fast | tensorrt | null (default: auto)", show_default=False),
+    device: str = typer.Option(None, help="cpu, cuda, cuda:1 ... (default: auto)", show_default=False),
+    dtype: str = typer.Option(None, help="float32 | bfloat16 | float16 (default: auto)", show_default=False),
+    batch_size: int = typer.Option(None, help="Most jobs in one engine batch [8].", show_default=False),
+    max_queue_delay_ms: float = typer.Option(
+        None, help="Longest a partial batch waits to fill [5].", show_default=False
+    ),
+    allow_root: list[Path] = typer.Option(None, help="Folder path-referenced images may come from (repeatable)."),
+    name: str = typer.Option(None, help="Worker name (default: random)."),
+    burst: bool = typer.Option(False, help="Exit once the queues are empty."),
+    max_jobs: int = typer.Option(None, help="Exit after this many jobs."),
+    no_cache: bool = typer.Option(None, "--no-cache", help="Turn off the KV and vision caches."),
+    engine_option: list[str] = EngineOption,
+    config: Path = ConfigOption,
+) -> None:
+    """Serve caption jobs from Redis: take batches by shape bucket, run them, write results."""
+    settings = settings_from(
+        config,
+        redis_url=redis_url,
+        model=model,
+        model_id=model_id,
+        engine=engine,
+        device=device,
+        dtype=dtype,
+        batch_size=batch_size,
+        max_queue_delay_ms=max_queue_delay_ms,
+        allowed_roots=allow_root or None,
+        no_cache=no_cache,
+    )
+    if not settings.redis_url:
+        raise ConfigError("wicore worker needs --redis-url or WICORE_REDIS_URL")
+    from wicore.worker.factory import build_engine, build_worker
+
+    model_dir, served_id = model_dir_and_id(settings)
+    engine_obj = build_engine(settings, model_dir, engine_options(engine_option))
+    connection = Redis.from_url(settings.redis_url)
+    worker_obj = build_worker(settings, connection, engine_obj, served_id, name=name, burst=burst, max_jobs=max_jobs)
+    console.print(f"worker [bold]{worker_obj.name}[/bold]: model {served_id} ({model_dir}) on {engine_obj.name}")
+    done = worker_obj.run()
+    console.print(f"worker {worker_obj.name}: {done} jobs done, stopped")
+
+
+@friendly_errors
+def dashboard(
+    redis_url: str = RedisOption,
+    host: str = typer.Option("127.0.0.1", help="Interface to listen on."),
+    port: int = typer.Option(9181, help="Port to listen on."),
+    config: Path = ConfigOption,
+) -> None:
+    """rq-dashboard on the same Redis, reading wicore's JSON-serialized jobs."""
+    settings = settings_from(config, redis_url=redis_url)
+    if not settings.redis_url:
+        raise ConfigError("wicore dashboard needs --redis-url or WICORE_REDIS_URL")
+    from wicore.worker.dashboard import make_app
+
+    console.print(f"rq-dashboard on http://{host}:{port}/ for {settings.redis_url}")
+    make_app(settings.redis_url).run(host=host, port=port)

@@ -1,0 +1,47 @@
+"""Every Redis key wicore writes beside RQ's own `rq:*` keys, in one place."""
+
+from __future__ import annotations
+
+PREFIX = "wicore"
+
+# Image bytes stored once by content hash (the producer writes, workers read).
+BLOB = PREFIX + ":blob:{sha256}"
+# Set when a job id is first submitted; makes resubmission of the same work a no-op.
+SUBMITTED = PREFIX + ":submitted:{job_id}"
+# Jobs a worker has taken from a queue and not yet completed (a list per worker).
+CLAIMS = PREFIX + ":claims:{worker}"
+# Worker names that may hold claims; the reaper walks it.
+CLAIMANTS = PREFIX + ":claimants"
+# Pushed by producers after enqueueing, popped by idle workers (a wake-up, not a queue).
+DOORBELL = PREFIX + ":doorbell:{model}"
+# Completion notices for a waiting producer (a list per producer session).
+NOTIFY = PREFIX + ":notify:{session}"
+# Per-worker engine and cache counters (JSON), for `wicore status`.
+STATS = PREFIX + ":stats:{worker}"
+
+# RQ queue names of wicore's bucket queues start with this (see scheduler.buckets).
+QUEUE_PREFIX = PREFIX
+
+
+def blob(sha256: str) -> str:
+    return BLOB.format(sha256=sha256)
+
+
+def submitted(job_id: str) -> str:
+    return SUBMITTED.format(job_id=job_id)
+
+
+def claims(worker: str) -> str:
+    return CLAIMS.format(worker=worker)
+
+
+def doorbell(model: str) -> str:
+    return DOORBELL.format(model=model)
+
+
+def notify(session: str) -> str:
+    return NOTIFY.format(session=session)
+
+
+def stats(worker: str) -> str:
+    return STATS.format(worker=worker)

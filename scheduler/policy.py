@@ -1,0 +1,80 @@
+"""The batch former's policy, in plain Python (no Redis): given what every bucket queue holds,
+which queue to take from, how many jobs, or how long to wait.
+
+- A batch goes out when it is full (`max_batch_size`, or the engine's free slots if fewer),
+  or when its oldest job has waited `max_queue_delay_s` (Triton's `max_queue_delay`: a
+  partly filled batch is sent once its first request has waited that long).
+- Lanes are drained in order (high, normal, low); within a lane the bucket whose head job is
+  oldest goes first, so no bucket starves while it has the oldest work.
+- A job past its deadline is failed with the reason and never run (`split_expired`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import TypeVar
+
+from wicore.scheduler.buckets import BucketKey
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class BatchPolicy:
+    max_batch_size: int = 8
+    max_queue_delay_s: float = 0.005
+
+    def __post_init__(self) -> None:
+        if self.max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
+        if self.max_queue_delay_s < 0:
+            raise ValueError(f"max_queue_delay_s must be >= 0, got {self.max_queue_delay_s}")
+
+
+@dataclass(frozen=True)
+class QueueHead:
+    """What the batch former knows of one bucket queue."""
+
+    bucket: BucketKey
+    length: int
+    oldest_at: float  # enqueue time of the job at the head (unix seconds)
+
+    @property
+    def order(self) -> tuple[int, float]:
+        return (self.bucket.lane.rank, self.oldest_at)
+
+
+@dataclass(frozen=True)
+class Take:
+    queue_name: str
+    count: int
+
+
+@dataclass(frozen=True)
+class Wait:
+    seconds: float
+
+
+def choose(heads: Iterable[QueueHead], capacity: int, policy: BatchPolicy, now: float) -> Take | Wait | None:
+    """Take from the first ready bucket in drain order; else wait for the earliest to ripen.
+
+    None when there is nothing to do (no jobs, or no room in the engine)."""
+    waiting = sorted((h for h in heads if h.length > 0), key=lambda h: h.order)
+    want = min(capacity, policy.max_batch_size)
+    if not waiting or want <= 0:
+        return None
+    for head in waiting:
+        if head.length >= want or now - head.oldest_at >= policy.max_queue_delay_s:
+            return Take(head.bucket.queue_name, min(head.length, want))
+    return Wait(min(policy.max_queue_delay_s - (now - h.oldest_at) for h in waiting))
+
+
+def split_expired(items: Iterable[T], deadline_of: Callable[[T], float | None], now: float) -> tuple[list[T], list[T]]:
+    """(live, expired): an item whose deadline is set and has passed is expired."""
+    live: list[T] = []
+    expired: list[T] = []
+    for item in items:
+        deadline = deadline_of(item)
+        (expired if deadline is not None and deadline <= now else live).append(item)
+    return live, expired

@@ -1,0 +1,92 @@
+"""Test data and small runners shared by the test modules."""
+
+from __future__ import annotations
+
+import io
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+from redis import Redis
+
+
+def png_bytes(seed: int, size: tuple[int, int] = (40, 30)) -> bytes:
+    """A distinct, never-blank image per seed."""
+    rng = np.random.default_rng(seed)
+    pixels = rng.integers(1, 255, (size[1], size[0], 3), dtype=np.uint8)
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def write_images(folder: Path, count: int, start: int = 0) -> list[Path]:
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for i in range(start, start + count):
+        path = folder / f"img{i:04d}.png"
+        path.write_bytes(png_bytes(i, (24 + i % 40, 20 + (7 * i) % 50)))
+        paths.append(path)
+    return paths
+
+
+def wicore(
+    *args: str, env: dict | None = None, timeout: float = 300, check: bool = True
+) -> subprocess.CompletedProcess:
+    """Run the real CLI in a subprocess, as a user would."""
+    full_env = {**os.environ, **(env or {})}
+    result = subprocess.run(
+        [sys.executable, "-m", "wicore.cli.main", *args], capture_output=True, text=True, env=full_env, timeout=timeout
+    )
+    if check and result.returncode != 0:
+        raise AssertionError(f"wicore {' '.join(args)} exited {result.returncode}:\n{result.stdout}\n{result.stderr}")
+    return result
+
+
+def start_worker(*args: str, env: dict | None = None, log: Path | None = None) -> subprocess.Popen:
+    sink = open(log, "wb") if log else subprocess.DEVNULL  # noqa: SIM115 (closed with the process)
+    return subprocess.Popen(
+        [sys.executable, "-m", "wicore.cli.main", "worker", *args],
+        env={**os.environ, **(env or {})},
+        stdout=sink,
+        stderr=subprocess.STDOUT,
+    )
+
+
+def stop(process: subprocess.Popen, sig: int = signal.SIGTERM, timeout: float = 60) -> int:
+    if process.poll() is None:
+        process.send_signal(sig)
+    return process.wait(timeout=timeout)
+
+
+def wait_until(predicate, timeout: float, interval: float = 0.05, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def all_values(connection: Redis) -> list[bytes]:
+    """Every stored value of every key (strings, hashes, lists, sets, zsets, streams)."""
+    values: list[bytes] = []
+    for key in connection.scan_iter(count=1000):
+        kind = connection.type(key).decode()
+        if kind == "string":
+            values.append(connection.get(key))
+        elif kind == "hash":
+            values += list(connection.hgetall(key).values())
+        elif kind == "list":
+            values += connection.lrange(key, 0, -1)
+        elif kind == "set":
+            values += list(connection.smembers(key))
+        elif kind == "zset":
+            values += connection.zrange(key, 0, -1)
+        elif kind == "stream":
+            values += [v for _, fields in connection.xrange(key) for v in fields.values()]
+    return values

@@ -1,0 +1,126 @@
+"""The command line as users run it: real subprocesses, a real redis-server."""
+
+from __future__ import annotations
+
+import json
+import signal
+
+import pytest
+from redis import Redis
+from rq.job import Job, JobStatus
+from rq.registry import StartedJobRegistry
+
+from tests.helpers import start_worker, stop, wait_until, wicore, write_images
+from wicore.embedded import EmbeddedRedis
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def server():
+    with EmbeddedRedis() as s:
+        yield s
+
+
+def read_lines(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_caption_folder_with_broken_files_then_resume(tmp_path):
+    folder = tmp_path / "photos"
+    write_images(folder / "nested", 5)
+    (folder / "truncated.png").write_bytes((folder / "nested" / "img0000.png").read_bytes()[:60])
+    (folder / "notes.jpg").write_text("this is not a jpeg")
+    (folder / "readme.txt").write_text("not an input: wrong extension")
+    out = tmp_path / "out.jsonl"
+    env = {"XDG_CACHE_HOME": str(tmp_path / "cache")}  # the default model is built here, once
+
+    first = wicore("caption", str(folder), "-o", str(out), "--max-new-tokens", "4", env=env)
+    lines = read_lines(out)
+    assert len(lines) == 7
+    by_input = {line["input"]: line for line in lines}
+    assert set(by_input) == {str(folder / "nested" / f"img000{i}.png") for i in range(5)} | {
+        str(folder / "truncated.png"),
+        str(folder / "notes.jpg"),
+    }
+    for line in lines:
+        assert {"input", "job_id", "text", "error"} <= set(line)
+    for name in ("truncated.png", "notes.jpg"):
+        bad = by_input[str(folder / name)]
+        assert bad["text"] is None and bad["error"].startswith("ImageError")
+    for i in range(5):
+        good = by_input[str(folder / "nested" / f"img000{i}.png")]
+        assert isinstance(good["text"], str) and good["error"] is None and good["output_tokens"] == 4
+    assert "captioned 5 of 7" in first.stderr
+
+    again = wicore("caption", str(folder), "-o", str(out), "--max-new-tokens", "4", env=env)
+    assert len(read_lines(out)) == 7, "a re-run adds no line"
+    assert "nothing to do" in again.stderr
+
+    write_images(folder / "nested", 1, start=5)  # one new image: only it is captioned
+    wicore("caption", str(folder), "-o", str(out), "--max-new-tokens", "4", env=env)
+    lines = read_lines(out)
+    assert len(lines) == 8 and lines[-1]["input"].endswith("img0005.png")
+
+
+def test_worker_enqueue_result_three_processes(tmp_path, server, tiny_model_dir):
+    images = write_images(tmp_path / "imgs", 200)
+    url = server.url
+    worker = start_worker(
+        "--redis-url", url, "--model", str(tiny_model_dir), "--batch-size", "16", log=tmp_path / "w.log"
+    )
+    try:
+        enqueued = wicore("enqueue", str(tmp_path / "imgs"), "--redis-url", url, "--model-id", "tiny",
+                          "--max-new-tokens", "3")  # fmt: skip
+        ids = enqueued.stdout.split()
+        assert len(ids) == 200 == len(set(ids)) == len(images)
+        results = wicore("result", *ids, "--wait", "240", "--redis-url", url, timeout=600)
+        lines = [json.loads(line) for line in results.stdout.splitlines()]
+        assert [line["job_id"] for line in lines] == ids
+        assert all(line.get("text") is not None and line["output_tokens"] == 3 for line in lines)
+    finally:
+        assert stop(worker) == 0, (tmp_path / "w.log").read_text()[-2000:]
+    connection = Redis.from_url(url)
+    assert all(connection.xlen(f"rq:results:{job_id}") == 1 for job_id in ids), "each job ran exactly once"
+
+
+def test_result_exit_codes(tmp_path, server, tiny_model_dir):
+    (tmp_path / "bad.png").write_bytes(b"garbage")
+    url = server.url
+    [job_id] = wicore("enqueue", str(tmp_path / "bad.png"), "--redis-url", url, "--model-id", "tiny").stdout.split()
+    unfinished = wicore("result", job_id, "--redis-url", url, check=False)
+    assert unfinished.returncode == 3
+    worker = start_worker("--redis-url", url, "--model", str(tiny_model_dir), "--burst")
+    assert worker.wait(timeout=120) == 0
+    failed = wicore("result", job_id, "--wait", "5", "--redis-url", url, check=False)
+    assert failed.returncode == 1 and json.loads(failed.stdout)["error"].startswith("ImageError")
+    unknown = wicore("result", "wc-nope", "--redis-url", url, check=False)
+    assert unknown.returncode == 2 and "no job wc-nope" in unknown.stderr
+    status = json.loads(wicore("status", "--json", "--redis-url", url).stdout)
+    assert [q["failed"] for q in status["queues"]] == [1]
+
+
+def test_kill_9_mid_batch_then_new_worker_finishes_every_job_once(tmp_path, server, tiny_model_dir):
+    write_images(tmp_path / "imgs", 24)
+    url = server.url
+    env = {"WICORE_LIVENESS_TTL_S": "2"}
+    args = ["--redis-url", url, "--model", str(tiny_model_dir), "--batch-size", "8"]
+    ids = wicore("enqueue", str(tmp_path / "imgs"), "--redis-url", url, "--model-id", "tiny",
+                 "--max-new-tokens", "48").stdout.split()  # fmt: skip
+    connection = Redis.from_url(url)
+    queue_name = Job.fetch(ids[0], connection=connection).origin
+    doomed = start_worker(*args, env=env, log=tmp_path / "doomed.log")
+    wait_until(lambda: StartedJobRegistry(queue_name, connection=connection).count > 0, 120, what="a started batch")
+    stop(doomed, signal.SIGKILL)
+    in_flight = StartedJobRegistry(queue_name, connection=connection).get_job_ids()
+    assert in_flight, "the kill landed in the middle of a batch"
+
+    survivor = start_worker(*args, env=env, log=tmp_path / "survivor.log")
+    try:
+        statuses = lambda: [Job.fetch(i, connection=connection).get_status() for i in ids]  # noqa: E731
+        wait_until(lambda: all(s == JobStatus.FINISHED for s in statuses()), 180, 0.5, "every job to finish")
+    finally:
+        stop(survivor)
+    assert all(connection.xlen(f"rq:results:{i}") == 1 for i in ids), "no job finished twice"
+    assert StartedJobRegistry(queue_name, connection=connection).count == 0
+    assert connection.llen("rq:queue:" + queue_name) == 0

@@ -1,0 +1,166 @@
+"""The batching worker end to end on a real redis-server and the tiny Gemma-3 (reference
+engine, CPU): results, per-job failures, deadlines, no pickle, dedup, liveness."""
+
+from __future__ import annotations
+
+import base64
+import json
+import pickletools
+import time
+import zlib
+
+import pytest
+from redis import Redis
+from rq.job import Job
+
+from tests.helpers import all_values, png_bytes
+from wicore.engines import EngineConfig
+from wicore.engines.reference import ReferenceEngine
+from wicore.producer import Producer, ProducerConfig, Submission
+from wicore.scheduler.policy import BatchPolicy
+from wicore.schemas import GenerationParams
+from wicore.worker.loop import BatchingWorker, WorkerConfig
+
+MODEL = "tiny"
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir):
+    return ReferenceEngine(EngineConfig(str(tiny_model_dir), max_batch_size=4))
+
+
+def run_worker(connection: Redis, engine, **config) -> BatchingWorker:
+    policy = BatchPolicy(max_batch_size=4, max_queue_delay_s=0.0)
+    worker = BatchingWorker(connection, engine, WorkerConfig(MODEL, policy=policy, burst=True, **config))
+    worker.run()
+    return worker
+
+
+def outcomes(producer: Producer, ids: list[str]) -> dict:
+    return {o.job_id: o for o in producer.wait(ids, timeout=30)}
+
+
+def test_results_for_a_mixed_batch_and_bad_images_fail_alone(redis_conn, engine):
+    producer = Producer(redis_conn, model=MODEL)
+    params = GenerationParams(max_new_tokens=5)
+    good = [Submission(png_bytes(i), f"prompt number {i}", params=params) for i in range(6)]
+    broken = [Submission(b"\x89PNG\r\n\x1a\n garbage", params=params), Submission(b"not an image", params=params)]
+    ids = producer.submit_many(good + broken)
+    worker = run_worker(redis_conn, engine)
+    assert worker.jobs_done == 8
+    results = outcomes(producer, ids)
+    for job_id in ids[:6]:
+        result = results[job_id].result
+        assert result is not None and result.output_tokens == 5 and result.engine == "reference"
+        assert result.worker == worker.name and result.timings.total_s >= result.timings.engine_s > 0
+    for job_id in ids[6:]:
+        assert results[job_id].result is None and results[job_id].error.startswith("ImageError")
+
+
+def test_batch_output_equals_one_by_one(redis_conn, engine):
+    producer = Producer(redis_conn, model=MODEL)
+    params = GenerationParams(max_new_tokens=6)
+    subs = [Submission(png_bytes(100 + i), "Describe this image." + " more" * i, params=params) for i in range(4)]
+    ids = producer.submit_many(subs)
+    run_worker(redis_conn, engine)
+    batched = outcomes(producer, ids)
+    for sub, job_id in zip(subs, ids):
+        [alone] = engine.generate([_request(job_id, sub)])
+        assert list(batched[job_id].result.token_ids) == alone.token_ids
+
+
+def _request(job_id, sub):
+    from wicore.engines.base import EngineRequest
+    from wicore.ops.image import decode_image
+
+    chat = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": sub.prompt}]}]
+    return EngineRequest(job_id, chat, [decode_image(sub.image)], sub.params)
+
+
+def test_job_past_its_deadline_fails_and_never_runs(redis_conn, engine):
+    producer = Producer(redis_conn, model=MODEL)
+    late = producer.submit(png_bytes(1), "late", deadline=time.time() - 1)
+    on_time = producer.submit(
+        png_bytes(2), "on time", deadline=time.time() + 600, params=GenerationParams(max_new_tokens=2)
+    )
+    seen_before = engine.requests_seen
+    run_worker(redis_conn, engine)
+    results = outcomes(producer, [late, on_time])
+    assert results[late].error.startswith("DeadlineExceeded") and "not run" in results[late].error
+    assert results[on_time].result is not None
+    assert engine.requests_seen - seen_before == 1, "the late job never reached the engine"
+
+
+def test_same_work_submitted_twice_runs_once(redis_conn, engine):
+    producer = Producer(redis_conn, model=MODEL)
+    params = GenerationParams(max_new_tokens=2)
+    first = producer.submit(png_bytes(7), "same", params=params)
+    second = Producer(redis_conn, model=MODEL).submit(png_bytes(7), "same", params=params, metadata={"other": 1})
+    assert first == second
+    worker = run_worker(redis_conn, engine)
+    assert worker.jobs_done == 1
+    assert redis_conn.xlen(f"rq:results:{first}") == 1
+    assert len([k for k in redis_conn.scan_iter("wicore:blob:*")]) == 1, "the image is stored once"
+
+
+def test_redis_holds_no_pickle(redis_conn, engine):
+    producer = Producer(redis_conn, model=MODEL)
+    ids = producer.submit_many(
+        [Submission(png_bytes(i), "x", params=GenerationParams(max_new_tokens=2)) for i in (1, 2)]
+    )
+    ids.append(producer.submit(b"broken"))
+    run_worker(redis_conn, engine)
+    outcomes(producer, ids)
+    for value in all_values(redis_conn):
+        for candidate in _decodings(value):
+            assert not _is_pickle(candidate), f"pickle found in Redis: {candidate[:40]!r}"
+    job = Job.fetch(ids[0], connection=redis_conn)
+    payload = json.loads(zlib.decompress(redis_conn.hget(job.key, "data")))
+    assert payload[0] == "wicore.worker.tasks.caption" and payload[2][0]["model"] == MODEL
+
+
+def _decodings(value: bytes):
+    """The value, and what it holds when it is zlib- or base64-wrapped (RQ wraps both ways)."""
+    yield value
+    for decode in (zlib.decompress, base64.b64decode, lambda v: zlib.decompress(base64.b64decode(v))):
+        try:
+            yield decode(value)
+        except Exception:
+            continue
+
+
+def _is_pickle(data: bytes) -> bool:
+    if not data or data[:1] != b"\x80" or len(data) < 3:
+        return False
+    try:
+        pickletools.dis(data, out=open("/dev/null", "w"))  # noqa: SIM115
+        return True
+    except Exception:
+        return False
+
+
+def test_worker_publishes_stats_and_registers_with_rq(redis_conn, engine):
+    producer = Producer(redis_conn, model=MODEL, config=ProducerConfig())
+    producer.submit(png_bytes(3), "x", params=GenerationParams(max_new_tokens=2))
+    worker = run_worker(redis_conn, engine)
+    stats = json.loads(redis_conn.get(f"wicore:stats:{worker.name}"))
+    assert stats["jobs_done"] == 1 and stats["in_flight"] == 0
+    assert not redis_conn.sismember("rq:workers", f"rq:worker:{worker.name}"), "a stopped worker unregisters"
+
+
+def test_a_plain_rq_worker_can_run_a_wicore_job(redis_conn, tiny_model_dir, monkeypatch):
+    """The job function the payload names works under RQ's own SimpleWorker too."""
+    from rq import Queue, SimpleWorker
+    from rq.serializers import JSONSerializer
+
+    from wicore.worker import tasks
+
+    monkeypatch.setenv("WICORE_MODEL", str(tiny_model_dir))
+    monkeypatch.setenv("WICORE_ENGINE", "reference")
+    tasks._engine.cache_clear()
+    job_id = Producer(redis_conn, model=MODEL).submit(png_bytes(5), "x", params=GenerationParams(max_new_tokens=3))
+    queue = Queue(Job.fetch(job_id, connection=redis_conn).origin, connection=redis_conn, serializer=JSONSerializer)
+    SimpleWorker([queue], connection=redis_conn, serializer=JSONSerializer).work(burst=True)
+    result = Producer(redis_conn, model=MODEL).result(job_id)
+    assert result.output_tokens == 3 and result.engine == "reference"
+    tasks._engine.cache_clear()

@@ -1,0 +1,75 @@
+"""Settings -> engine and worker. Resolves the `auto` choices: CUDA when present, bfloat16 on
+CUDA and float32 on CPU, the fast engine on CUDA and the reference engine on CPU."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from redis import Redis
+
+from wicore.config import Settings
+from wicore.engines import Engine, EngineConfig, create_engine
+from wicore.ops.image import ImageLimits
+from wicore.scheduler.policy import BatchPolicy
+from wicore.worker.inputs import InputConfig
+from wicore.worker.loop import BatchingWorker, WorkerConfig
+
+
+def resolve_device(device: str) -> str:
+    if device != "auto":
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def resolve_dtype(dtype: str, device: str) -> str:
+    if dtype != "auto":
+        return dtype
+    return "bfloat16" if device.startswith("cuda") else "float32"
+
+
+def resolve_engine(engine: str, device: str) -> str:
+    if engine != "auto":
+        return engine
+    return "fast" if device.startswith("cuda") else "reference"
+
+
+def build_engine(settings: Settings, model_dir: Path, options: dict | None = None) -> Engine:
+    device = resolve_device(settings.device)
+    config = EngineConfig(
+        model_dir=str(model_dir),
+        device=device,
+        dtype=resolve_dtype(settings.dtype, device),
+        max_batch_size=settings.batch_size,
+        options=options or {},
+    )
+    return create_engine(resolve_engine(settings.engine, device), config)
+
+
+def build_worker(
+    settings: Settings,
+    connection: Redis,
+    engine: Engine,
+    model_id: str,
+    *,
+    name: str | None = None,
+    burst: bool = False,
+    max_jobs: int | None = None,
+) -> BatchingWorker:
+    inputs = InputConfig(
+        allowed_roots=tuple(Path(r) for r in settings.allowed_roots),
+        limits=ImageLimits(max_bytes=settings.max_image_bytes, max_pixels=settings.max_image_pixels),
+    )
+    config = WorkerConfig(
+        model_id=model_id,
+        name=name,
+        policy=BatchPolicy(max_batch_size=settings.batch_size, max_queue_delay_s=settings.max_queue_delay_ms / 1000),
+        inputs=inputs,
+        liveness_ttl_s=settings.liveness_ttl_s,
+        heartbeat_s=min(3.0, settings.liveness_ttl_s / 3),
+        result_ttl_s=settings.result_ttl_s,
+        burst=burst,
+        max_jobs=max_jobs,
+    )
+    return BatchingWorker(connection, engine, config)
