@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from fast_requests import mismatches, mixed_requests, request
 
+from tests.fast_requests import mismatches, mixed_requests, request
 from wicore.engines.base import EngineConfig
 from wicore.engines.fast import FastEngine
 from wicore.engines.reference import ReferenceEngine

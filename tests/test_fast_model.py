@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from fast_requests import image, one_torch_thread  # noqa: F401 (fixture)
 
+from tests.fast_requests import image, one_torch_thread  # noqa: F401 (fixture)
 from wicore.engines.checkpoint import load_hf_model, load_processor
 from wicore.engines.fast.inputs import InputProcessor
 from wicore.engines.fast.kv_cache import KVLayout

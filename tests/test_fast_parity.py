@@ -13,9 +13,9 @@ from collections import Counter
 
 import pytest
 import torch
-from fast_requests import mismatches, mixed_requests, one_torch_thread, request  # noqa: F401 (fixture)
 from safetensors.torch import load_file, save_file
 
+from tests.fast_requests import mismatches, mixed_requests, one_torch_thread, request  # noqa: F401 (fixture)
 from wicore.engines.base import EngineConfig
 from wicore.engines.fast import FastEngine
 from wicore.engines.reference import ReferenceEngine

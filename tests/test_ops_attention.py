@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from fast_requests import one_torch_thread  # noqa: F401 (fixture)
 
+from tests.fast_requests import one_torch_thread  # noqa: F401 (fixture)
 from wicore.ops.attention import (
     gemma3_prefill_masks,
     pack_layout,
@@ -150,7 +150,7 @@ def test_triton_kernel_matches_reference(dtype, window, ring, softcap):
 
 INTERPRETED = """
 import torch
-from test_ops_attention import paged_setup
+from tests.test_ops_attention import paged_setup
 from wicore.ops.attention import paged_decode_attention_reference
 from wicore.ops.paged_attention_triton import paged_decode_attention_triton
 
@@ -177,7 +177,7 @@ def test_triton_kernel_in_the_interpreter():
 
     pytest.importorskip("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
-    tests = str(Path(__file__).parent)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [tests, env.get("PYTHONPATH")]))
+    root = str(Path(__file__).parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
     result = subprocess.run([sys.executable, "-c", INTERPRETED], env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-2000:]

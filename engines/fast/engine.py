@@ -35,6 +35,7 @@ from wicore.errors import JobInputError, PromptTooLong
 
 log = logging.getLogger(__name__)
 VISION_IN_FLIGHT = 2  # vision batches queued on the side stream at once (double buffering)
+IDLE_WAIT_S = 0.02  # longest wait inside a step that launched nothing
 
 
 class FastEngine(Engine):
@@ -94,6 +95,7 @@ class FastEngine(Engine):
     # -- the interface ----------------------------------------------------------------------
 
     def add(self, requests: list[EngineRequest]) -> list[Completion]:
+        self.requests_seen += len(requests)
         rejected = []
         for request in requests:
             try:
@@ -120,7 +122,7 @@ class FastEngine(Engine):
         return done
 
     def stats(self) -> dict:
-        return self.counters.report(self.runner, self.blocks, self.scheduler)
+        return {**super().stats(), **self.counters.report(self.runner, self.blocks, self.scheduler)}
 
     def close(self) -> None:
         if self.pool is not None:
@@ -198,13 +200,14 @@ class FastEngine(Engine):
         return Completion(seq.id, text, ids, reason, prompt_tokens=seq.prompt_len, engine_s=seq.age())
 
     def _wait_for_work(self) -> None:
-        """Nothing ran this step: block on what everything waits for instead of spinning."""
+        """Nothing ran this step: wait (briefly, so the worker can keep admitting) for what
+        everything waits on instead of spinning."""
         if self.vision_jobs:
-            self.vision_jobs[0].wait()
+            self.vision_jobs[0].wait(IDLE_WAIT_S)
         elif self.readbacks:
             self.readbacks[0].tokens()
         elif self.scheduler.waiting and isinstance(self.scheduler.waiting[0].pixels, Future):
-            wait([self.scheduler.waiting[0].pixels])  # admission is FIFO: the head decides
+            wait([self.scheduler.waiting[0].pixels], timeout=IDLE_WAIT_S)  # FIFO: the head decides
 
     # -- requests ---------------------------------------------------------------------------
 

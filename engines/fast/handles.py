@@ -20,9 +20,11 @@ class VisionJob:
     def done(self) -> bool:
         return self.event is None or self.event.query()
 
-    def wait(self) -> None:
-        if self.event is not None:
-            self.event.synchronize()
+    def wait(self, timeout: float) -> None:
+        """Until done or `timeout` seconds (polling: CUDA events have no timed wait)."""
+        deadline = time.perf_counter() + timeout
+        while not self.done() and time.perf_counter() < deadline:
+            time.sleep(0.0005)
 
 
 @dataclass

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from wicore.errors import JobInputError
+from wicore.ops.preprocess import PreprocessSpec, pixel_values
 
 
 @dataclass(frozen=True)
@@ -23,17 +24,13 @@ class Prompt:
     image_starts: list[int]  # position of each image's first soft token
 
 
-def pixel_values(image_processor, images: list) -> np.ndarray:
-    """float32 [N, 3, H, W], identical to the HF image processor's output."""
-    return np.asarray(image_processor(images, return_tensors="np")["pixel_values"], dtype=np.float32)
-
-
 class InputProcessor:
     def __init__(self, processor, image_token_id: int, tokens_per_image: int):
         self.processor = processor
         self.tokenizer = processor.tokenizer
         self.image_token_id = image_token_id
         self.tokens_per_image = tokens_per_image
+        self.pixel_spec = PreprocessSpec.from_hf(processor.image_processor)
 
     def prompt(self, chat: list[dict[str, Any]], num_images: int) -> Prompt:
         try:
@@ -58,6 +55,7 @@ class InputProcessor:
         return starts
 
     def pixels(self, images: list) -> np.ndarray:
+        """float32 [N, 3, H, W], identical to the HF image processor's output."""
         if not images:
             return np.zeros((0, 3, 1, 1), dtype=np.float32)
-        return pixel_values(self.processor.image_processor, images)
+        return pixel_values(images, self.pixel_spec)

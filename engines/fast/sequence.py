@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from enum import StrEnum
+from enum import Enum
 
 import numpy as np
 import torch
@@ -14,7 +14,7 @@ from wicore.engines.base import Completion, EngineRequest
 from wicore.engines.fast.inputs import Prompt
 
 
-class SeqStatus(StrEnum):
+class SeqStatus(str, Enum):
     WAITING = "waiting"  # tokenized; no KV pages yet
     ENCODING = "encoding"  # admitted (table row + pages); images queued for / in the vision tower
     READY = "ready"  # image embeddings on the device; waits for prefill

@@ -5,12 +5,15 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
+import torch
+
 
 @dataclass
 class EngineStats:
     steps: int = 0
     images: int = 0
     prefill_batches: int = 0
+    prefilled: int = 0  # sequences
     prompt_tokens: int = 0
     decode_steps: int = 0
     generated_tokens: int = 0  # tokens of finished requests (after cutting at EOS / stop)
@@ -22,6 +25,7 @@ class EngineStats:
 
     def record_prefill(self, seqs) -> None:
         self.prefill_batches += 1
+        self.prefilled += len(seqs)
         self.prompt_tokens += sum(s.prompt_len for s in seqs)
 
     def record_decode(self, batch: int, graphed: bool) -> None:
@@ -48,6 +52,7 @@ class EngineStats:
             "images": self.images,
             "prefill_batches": self.prefill_batches,
             "prompt_tokens": self.prompt_tokens,
+            "mean_prompt_tokens": self.prompt_tokens / self.prefilled if self.prefilled else None,
             "decode_steps": self.decode_steps,
             "generated_tokens": self.generated_tokens,
             "finished": self.finished,
@@ -62,4 +67,7 @@ class EngineStats:
             "kv_block_size": scheduler.layout.block_size,
             "waiting": len(scheduler.waiting),
             "admitted": scheduler.num_admitted,
+            "peak_gpu_bytes": torch.cuda.max_memory_allocated(runner.device)
+            if runner is not None and runner.cuda
+            else None,
         }
