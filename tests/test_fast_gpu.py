@@ -44,7 +44,7 @@ def test_cuda_bfloat16_runs_and_sizes_kv_from_memory(tiny_model_dir):
             device="cuda",
             dtype="bfloat16",
             max_batch_size=8,
-            options={"gpu_memory_utilization": 0.3},
+            options={"gpu_memory_utilization": 0.05},
         )
     )
     assert engine.blocks.num_pages > 1000

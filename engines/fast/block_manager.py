@@ -25,7 +25,7 @@ class BlockManager:
         self.ref_counts = [0] * num_pages
         self.ref_counts[NULL_PAGE] = 1  # pinned forever
         self.hashes: list[int | None] = [None] * num_pages  # prefix-cache key of a full block (later)
-        self.free_pages: deque[int] = deque(p for p in range(num_pages) if p != NULL_PAGE)
+        self.free_pages: deque[int] = deque(range(NULL_PAGE + 1, num_pages))  # the null page is 0
 
     @property
     def num_free(self) -> int:
