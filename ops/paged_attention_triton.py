@@ -121,7 +121,9 @@ def paged_decode_attention_triton(
     if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("paged attention needs the head dimension contiguous")
     out = torch.empty_like(q)
-    block_n = max(16, page * max(1, 64 // page))  # 64 keys per tile (4 pages of 16)
+    # Keys per tile (any power of two >= 16; tokens map to pages one by one). 32 at head_dim 256
+    # keeps the pipelined K/V tiles (3 stages x 2 x 16 KiB in bf16) well inside shared memory.
+    block_n = 64 if dim <= 128 else 32
     _paged_decode_kernel[(batch, kv_heads)](
         q,
         k_cache,
