@@ -94,10 +94,10 @@ def run_product(bench: CaptionBench, model_dir: Path, paths: list[Path], log: Pa
             ids = producer.submit_many(Submission(p, bench.prompt, params=params) for p in timed)
             outcomes = {o.job_id: o for o in producer.wait(ids, timeout=1800)}
             seconds = time.perf_counter() - start
-            stats = json.loads(connection.get(f"wicore:stats:{name}") or b"{}")
         finally:
             worker.send_signal(signal.SIGTERM)
             worker.wait(timeout=120)
+        stats = json.loads(connection.get(f"wicore:stats:{name}") or b"{}")  # published at the worker's stop
     errors = [o.error for o in outcomes.values() if o.error]
     results = [o.result for o in outcomes.values() if o.result]
     tokens = {str(p): list(outcomes[i].result.token_ids) for p, i in zip(timed, ids) if outcomes[i].result}
