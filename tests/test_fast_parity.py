@@ -228,3 +228,10 @@ def test_kv_pool_bounds_admission_and_rejects_what_never_fits(tiny_model_dir, ex
     out = engine.generate(mixed_requests()[:4])
     assert mismatches(out, by_id(expected, out)) == []
     assert engine.stats()["max_decode_batch"] < 4  # pages, not rows, bounded the batch
+
+
+def test_compiled_decoder_matches_reference(tiny_model_dir, expected):
+    """The inductor-compiled decoder layers (the CUDA default) give the reference's tokens."""
+    engine = FastEngine(EngineConfig(str(tiny_model_dir), max_batch_size=4, options={"compile_text": True}))
+    out = engine.generate(mixed_requests())
+    assert mismatches(out, by_id(expected, out)) == []

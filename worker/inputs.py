@@ -4,8 +4,9 @@ hash, decode it. Every failure here is the job's own (an input error), reported 
 from __future__ import annotations
 
 import hashlib
+import os
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,7 +23,7 @@ from wicore.schemas import CaptionJob
 class InputConfig:
     allowed_roots: tuple[Path, ...] = ()  # path references must resolve under one of these
     limits: ImageLimits = field(default_factory=ImageLimits)
-    threads: int = 4  # image decoding runs here (PIL releases the GIL)
+    threads: int = min(16, os.cpu_count() or 4)  # image decoding runs here (PIL releases the GIL)
 
 
 @dataclass
@@ -39,12 +40,15 @@ class InputLoader:
         self.roots = tuple(root.resolve() for root in config.allowed_roots)
         self.pool = ThreadPoolExecutor(max_workers=config.threads, thread_name_prefix="wicore-decode")
 
-    def load(self, jobs: list[tuple[str, CaptionJob]]) -> list[Loaded]:
-        """One MGET for every blob, then decode in the pool. Order follows `jobs`."""
+    def submit(self, jobs: list[tuple[str, CaptionJob]]) -> list[Future[Loaded]]:
+        """One MGET for every blob now; decoding runs in the pool. Order follows `jobs`."""
         blob_shas = [job.image.sha256 for _, job in jobs if job.image.is_blob]
         blobs = dict(zip(blob_shas, self.connection.mget([keys.blob(s) for s in blob_shas]))) if blob_shas else {}
-        futures = [self.pool.submit(self._load_one, job_id, job, blobs.get(job.image.sha256)) for job_id, job in jobs]
-        return [f.result() for f in futures]
+        return [self.pool.submit(self._load_one, job_id, job, blobs.get(job.image.sha256)) for job_id, job in jobs]
+
+    def load(self, jobs: list[tuple[str, CaptionJob]]) -> list[Loaded]:
+        """`submit`, waiting for every result."""
+        return [future.result() for future in self.submit(jobs)]
 
     def _load_one(self, job_id: str, job: CaptionJob, blob: bytes | None) -> Loaded:
         start = time.perf_counter()

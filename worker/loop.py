@@ -17,6 +17,7 @@ import json
 import logging
 import signal
 import time
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
 
 from pydantic import ValidationError
@@ -29,7 +30,7 @@ from wicore.errors import DeadlineExceeded, ShutdownRequested
 from wicore.scheduler.policy import BatchPolicy, Take, Wait, choose, split_expired
 from wicore.scheduler.queues import BucketQueues
 from wicore.schemas import CaptionJob, CaptionResult, Timings
-from wicore.worker.inputs import InputConfig, InputLoader
+from wicore.worker.inputs import InputConfig, InputLoader, Loaded
 from wicore.worker.liveness import Heartbeat, reap_dead_workers
 from wicore.worker.rq_bridge import Claimed, Finished, RQBridge, RQWorkerRecord
 
@@ -55,7 +56,8 @@ class WorkerConfig:
 class InFlight:
     claimed: Claimed
     payload: CaptionJob
-    preprocess_s: float
+    loading: Future[Loaded] | None = None  # the image, until it reaches the engine
+    preprocess_s: float = 0.0
 
 
 class BatchingWorker:
@@ -87,8 +89,11 @@ class BatchingWorker:
             while not (self.stopping and not self.in_flight):
                 self._maintain()
                 admitted = self._admit() if not self.stopping else False
+                self._hand_over_loaded()
                 if self.engine.num_unfinished():
                     self._finish(self.engine.step())
+                elif self._loading():
+                    wait([f.loading for f in self._loading()], timeout=0.01, return_when=FIRST_COMPLETED)
                 elif not admitted and not self._idle():
                     break
         except ShutdownRequested:
@@ -144,7 +149,7 @@ class BatchingWorker:
         """Fill the engine's free slots from the bucket the policy picks. True if jobs came in."""
         if self.config.max_jobs is not None and self.jobs_done + len(self.in_flight) >= self.config.max_jobs:
             return False
-        capacity = self.engine.free_slots()
+        capacity = self.engine.free_slots() - len(self._loading())
         if self.config.max_jobs is not None:
             capacity = min(capacity, self.config.max_jobs - self.jobs_done - len(self.in_flight))
         self.record.set_queue_names(self.queues.names())
@@ -159,20 +164,34 @@ class BatchingWorker:
 
     def _submit(self, claimed: list[Claimed]) -> None:
         """Jobs that cannot run (bad payload, deadline passed) fail here, unrun; the rest have
-        their images loaded and go to the engine; a bad image fails its job alone."""
+        their images loaded in the background (the engine keeps running meanwhile)."""
         payloads, invalid = parse_payloads(claimed)
         live, expired = split_expired(payloads, lambda cp: cp[1].deadline, time.time())
         unrunnable = invalid + [(c, deadline_message(p)) for c, p in expired]
         self.bridge.finish([Finished(c, error=reason) for c, reason in unrunnable])
         self.jobs_done += len(unrunnable)
-        loaded = self.inputs.load([(c.id, payload) for c, payload in live])
-        bad = []
-        for (c, payload), item in zip(live, loaded):
-            self.in_flight[c.id] = InFlight(c, payload, item.preprocess_s)
-            if item.error is not None:
-                bad.append(Completion(c.id, error=item.error, input_error=True))
-        requests = [item.request for item in loaded if item.request is not None]
-        self._finish(bad + self.engine.add(requests))
+        futures = self.inputs.submit([(c.id, payload) for c, payload in live])
+        for (c, payload), future in zip(live, futures):
+            self.in_flight[c.id] = InFlight(c, payload, loading=future)
+
+    def _loading(self) -> list[InFlight]:
+        return [f for f in self.in_flight.values() if f.loading is not None]
+
+    def _hand_over_loaded(self) -> None:
+        """Jobs whose image is ready go to the engine in one `add`; a bad image fails its job
+        alone."""
+        bad, requests = [], []
+        for flight in self._loading():
+            if not flight.loading.done():
+                continue
+            loaded = flight.loading.result()
+            flight.loading, flight.preprocess_s = None, loaded.preprocess_s
+            if loaded.error is not None:
+                bad.append(Completion(flight.claimed.id, error=loaded.error, input_error=True))
+            else:
+                requests.append(loaded.request)
+        if bad or requests:
+            self._finish(bad + (self.engine.add(requests) if requests else []))
 
     # -- finishing jobs -----------------------------------------------------------------------
 

@@ -28,7 +28,7 @@ class CaptionBench:
     workdir: Path
     images: int = 1024
     new_tokens: int = 64
-    batch_size: int = 256  # the engine's running sequences and the scheduler's claim size
+    batch_size: int = 384  # the engine's running sequences and the scheduler's claim size
     engine: str = "fast"
     engine_options: dict = field(default_factory=dict)
     hf_batches: tuple[int, ...] = (8, 32, 64)

@@ -48,7 +48,7 @@ def queue(
 def caption(
     preset: str = typer.Option("gemma3-4b", help="Model shape (only gemma3-4b)."),
     images: int = typer.Option(1024, help="Timed images (distinct, mixed sizes)."),
-    batch_size: int = typer.Option(256, help="Engine running sequences and claim size."),
+    batch_size: int = typer.Option(384, help="Engine running sequences and claim size."),
     engine: str = typer.Option("fast", help="Engine under test."),
     engine_option: list[str] = typer.Option(None, "--engine-option", help="KEY=VALUE engine option; repeatable."),
     hf_batches: str = typer.Option("8,32,64", help="Static batch sizes of the HF peer."),

@@ -74,8 +74,11 @@ class FastEngine(Engine):
         sampler = Sampler(text.vocab_size, self.eos_ids, device)
         runner = ModelRunner(parts, layout, config.max_batch_size, sampler, device, torch_dtype(config.dtype))
         vision_batch = opts.vision_batch(self.cuda)
-        if self.cuda and opts.compile_vision:
+        compile_vision, compile_text = opts.compiles(self.cuda)
+        if compile_vision:
             runner.compile_vision(vision_batch)
+        if compile_text:
+            runner.compile_text()
         num_pages = plan_pages(
             runner,
             override=opts.num_kv_blocks,

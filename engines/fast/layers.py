@@ -25,13 +25,19 @@ class GemmaRMSNorm(nn.Module):
         return (h * (1.0 + self.weight.float())).type_as(x)
 
 
+def gelu_approximation(name: str) -> str:
+    """F.gelu's `approximate` argument for an activation name."""
+    if name in ("gelu_pytorch_tanh", "gelu_new", "gelu_fast"):
+        return "tanh"
+    if name == "gelu":
+        return "none"
+    raise ConfigError(f"unsupported activation {name!r}")
+
+
 def activation(name: str):
     """The activations Gemma-3 and SigLIP configs name (transformers' ACT2FN semantics)."""
-    if name in ("gelu_pytorch_tanh", "gelu_new", "gelu_fast"):
-        return lambda x: F.gelu(x, approximate="tanh")
-    if name == "gelu":
-        return F.gelu
-    raise ConfigError(f"unsupported activation {name!r}")
+    approximate = gelu_approximation(name)
+    return lambda x: F.gelu(x, approximate=approximate)
 
 
 class GatedMLP(nn.Module):

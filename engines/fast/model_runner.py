@@ -61,7 +61,16 @@ class ModelRunner:
         self.specs = layer_specs(c, self.cache)
 
     def compile_vision(self, batch: int) -> None:
-        self.encode_full = (batch, torch.compile(self.parts.encoder, mode="max-autotune-no-cudagraphs", dynamic=False))
+        """Inductor for full vision batches (fuses the tower's norms, GELUs and residual adds;
+        ~15% faster than eager on an H200 after ~30 s of compiling)."""
+        import torch._inductor.config as inductor
+
+        if hasattr(inductor, "emulate_precision_casts"):
+            inductor.emulate_precision_casts = True
+        self.encode_full = (batch, torch.compile(self.parts.encoder, dynamic=False))
+
+    def compile_text(self) -> None:
+        self.parts.decoder.fns.compile()
 
     def capture_graphs(self, sizes: list[int]) -> None:
         self.graphs = GraphRunner(self.decode_logits, sizes, self.null_row, self.device)

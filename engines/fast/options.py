@@ -20,7 +20,8 @@ class FastOptions:
     cuda_graphs: bool = True  # capture decode per batch-size bucket (CUDA only)
     graph_batch_sizes: tuple[int, ...] | None = None  # default [1, 2, 4, 8] + multiples of 16
     vision_batch_size: int | None = None  # images per vision-tower call; default 32 CUDA, 8 CPU
-    compile_vision: bool = False  # torch.compile the vision tower (CUDA; full batches only)
+    compile_vision: bool | None = None  # inductor for the vision tower's full batches; default: on CUDA
+    compile_text: bool | None = None  # inductor for the decoder layers' dense parts; default: on CUDA
     max_prefill_tokens: int | None = None  # prefill batch x longest prompt; default max(16384, max_model_len)
     preprocess_threads: int | None = None  # threads resizing images; default 4 CUDA, 0 (inline) CPU
 
@@ -50,9 +51,11 @@ class FastOptions:
             raise ConfigError("gpu_memory_utilization must be a number")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        for name in ("cuda_graphs", "compile_vision"):
-            if not isinstance(getattr(self, name), bool):
-                raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if not isinstance(self.cuda_graphs, bool):
+            raise ConfigError(f"cuda_graphs must be true or false, got {self.cuda_graphs!r}")
+        for name in ("compile_vision", "compile_text"):
+            if getattr(self, name) not in (None, True, False):
+                raise ConfigError(f"{name} must be true, false or null, got {getattr(self, name)!r}")
         if self.graph_batch_sizes is not None:
             if not self.graph_batch_sizes:
                 raise ConfigError("graph_batch_sizes must not be empty")
@@ -78,11 +81,20 @@ class FastOptions:
         sizes = [s for s in [1, 2, 4, 8] if s < max_batch_size] + list(range(16, max_batch_size + 1, 16))
         return sorted(set(sizes) | {max_batch_size})
 
+    def compiles(self, cuda: bool) -> tuple[bool, bool]:
+        """(compile the vision tower, compile the decoder layers): by default on CUDA only,
+        where the fused kernels pay for the ~1 minute of compiling at start-up."""
+        vision = cuda if self.compile_vision is None else self.compile_vision
+        text = cuda if self.compile_text is None else self.compile_text
+        return vision, text
+
     def vision_batch(self, cuda: bool) -> int:
         return self.vision_batch_size if self.vision_batch_size is not None else (32 if cuda else 8)
 
     def threads(self, cuda: bool) -> int:
-        return self.preprocess_threads if self.preprocess_threads is not None else (4 if cuda else 0)
+        """HF-exact resizing runs in PIL (it releases the GIL): ~25 ms of CPU per 896 px image,
+        so a GPU serving ~60 images/s needs several cores of it."""
+        return self.preprocess_threads if self.preprocess_threads is not None else (8 if cuda else 0)
 
 
 def _positive_int(name: str, value: Any) -> None:

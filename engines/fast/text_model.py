@@ -10,12 +10,15 @@ scaled by sqrt(hidden) in the model dtype.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from wicore.engines.fast.layers import GatedMLP, GemmaRMSNorm
+from wicore.engines.fast.layers import GatedMLP, GemmaRMSNorm, gelu_approximation
 from wicore.errors import ConfigError
 
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -56,6 +59,56 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma's RMSNorm: in float32, times (1 + w), cast back at the end (see layers.GemmaRMSNorm)."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return (h * (1.0 + weight.float())).type_as(x)
+
+
+def attention_inputs(x, cos, sin, norm_w, q_w, k_w, v_w, q_norm_w, k_norm_w, heads: int, kv_heads: int, eps: float):
+    """x [N, hidden] -> q [N, Hq, D], k, v [N, Hkv, D]: input norm, projections, QK-norm, RoPE.
+    A free function of tensors, so one compiled graph serves every layer."""
+    n = x.shape[0]
+    h = rms_norm(x, norm_w, eps)
+    q = rms_norm(F.linear(h, q_w).view(n, heads, -1), q_norm_w, eps)
+    k = rms_norm(F.linear(h, k_w).view(n, kv_heads, -1), k_norm_w, eps)
+    v = F.linear(h, v_w).view(n, kv_heads, -1)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+
+def attention_outputs(x, attn, o_w, post_attn_w, pre_ffn_w, gate_w, up_w, down_w, post_ffn_w, eps: float, gelu: str):
+    """Residual stream after attention [N, Hq, D]: o_proj, post-attention norm, residual,
+    pre-FFN norm, gated MLP, post-FFN norm, residual -> [N, hidden]."""
+    n = x.shape[0]
+    x = x + rms_norm(F.linear(attn.reshape(n, -1), o_w), post_attn_w, eps)
+    h = rms_norm(x, pre_ffn_w, eps)
+    h = F.linear(F.gelu(F.linear(h, gate_w), approximate=gelu) * F.linear(h, up_w), down_w)
+    return x + rms_norm(h, post_ffn_w, eps)
+
+
+@dataclass
+class LayerFunctions:
+    """The two dense halves of a decoder layer; `compile` swaps in inductor-compiled versions."""
+
+    inputs: Callable = attention_inputs
+    outputs: Callable = attention_outputs
+
+    def compile(self) -> None:
+        self.inputs = compile_dynamic(attention_inputs)
+        self.outputs = compile_dynamic(attention_outputs)
+
+
+def compile_dynamic(fn: Callable) -> Callable:
+    """Inductor with symbolic sizes (one graph for every token count), rounding intermediates
+    to the model dtype as eager does, so outputs stay as close as possible to transformers'."""
+    import torch._inductor.config as inductor
+
+    if hasattr(inductor, "emulate_precision_casts"):
+        inductor.emulate_precision_casts = True
+    return torch.compile(fn, dynamic=True, fullgraph=True)
+
+
 class SelfAttention(nn.Module):
     def __init__(self, config):
         super().__init__()
@@ -64,21 +117,15 @@ class SelfAttention(nn.Module):
             config.num_key_value_heads,
             config.head_dim,
         )
-        hidden, bias = config.hidden_size, config.attention_bias
-        self.q_proj = nn.Linear(hidden, self.heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(hidden, self.kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(hidden, self.kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.heads * self.head_dim, hidden, bias=bias)
+        hidden = config.hidden_size
+        if config.attention_bias:
+            raise ConfigError("attention biases are not supported (Gemma-3 has none)")
+        self.q_proj = nn.Linear(hidden, self.heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(hidden, self.kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(hidden, self.kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.heads * self.head_dim, hidden, bias=False)
         self.q_norm = GemmaRMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.k_norm = GemmaRMSNorm(self.head_dim, eps=config.rms_norm_eps)
-
-    def forward(self, x, cos, sin, layer: int, attention: Attention) -> torch.Tensor:
-        n = x.shape[0]
-        q = self.q_norm(self.q_proj(x).view(n, self.heads, self.head_dim))
-        k = self.k_norm(self.k_proj(x).view(n, self.kv_heads, self.head_dim))
-        v = self.v_proj(x).view(n, self.kv_heads, self.head_dim)
-        out = attention(layer, apply_rope(q, cos, sin), apply_rope(k, cos, sin), v)
-        return self.o_proj(out.reshape(n, self.heads * self.head_dim))
 
 
 class DecoderLayer(nn.Module):
@@ -86,19 +133,27 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.index = index
         self.layer_type = config.layer_types[index]
-        hidden, eps = config.hidden_size, config.rms_norm_eps
+        hidden, self.eps = config.hidden_size, config.rms_norm_eps
         self.self_attn = SelfAttention(config)
         self.mlp = GatedMLP(hidden, config.intermediate_size, config.hidden_activation)
-        self.input_layernorm = GemmaRMSNorm(hidden, eps)
-        self.post_attention_layernorm = GemmaRMSNorm(hidden, eps)
-        self.pre_feedforward_layernorm = GemmaRMSNorm(hidden, eps)
-        self.post_feedforward_layernorm = GemmaRMSNorm(hidden, eps)
+        self.gelu = gelu_approximation(config.hidden_activation)
+        self.input_layernorm = GemmaRMSNorm(hidden, self.eps)
+        self.post_attention_layernorm = GemmaRMSNorm(hidden, self.eps)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(hidden, self.eps)
+        self.post_feedforward_layernorm = GemmaRMSNorm(hidden, self.eps)
 
-    def forward(self, x, cos, sin, attention: Attention) -> torch.Tensor:
-        h = self.self_attn(self.input_layernorm(x), cos, sin, self.index, attention)
-        x = x + self.post_attention_layernorm(h)
-        h = self.mlp(self.pre_feedforward_layernorm(x))
-        return x + self.post_feedforward_layernorm(h)
+    def forward(self, x, cos, sin, attention: Attention, fns: LayerFunctions) -> torch.Tensor:
+        a, m = self.self_attn, self.mlp
+        q, k, v = fns.inputs(
+            x, cos, sin, self.input_layernorm.weight, a.q_proj.weight, a.k_proj.weight, a.v_proj.weight,
+            a.q_norm.weight, a.k_norm.weight, a.heads, a.kv_heads, self.eps,
+        )  # fmt: skip
+        out = attention(self.index, q, k, v)
+        return fns.outputs(
+            x, out, a.o_proj.weight, self.post_attention_layernorm.weight, self.pre_feedforward_layernorm.weight,
+            m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight, self.post_feedforward_layernorm.weight,
+            self.eps, self.gelu,
+        )  # fmt: skip
 
 
 class TextDecoder(nn.Module):
@@ -113,6 +168,7 @@ class TextDecoder(nn.Module):
         # by assignment; `to_device` places these.
         self.inv_freq = {kind: rope_inv_freq(config, kind) for kind in sorted(set(config.layer_types))}
         self.embed_scale = torch.tensor(config.hidden_size**0.5, dtype=torch.float32, device="cpu")
+        self.fns = LayerFunctions()
 
     def to_device(self, device: torch.device) -> None:
         self.inv_freq = {kind: f.to(device) for kind, f in self.inv_freq.items()}
@@ -127,7 +183,7 @@ class TextDecoder(nn.Module):
         """x: [N, hidden] input embeddings, positions: [N] -> final-normed hidden [N, hidden]."""
         ropes = {kind: rope(positions, f, x.dtype) for kind, f in self.inv_freq.items()}
         for layer in self.layers:
-            x = layer(x, *ropes[layer.layer_type], attention)
+            x = layer(x, *ropes[layer.layer_type], attention, self.fns)
         return self.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
