@@ -72,7 +72,9 @@ class FastEngine(Engine):
         text = parts.config.text_config
         layout = KVLayout.build(text, opts.block_size, self.max_len)
         sampler = Sampler(text.vocab_size, self.eos_ids, device)
-        runner = ModelRunner(parts, layout, config.max_batch_size, sampler, device, torch_dtype(config.dtype))
+        runner = ModelRunner(
+            parts, layout, config.max_batch_size, sampler, device, torch_dtype(config.dtype), opts.overlap_vision
+        )
         vision_batch = opts.vision_batch(self.cuda)
         compile_vision, compile_text = opts.compiles(self.cuda)
         if compile_vision:

@@ -32,7 +32,9 @@ from wicore.ops.transfer import upload
 
 
 class ModelRunner:
-    def __init__(self, parts: Gemma3Parts, layout: KVLayout, max_rows: int, sampler: Sampler, device, dtype):
+    def __init__(
+        self, parts: Gemma3Parts, layout: KVLayout, max_rows: int, sampler: Sampler, device, dtype, overlap: bool = True
+    ):
         self.parts, self.layout, self.sampler = parts, layout, sampler
         self.device, self.dtype = torch.device(device), dtype
         self.cuda = self.device.type == "cuda"
@@ -45,7 +47,8 @@ class ModelRunner:
         # Prefill/decode get a high-priority stream so their small kernels slot in between the
         # vision tower's long GEMMs on the (normal-priority) side stream.
         self.main_stream = torch.cuda.Stream(self.device, priority=-1) if self.cuda else None
-        self.side_stream = torch.cuda.Stream(self.device) if self.cuda else None
+        # overlap=False runs vision on the main stream too: no concurrency, no interference.
+        self.side_stream = torch.cuda.Stream(self.device) if self.cuda and overlap else self.main_stream
         self.clock = PhaseClock(self.cuda)
         self.encode_full = None  # optional compiled tower for full vision batches
         self.graphs: GraphRunner | None = None

@@ -22,6 +22,7 @@ class FastOptions:
     vision_batch_size: int | None = None  # images per vision-tower call; default 32 CUDA, 8 CPU
     compile_vision: bool | None = None  # inductor for the vision tower's full batches; default: on CUDA
     compile_text: bool | None = None  # inductor for the decoder layers' dense parts; default: on CUDA
+    overlap_vision: bool = True  # vision on a side stream beside prefill/decode (CUDA)
     max_prefill_tokens: int | None = None  # prefill batch x longest prompt; default max(16384, max_model_len)
     preprocess_threads: int | None = None  # threads resizing images; default 4 CUDA, 0 (inline) CPU
 
@@ -51,8 +52,9 @@ class FastOptions:
             raise ConfigError("gpu_memory_utilization must be a number")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        if not isinstance(self.cuda_graphs, bool):
-            raise ConfigError(f"cuda_graphs must be true or false, got {self.cuda_graphs!r}")
+        for name in ("cuda_graphs", "overlap_vision"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
         for name in ("compile_vision", "compile_text"):
             if getattr(self, name) not in (None, True, False):
                 raise ConfigError(f"{name} must be true, false or null, got {getattr(self, name)!r}")
