@@ -22,7 +22,9 @@ class FastOptions:
     vision_batch_size: int | None = None  # images per vision-tower call; default 32 CUDA, 8 CPU
     compile_vision: bool | None = None  # inductor for the vision tower's full batches; default: on CUDA
     compile_text: bool | None = None  # inductor for the decoder layers' dense parts; default: on CUDA
-    overlap_vision: bool = True  # vision on a side stream beside prefill/decode (CUDA)
+    # Vision on a side stream beside prefill/decode. Off by default: measured on an H200, the
+    # tower's GEMMs starve decode steps (40 ms instead of 11) and one stream was as fast (bench/NOTES.md).
+    overlap_vision: bool = False
     max_prefill_tokens: int | None = None  # prefill batch x longest prompt; default max(16384, max_model_len)
     preprocess_threads: int | None = None  # threads resizing images; default 4 CUDA, 0 (inline) CPU
 
