@@ -112,3 +112,16 @@ def test_vision_and_prefill_batches():
     assert scheduler.schedule_vision(0) == []
     prefill, decode = scheduler.schedule_model()
     assert [s.id for s in prefill] == ["c", "d"] and decode == []  # text-only: ready at once
+
+
+def test_partial_vision_batches_wait_unless_allowed():
+    layout = KVLayout.build(text_config([S, F], window=8), block_size=4, max_model_len=64)
+    scheduler = Scheduler(layout, BlockManager(500), max_rows=8, vision_batch=3, prefill_tokens=50)
+    seqs = [sequence("a", 20, 4, images=1), sequence("b", 20, 4, images=1)]
+    for seq in seqs:
+        scheduler.add(seq)
+    assert scheduler.schedule_vision(1, allow_partial=False) == []  # 2 of 3 images: wait for more
+    scheduler.add(sequence("c", 20, 4, images=1))
+    assert [s.id for s in scheduler.schedule_vision(1, allow_partial=False)] == ["a", "b", "c"]
+    scheduler.add(sequence("d", 20, 4, images=1))
+    assert [s.id for s in scheduler.schedule_vision(1, allow_partial=True)] == ["d"]

@@ -23,7 +23,9 @@ from wicore.schemas import CaptionJob
 class InputConfig:
     allowed_roots: tuple[Path, ...] = ()  # path references must resolve under one of these
     limits: ImageLimits = field(default_factory=ImageLimits)
-    threads: int = min(16, os.cpu_count() or 4)  # image decoding runs here (PIL releases the GIL)
+    # Image decoding runs here. PIL releases the GIL while decoding, but every thread still takes
+    # it between calls: more threads than needed slow the engine's own (Python) thread.
+    threads: int = min(4, os.cpu_count() or 4)
 
 
 @dataclass

@@ -142,7 +142,9 @@ class FastEngine(Engine):
         """Appends to `done` as sequences end, so a failure later in the step loses none."""
         self._fail_unreadable_images(done)
         self._collect_vision()
-        vision = self.scheduler.schedule_vision(VISION_IN_FLIGHT - len(self.vision_jobs))
+        # A full vision batch may queue behind another; a partial one only goes when no vision
+        # work is queued (the device would idle), so the tower mostly runs full, compiled batches.
+        vision = self.scheduler.schedule_vision(VISION_IN_FLIGHT - len(self.vision_jobs), not self.vision_jobs)
         for seq in self.scheduler.take_admitted():
             self.runner.set_table(seq.row, seq.table)
         if vision:

@@ -9,6 +9,7 @@ images a second time. Pixels: `pixel_values` below, the one place to swap in
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,6 +17,8 @@ import numpy as np
 
 from wicore.errors import JobInputError
 from wicore.ops.preprocess import PreprocessSpec, pixel_values
+
+PROMPT_CACHE_SIZE = 1024
 
 
 @dataclass(frozen=True)
@@ -31,8 +34,21 @@ class InputProcessor:
         self.image_token_id = image_token_id
         self.tokens_per_image = tokens_per_image
         self.pixel_spec = PreprocessSpec.from_hf(processor.image_processor)
+        self._prompts: dict[str, Prompt] = {}  # conversation (JSON) -> prompt, oldest first
 
     def prompt(self, chat: list[dict[str, Any]], num_images: int) -> Prompt:
+        """Token ids of a conversation; the same conversation (bulk jobs share one prompt) is
+        tokenized once."""
+        key = f"{num_images}:{json.dumps(chat, sort_keys=True)}"
+        cached = self._prompts.get(key)
+        if cached is None:
+            cached = self._prompt(chat, num_images)
+            if len(self._prompts) >= PROMPT_CACHE_SIZE:
+                self._prompts.pop(next(iter(self._prompts)))
+            self._prompts[key] = cached
+        return cached
+
+    def _prompt(self, chat: list[dict[str, Any]], num_images: int) -> Prompt:
         try:
             text = self.processor.apply_chat_template(chat, add_generation_prompt=True)
         except Exception as error:  # a malformed conversation is the request's fault

@@ -34,11 +34,19 @@ class Scheduler:
         """Whether a sequence of `num_tokens` positions fits in the pool at all."""
         return self.layout.pages_for(num_tokens) <= self.blocks.num_pages - 1
 
-    def schedule_vision(self, vision_slots: int) -> list[Sequence]:
+    def schedule_vision(self, vision_slots: int, allow_partial: bool = True) -> list[Sequence]:
         """Admit what fits, then pick the next vision batch if `vision_slots` (batches that may
-        still be queued on the side stream) allows one."""
+        still be queued on the device) allows one. A batch short of `vision_batch` images goes
+        only with `allow_partial` (the engine allows it when the device would otherwise idle)."""
         self._admit()
-        return self._take_vision() if vision_slots > 0 else []
+        if vision_slots <= 0:
+            return []
+        batch = self._take_vision()
+        if not allow_partial and sum(s.num_images for s in batch) < self.vision_batch:
+            for seq in batch:
+                seq.vision_launched = False
+            return []
+        return batch
 
     def take_admitted(self) -> list[Sequence]:
         """Sequences admitted since the last call (their tables must reach the device)."""
