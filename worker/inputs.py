@@ -25,7 +25,7 @@ class InputConfig:
     limits: ImageLimits = field(default_factory=ImageLimits)
     # Image decoding runs here. PIL releases the GIL while decoding, but every thread still takes
     # it between calls: more threads than needed slow the engine's own (Python) thread.
-    threads: int = min(4, os.cpu_count() or 4)
+    threads: int = min(8, os.cpu_count() or 4)
 
 
 @dataclass

@@ -119,17 +119,11 @@ class ModelRunner:
 
     @torch.inference_mode()
     def encode(self, pixels: torch.Tensor) -> torch.Tensor:
-        """[N, 3, S, S] -> [N, tokens, hidden]. With a compiled tower, a short batch is padded
-        to the compiled size (partial batches only run when the device would idle anyway)."""
-        if self.encode_full is None:
-            return self.parts.encoder(pixels)
-        full, compiled = self.encode_full
-        count = pixels.shape[0]
-        if count > full:
-            return torch.cat([self.encode(chunk) for chunk in pixels.split(full)])
-        if count < full:
-            pixels = torch.cat([pixels, pixels.new_zeros((full - count, *pixels.shape[1:]))])
-        return compiled(pixels)[:count]
+        """[N, 3, S, S] -> [N, tokens, hidden]: full batches through the compiled tower, short
+        ones eager (padding them would spend compute on nothing when inputs arrive slowly)."""
+        if self.encode_full is not None and pixels.shape[0] == self.encode_full[0]:
+            return self.encode_full[1](pixels)
+        return self.parts.encoder(pixels)
 
     # -- prefill ----------------------------------------------------------------------------
 

@@ -98,7 +98,7 @@ class FastOptions:
     def threads(self, cuda: bool) -> int:
         """HF-exact resizing runs in PIL (it releases the GIL): ~25 ms of CPU per 896 px image,
         so a GPU serving ~60 images/s needs several cores of it."""
-        return self.preprocess_threads if self.preprocess_threads is not None else (6 if cuda else 0)
+        return self.preprocess_threads if self.preprocess_threads is not None else (8 if cuda else 0)
 
 
 def _positive_int(name: str, value: Any) -> None:
