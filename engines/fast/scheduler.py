@@ -67,7 +67,7 @@ class Scheduler:
             seq.row = self.free_rows.popleft()
             seq.pages = self.blocks.allocate(need)
             seq.table = self._table(seq.pages, seq.max_len)
-            seq.status = SeqStatus.ENCODING if seq.num_images else SeqStatus.READY
+            seq.status = SeqStatus.ENCODING if seq.needs_vision else SeqStatus.READY
             self.admitted.append(seq)
             self.newly_admitted.append(seq)
 

@@ -26,7 +26,7 @@ class SeqStatus(str, Enum):
 class Sequence:
     request: EngineRequest
     prompt: Prompt
-    pixels: Future | np.ndarray  # [num_images, 3, H, W] float32 (a Future while being resized)
+    pixels: Future | np.ndarray | None  # [num_images, 3, H, W] float32 (a Future while resized)
     seed: int
     status: SeqStatus = SeqStatus.WAITING
     row: int = -1  # row of the device block tables / last-token buffer while admitted
@@ -61,6 +61,11 @@ class Sequence:
     @property
     def num_images(self) -> int:
         return len(self.request.images)
+
+    @property
+    def needs_vision(self) -> bool:
+        """Images whose embeddings are not known yet (a cache hit arrives with them)."""
+        return self.num_images > 0 and self.image_embeds is None
 
     @property
     def pixels_ready(self) -> bool:
