@@ -1,5 +1,5 @@
-"""Engines by name, imported lazily: a missing optional dependency (tensorrt) costs nothing
-until that engine is chosen. Engines never import Redis or RQ."""
+"""Engines by name, imported lazily: an engine's optional dependencies cost nothing until it is
+chosen. Engines never import Redis or RQ. (A TensorRT engine is planned: not built yet.)"""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ from wicore.errors import ConfigError
 ENGINES = {
     "reference": "wicore.engines.reference:ReferenceEngine",
     "fast": "wicore.engines.fast:FastEngine",
-    "tensorrt": "wicore.engines.tensorrt:TensorRTEngine",
     "null": "wicore.engines.null:NullEngine",
 }
 

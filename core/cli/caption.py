@@ -64,7 +64,7 @@ def caption(
     output: Path = typer.Option(..., "-o", "--output", help="JSONL file to append one line per input to."),
     model: Path = ModelOption,
     model_id: str = ModelIdOption,
-    engine: str = typer.Option(None, help="reference | fast | tensorrt (default: auto)", show_default=False),
+    engine: str = typer.Option(None, help="reference | fast (default: auto: fast on CUDA)", show_default=False),
     redis_url: str = RedisOption,
     workers: int = typer.Option(1, min=1, help="Worker processes to start (each loads the model)."),
     batch_size: int = typer.Option(None, help="Most jobs in one engine batch [8].", show_default=False),

@@ -27,7 +27,7 @@ def worker(
     redis_url: str = RedisOption,
     model: Path = ModelOption,
     model_id: str = ModelIdOption,
-    engine: str = typer.Option(None, help="reference | fast | tensorrt | null (default: auto)", show_default=False),
+    engine: str = typer.Option(None, help="reference | fast | null (default: auto: fast on CUDA)", show_default=False),
     device: str = typer.Option(None, help="cpu, cuda, cuda:1 ... (default: auto)", show_default=False),
     dtype: str = typer.Option(None, help="float32 | bfloat16 | float16 (default: auto)", show_default=False),
     batch_size: int = typer.Option(None, help="Most jobs in one engine batch [8].", show_default=False),
