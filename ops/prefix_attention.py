@@ -49,7 +49,9 @@ def prefix_layout(prefix_lens: list[int], suffix_lens: list[int], device: torch.
     valid = cols < total[:, None]
     gather = torch.where(in_prefix, prefix_start + cols, suffix_start + cols - p[:, None])
     gather = torch.where(valid, gather, torch.zeros((), dtype=torch.int64))
-    return PrefixBatch(pack_layout(suffix_lens, device), upload(p, device), upload(gather, device), upload(valid, device))
+    return PrefixBatch(
+        pack_layout(suffix_lens, device), upload(p, device), upload(gather, device), upload(valid, device)
+    )
 
 
 def gemma3_prefix_masks(
