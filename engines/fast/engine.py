@@ -5,6 +5,11 @@ the decode batch), launch vision on the side stream, prefill and decode on the m
 then read back the tokens sampled one step earlier and return the sequences that ended. Reading
 a step late keeps the device a step ahead of Python; a sequence that ended is decoded at most
 once more and that token is dropped.
+
+The prefix cache (`prefix_cache`, `tiers`) adds to a step: disk reads started for waiting
+sequences, restores from the host / disk tier queued for newly admitted ones, copies down for the
+blocks admission evicted (before anything can write their pages), and finished restores
+scattered into their pages before the prefill batch is picked.
 """
 
 from __future__ import annotations
@@ -13,18 +18,22 @@ import logging
 import random
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor, wait
+from functools import partial
 
 import torch
 
 from wicore.engines.base import Completion, Engine, EngineConfig, EngineRequest, failed
 from wicore.engines.checkpoint import load_processor, torch_dtype
 from wicore.engines.fast.block_manager import BlockManager
+from wicore.engines.fast.cache_setup import build_prefix_cache, build_tiers
 from wicore.engines.fast.handles import Readback, VisionJob
 from wicore.engines.fast.inputs import InputProcessor
 from wicore.engines.fast.kv_cache import KVLayout
 from wicore.engines.fast.memory import plan_pages
 from wicore.engines.fast.model_runner import ModelRunner
 from wicore.engines.fast.options import FastOptions
+from wicore.engines.fast.prefix_keys import PromptKeys, image_digests, model_fingerprint, prompt_keys
+from wicore.engines.fast.restore_probe import measure_h2d, measure_restore
 from wicore.engines.fast.sampler import Sampler
 from wicore.engines.fast.scheduler import Scheduler
 from wicore.engines.fast.sequence import SeqStatus, Sequence
@@ -54,9 +63,13 @@ class FastEngine(Engine):
         self.max_len = self.options.model_len(parts.config.text_config.max_position_embeddings)
         self.prefill_tokens = self.options.prefill_tokens(self.max_len)
         self.runner, self.blocks = self._device_state(parts, device)
+        text = parts.config.text_config
+        layout = self.runner.layout
+        self.tiers = build_tiers(self.runner.cache, self.options, self.cuda, text.num_key_value_heads, text.head_dim)
+        self.cache_model_id = model_fingerprint(config.model_dir, config.dtype, layout)  # salts every key
         vision_batch = self.options.vision_batch(self.cuda)
         self.scheduler = Scheduler(
-            self.runner.layout, self.blocks, config.max_batch_size, vision_batch, self.prefill_tokens
+            layout, self.blocks, config.max_batch_size, vision_batch, self.prefill_tokens, self.tiers.holds
         )
         threads = self.options.threads(self.cuda)
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="wicore-pixels") if threads else None
@@ -95,7 +108,7 @@ class FastEngine(Engine):
             runner.capture_graphs(opts.graph_sizes(config.max_batch_size))
         if self.cuda:
             torch.cuda.synchronize()  # setup ran on the default stream; steps run on others
-        return runner, BlockManager(num_pages)
+        return runner, BlockManager(num_pages, build_prefix_cache(opts, num_pages, layout))
 
     # -- the interface ----------------------------------------------------------------------
 
@@ -127,11 +140,25 @@ class FastEngine(Engine):
         return done
 
     def stats(self) -> dict:
-        return {**super().stats(), **self.counters.report(self.runner, self.blocks, self.scheduler)}
+        report = {**super().stats(), **self.counters.report(self.runner, self.blocks, self.scheduler)}
+        report["cache"] = self.tiers.cache_stats(self.blocks.cache).to_dict()
+        return report
+
+    def measure_restore(self, num_blocks: int, repeats: int = 3) -> float:
+        """Bytes/s of restoring `num_blocks` KV blocks from the pinned host tier into free pages,
+        end to end (compare with `measure_h2d`). Run it on an idle engine."""
+        with torch.inference_mode(), self.runner.on_main_stream():
+            return measure_restore(self.runner.cache, self.blocks, self.tiers.block_shape, num_blocks, repeats)
+
+    def measure_h2d(self, num_bytes: int, repeats: int = 3) -> float:
+        """Bytes/s of one plain pinned host->device copy of `num_bytes`."""
+        with self.runner.on_main_stream():
+            return measure_h2d(num_bytes, self.runner.device, repeats)
 
     def close(self) -> None:
         if self.pool is not None:
             self.pool.shutdown(wait=False, cancel_futures=True)
+        self.tiers.close()
         self.runner = None
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
@@ -142,22 +169,25 @@ class FastEngine(Engine):
         """Appends to `done` as sequences end, so a failure later in the step loses none."""
         self._fail_unreadable_images(done)
         self._collect_vision()
+        self.tiers.prefetch(self.scheduler.waiting, self.blocks.cache)
         # A full vision batch may queue behind another; a partial one only goes when no vision
         # work is queued (the device would idle), so the tower mostly runs full, compiled batches.
         vision = self.scheduler.schedule_vision(VISION_IN_FLIGHT - len(self.vision_jobs), not self.vision_jobs)
         for seq in self.scheduler.take_admitted():
             self.runner.set_table(seq.row, seq.table)
+            self.tiers.start(seq)  # reads host slots before `demote` may reuse them
+        self.tiers.demote(self.blocks.take_evicted())  # before anything writes the reused pages
         if vision:
             self.vision_jobs.append(self.runner.launch_vision(vision))
             self.counters.images += sum(s.num_images for s in vision)
             self._collect_vision()  # on CPU it is done already
+        self.tiers.land()
         prefill, decode = self.scheduler.schedule_model()
         launched = 0
         if prefill:
             self.readbacks.append(self.runner.prefill(prefill))
             self.counters.record_prefill(prefill)
-            for seq in prefill:
-                seq.status = SeqStatus.RUNNING
+            self.scheduler.prefilled(prefill)
             launched += 1
         if decode:
             readback, graphed = self.runner.decode(decode)
@@ -234,7 +264,26 @@ class FastEngine(Engine):
         else:
             pixels = self._pixels_now(request)
         seed = params.seed if params.seed is not None else self.rng.getrandbits(63)
-        return Sequence(request, prompt, pixels, seed)
+        seq = Sequence(request, prompt, pixels, seed)
+        self._key(seq)
+        return seq
+
+    def _key(self, seq: Sequence) -> None:
+        """Prefix-cache keys for a sequence that can be cached (one that never wraps a sliding
+        ring); hashing decoded images (no hashes given) runs in the pixel threads."""
+        if self.blocks.cache is None or self.runner.layout.wraps(seq.max_len):
+            return
+        job = partial(self._prompt_keys, seq.request, seq.prompt)
+        hash_pixels = seq.request.images and not seq.request.image_hashes
+        seq.prefix_keys = self.pool.submit(job) if self.pool is not None and hash_pixels else job()
+        seq.disk_lookup = self.tiers.disk is not None
+
+    def _prompt_keys(self, request: EngineRequest, prompt) -> PromptKeys:
+        digests = image_digests(request.image_hashes, request.images)
+        tokens = self.inputs.tokens_per_image
+        return prompt_keys(
+            prompt.ids, prompt.image_starts, digests, tokens, self.options.block_size, self.cache_model_id
+        )
 
     def _pixels_now(self, request: EngineRequest):
         try:
@@ -253,6 +302,8 @@ class FastEngine(Engine):
     def _fail_all(self, error: Exception) -> list[Completion]:
         for seq in list(self.scheduler.admitted):
             self.scheduler.finish(seq)
+        self.tiers.reset()
+        self.blocks.drop_cache()  # blocks being written when the step failed are suspect
         self.scheduler.waiting.clear()
         self.vision_jobs.clear()
         self.readbacks.clear()

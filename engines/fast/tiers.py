@@ -1,0 +1,225 @@
+"""The prefix cache below the GPU pool (a pinned host tier, a disk tier) and the copies that move
+blocks between them and the KV pages. A block is one logical block: a page of every layer
+group, [G, slots, 2, block_size, kv_heads, head_dim] (`KVLayout.block_shape`).
+
+Down (`demote`, right after admission evicted GPU blocks): one gather of the victims' pages on
+the main stream into a contiguous staging buffer, then `HostTier.store` copies it into the
+pinned pool on the host tier's copy stream, behind an event of the main stream. The pages are
+reused at once: every later write to them is queued after the gather on the same stream. A block
+the host tier evicts goes to the disk tier's writer thread (a CPU copy), never blocking the loop.
+
+Up (`start` at admission, `land` each step): host hits are one host->device copy per run of
+consecutive host slots into a staging buffer on the copy stream; disk hits, read ahead of
+admission by the disk tier's reader thread (`prefetch`) into pinned memory, one more copy on the
+same stream. Once a transfer's event has completed, the main stream waits on it (already done,
+so it never stalls) and one scatter kernel writes the staging buffer into the sequence's pages;
+its blocks become `ready`, and its prefill (held back until then) reads them later on that
+stream. The copies overlap the steps that run meanwhile. On CPU every copy is synchronous.
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import Future
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from wicore.engines.cache.disk_io import AsyncDiskTier
+from wicore.engines.cache.hashing import BlockHash
+from wicore.engines.cache.host_tier import HostTier, Transfer
+from wicore.engines.cache.stats import CacheStats
+from wicore.engines.fast.kv_cache import KVCache
+from wicore.engines.fast.prefix_cache import PrefixCache, Restore
+from wicore.engines.fast.sequence import Sequence
+from wicore.ops.transfer import upload
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Copy:
+    """Blocks on their way into pages: staging [n, *block_shape] on the device."""
+
+    pages: list[int]  # n * G pages, block-major (each block's pages in group order)
+    data: torch.Tensor
+    transfer: Transfer
+    source: torch.Tensor | None = None  # pinned host buffer the copy reads (kept until landed)
+
+
+@dataclass
+class RestoreJob:
+    seq: Sequence
+    copies: list[Copy] = field(default_factory=list)
+
+    def done(self) -> bool:
+        return all(copy.transfer.done() for copy in self.copies)
+
+
+class KVTiers:
+    def __init__(
+        self,
+        kv: KVCache,
+        host: HostTier | None,
+        disk: AsyncDiskTier | None,
+        max_demote_bytes: int,
+        kv_heads: int,
+        head_dim: int,
+    ):
+        self.kv, self.host, self.disk = kv, host, disk
+        self.cuda = kv.tensor.is_cuda
+        self.block_shape = kv.layout.block_shape(kv_heads, head_dim)
+        self.block_bytes = kv.tensor.element_size() * int(torch.Size(self.block_shape).numel())
+        self.max_demote = max(1, max_demote_bytes // self.block_bytes)  # blocks staged per step
+        self.jobs: list[RestoreJob] = []
+        self.costs: dict[BlockHash, float] = {}  # of blocks in the host tier (for the disk's policy)
+        self.restored_bytes = 0
+        self.demoted_blocks = 0
+        self.dropped_blocks = 0  # evicted without a copy down (over the per-step staging budget)
+        if host is not None:
+            host.on_evict = self._to_disk
+
+    # -- lookups ----------------------------------------------------------------------------
+
+    def holds(self, seq: Sequence, key: BlockHash) -> bool:
+        """Whether the host tier, or the blocks prefetched from disk for `seq`, have `key`."""
+        return (self.host is not None and key in self.host) or key in self._prefetched(seq)
+
+    def prefetch(self, waiting, cache: PrefixCache | None) -> None:
+        """Start disk reads for waiting sequences whose next uncached block may be on disk."""
+        if self.disk is None or cache is None:
+            return
+        for seq in waiting:
+            if not seq.disk_lookup or seq.prefetched is not None or not seq.keys_ready:
+                continue
+            keys = seq.keys()
+            if keys is None:
+                seq.disk_lookup = False
+                continue
+            start = len(cache.match(keys.keys))
+            while start < len(keys.keys) and self.host is not None and keys.keys[start] in self.host:
+                start += 1
+            if start < len(keys.keys) and self.disk.might_have(keys.keys[start]):
+                seq.prefetched = self.disk.read_prefix(
+                    keys.keys[start:], self.block_shape, self.kv.tensor.dtype, self.cuda
+                )
+            else:
+                seq.prefetched = {}
+
+    def _prefetched(self, seq: Sequence) -> dict:
+        if isinstance(seq.prefetched, Future):
+            error = seq.prefetched.exception()
+            if error is not None:
+                log.warning("disk tier: reading blocks for %s failed: %s", seq.id, error)
+            seq.prefetched = {} if error is not None else seq.prefetched.result()
+        return seq.prefetched or {}
+
+    # -- up ---------------------------------------------------------------------------------
+
+    def start(self, seq: Sequence) -> None:
+        """Queue the copies of an admitted sequence's `restores` (host or prefetched blocks)."""
+        prefetched, seq.prefetched = self._prefetched(seq), None
+        in_host = [r for r in seq.restores if self.host is not None and r.key in self.host]
+        from_disk = [r for r in seq.restores if self.host is None or r.key not in self.host]
+        self._count_lookups(seq, len(in_host))
+        if not seq.restores:
+            return
+        job = RestoreJob(seq)
+        if in_host:
+            data, transfer = self.host.load([r.key for r in in_host], self.kv.tensor.device)
+            job.copies.append(Copy(_pages(in_host), data, transfer))
+        if from_disk:
+            job.copies.append(self._upload(from_disk, prefetched))
+        self.restored_bytes += len(seq.restores) * self.block_bytes
+        self.jobs.append(job)
+
+    def land(self) -> None:
+        """Scatter every finished restore into its pages (main stream); their blocks are ready."""
+        waiting = []
+        for job in self.jobs:
+            if not job.done():
+                waiting.append(job)
+                continue
+            for copy in job.copies:
+                copy.transfer.wait()  # the current (main) stream; complete already
+                page_shape = copy.data.shape[2:]
+                self.kv.scatter_pages(
+                    upload(copy.pages, self.kv.tensor.device, torch.int64), copy.data.view(-1, *page_shape)
+                )
+            for restore in job.seq.restores:
+                if restore.block is not None:
+                    restore.block.ready = True
+            job.seq.restores = []
+        self.jobs = waiting
+
+    def _upload(self, restores: list[Restore], prefetched: dict) -> Copy:
+        missing = [r.key.hex()[:16] for r in restores if r.key not in prefetched]
+        if missing:
+            raise RuntimeError(f"blocks to restore are in no tier: {missing}")
+        source = torch.empty((len(restores), *self.block_shape), dtype=self.kv.tensor.dtype, pin_memory=self.cuda)
+        torch.stack([prefetched[r.key] for r in restores], out=source)
+        device = self.kv.tensor.device
+        if not self.cuda:
+            return Copy(_pages(restores), source, Transfer())
+        stream = self.host.copy_stream(device)
+        with torch.cuda.stream(stream):
+            data = torch.empty(source.shape, dtype=source.dtype, device=device)
+            data.copy_(source, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(stream)
+        return Copy(_pages(restores), data, Transfer(event, device, [data]), source)
+
+    def _count_lookups(self, seq: Sequence, host_hits: int) -> None:
+        if self.host is not None:
+            keys = seq.keys()
+            lookups = len(keys.keys) - len(seq.reads) if keys is not None else 0
+            self.host.stats.record(hits=host_hits, misses=max(0, lookups - host_hits))
+
+    # -- down -------------------------------------------------------------------------------
+
+    def demote(self, victims) -> None:
+        """Copy blocks evicted from the GPU pool (pages already reused) into the host tier."""
+        if not victims or self.host is None:
+            return
+        fresh = [b for b in victims if b.key not in self.host]  # the host keeps what it restored
+        staged = fresh[: self.max_demote]
+        self.dropped_blocks += len(fresh) - len(staged)
+        if not staged:
+            return
+        pages = upload([p for b in staged for p in b.pages], self.kv.tensor.device, torch.int64)
+        data = self.kv.gather_pages(pages).view(len(staged), *self.block_shape)  # main stream
+        stored, _ = self.host.store([b.key for b in staged], data, [b.cost for b in staged])
+        for block in staged:
+            self.costs[block.key] = block.cost
+        self.demoted_blocks += len(stored)
+
+    def _to_disk(self, key: BlockHash, view: torch.Tensor) -> None:
+        """HostTier's eviction hook: the view is only valid during the call, so copy it."""
+        cost = self.costs.pop(key, 1.0)
+        if self.disk is not None:
+            self.disk.put(key, view.clone(), cost)
+
+    # -- the rest ---------------------------------------------------------------------------
+
+    def reset(self) -> None:
+        """Forget restores in flight (after a failed step)."""
+        self.jobs.clear()
+
+    def cache_stats(self, cache: PrefixCache | None) -> CacheStats:
+        stats = CacheStats()
+        if cache is not None:
+            gpu = cache.stats
+            stats.tiers["gpu"] = replace(gpu, bytes_in=self.restored_bytes, bytes_out=gpu.hits * self.block_bytes)
+        if self.host is not None:
+            stats.tiers["host"] = replace(self.host.stats)
+        if self.disk is not None:
+            stats.tiers["disk"] = self.disk.stats
+        return stats
+
+    def close(self) -> None:
+        if self.disk is not None:
+            self.disk.close()
+
+
+def _pages(restores: list[Restore]) -> list[int]:
+    return [page for r in restores for page in r.pages]
