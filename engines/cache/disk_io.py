@@ -40,15 +40,16 @@ class AsyncDiskTier:
     def might_have(self, key: BlockHash) -> bool:
         return key in self.tier
 
-    def put(self, key: BlockHash, tensor: torch.Tensor, cost: float = 1.0) -> bool:
-        """Queue a write of `tensor` (a CPU tensor the caller no longer touches); False when
-        dropped because too many writes are queued."""
+    def put(self, key: BlockHash, tensor: torch.Tensor, cost: float = 1.0, ready=None) -> bool:
+        """Queue a write of `tensor` (a CPU tensor the caller no longer touches; when `ready`, a
+        CUDA event, is given, a copy into it still in flight that the writer waits for); False
+        when dropped because too many writes are queued."""
         with self._count_lock:
             if self._pending >= self.max_pending:
                 self.dropped += 1
                 return False
             self._pending += 1
-        self._writer.submit(self._put, key, tensor, cost)
+        self._writer.submit(self._put, key, tensor, cost, ready)
         return True
 
     def read_prefix(
@@ -71,8 +72,10 @@ class AsyncDiskTier:
         self._writer.shutdown(wait=True)
         self.tier.close()
 
-    def _put(self, key: BlockHash, tensor: torch.Tensor, cost: float) -> None:
+    def _put(self, key: BlockHash, tensor: torch.Tensor, cost: float, ready) -> None:
         try:
+            if ready is not None:
+                ready.synchronize()  # this thread waits for the copy, never the engine's
             with self._lock:
                 self.tier.put(key, tensor, cost)
         except Exception:  # a thread's failure would vanish into its Future: log it

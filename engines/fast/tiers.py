@@ -86,7 +86,10 @@ class KVTiers:
         return (self.host is not None and key in self.host) or key in self._prefetched(seq)
 
     def prefetch(self, waiting, cache: PrefixCache | None) -> None:
-        """Start disk reads for waiting sequences whose next uncached block may be on disk."""
+        """Start disk reads for waiting sequences: the run of blocks on disk that starts at or
+        after their first block no upper tier holds now. Starting after it is useful too: a
+        sequence admitted earlier may compute the missing blocks first (after a restart the
+        hottest, first blocks of a prompt are usually nowhere, having never left the GPU)."""
         if self.disk is None or cache is None:
             return
         for seq in waiting:
@@ -99,12 +102,12 @@ class KVTiers:
             start = len(cache.match(keys.keys))
             while start < len(keys.keys) and self.host is not None and keys.keys[start] in self.host:
                 start += 1
-            if start < len(keys.keys) and self.disk.might_have(keys.keys[start]):
-                seq.prefetched = self.disk.read_prefix(
-                    keys.keys[start:], self.block_shape, self.kv.tensor.dtype, self.cuda
-                )
-            else:
+            rest = keys.keys[start:]
+            first = next((i for i, key in enumerate(rest) if self.disk.might_have(key)), None)
+            if first is None:
                 seq.prefetched = {}
+            else:
+                seq.prefetched = self.disk.read_prefix(rest[first:], self.block_shape, self.kv.tensor.dtype, self.cuda)
 
     def _prefetched(self, seq: Sequence) -> dict:
         if isinstance(seq.prefetched, Future):
@@ -178,10 +181,11 @@ class KVTiers:
     # -- down -------------------------------------------------------------------------------
 
     def demote(self, victims) -> None:
-        """Copy blocks evicted from the GPU pool (pages already reused) into the host tier."""
+        """Copy blocks evicted from the GPU pool (pages already reused) into the host tier; what
+        it has no room for goes straight to the disk tier."""
         if not victims or self.host is None:
             return
-        fresh = [b for b in victims if b.key not in self.host]  # the host keeps what it restored
+        fresh = [b for b in reversed(victims) if b.key not in self.host]  # most valuable first
         staged = fresh[: self.max_demote]
         self.dropped_blocks += len(fresh) - len(staged)
         if not staged:
@@ -192,6 +196,34 @@ class KVTiers:
         for block in staged:
             self.costs[block.key] = block.cost
         self.demoted_blocks += len(stored)
+        stored_keys = set(stored)
+        overflow = [i for i, b in enumerate(staged) if b.key not in stored_keys]
+        if overflow:
+            self._spill([staged[i] for i in overflow], data, overflow)
+
+    def _spill(self, blocks, data: torch.Tensor, rows: list[int]) -> None:
+        """Blocks the host tier had no room for (all its slots pinned by this batch): one copy
+        to pinned memory on the copy stream; the disk writer waits for its event."""
+        if self.disk is None:
+            self.dropped_blocks += len(blocks)
+            return
+        picked = data.index_select(0, upload(rows, data.device, torch.int64))  # main stream
+        event = None
+        if self.cuda:
+            stream = self.host.copy_stream(data.device)
+            stream.wait_stream(torch.cuda.current_stream(data.device))
+            with torch.cuda.stream(stream):
+                host = torch.empty(picked.shape, dtype=picked.dtype, pin_memory=True)
+                host.copy_(picked, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(stream)
+            picked.record_stream(stream)
+        else:
+            host = picked
+        for index, block in enumerate(blocks):
+            self.costs.pop(block.key, None)
+            if not self.disk.put(block.key, host[index], block.cost, event):
+                self.dropped_blocks += 1
 
     def _to_disk(self, key: BlockHash, view: torch.Tensor) -> None:
         """HostTier's eviction hook: the view is only valid during the call, so copy it."""

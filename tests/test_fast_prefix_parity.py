@@ -1,0 +1,133 @@
+"""The prefix cache end to end: greedy tokens with caching on equal the reference engine's (and so
+caching off), for hits in the GPU pool, hits restored from the host tier and from the disk tier.
+
+The tiny model here has a 128-token sliding window and the engines use 4-token blocks, so that
+the test prompts (36-83 tokens, images of 16 soft tokens at 9..24) never wrap a sliding ring and
+are cached: questions about one image share 7 blocks (28 tokens).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.fast_requests import mismatches, mixed_requests, one_torch_thread, request  # noqa: F401 (fixture)
+from wicore.engines.base import EngineConfig
+from wicore.engines.fast import FastEngine
+from wicore.engines.reference import ReferenceEngine
+
+pytestmark = pytest.mark.slow
+QUESTIONS = ["What colour is it?", "How many things are there?", "Where is this?", "Describe it briefly."]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from wicore.models.gemma3 import make_tiny
+
+    return make_tiny(tmp_path_factory.mktemp("models") / "tiny-w128", sliding_window=128)
+
+
+def vqa(prefix="q", variant=1):
+    return [request(f"{prefix}{i}", text, variant=variant, max_new_tokens=8) for i, text in enumerate(QUESTIONS)]
+
+
+def several_images():
+    """Two images, then the same first image with another second one (a match up to the second)."""
+    return [
+        request("m1", "Compare them.", images=2, variant=3, max_new_tokens=10),
+        request("m2", "Compare them.", images=3, variant=6, max_new_tokens=10),
+    ]
+
+
+def all_requests():
+    return mixed_requests() + vqa() + vqa("r", variant=2) + several_images()
+
+
+@pytest.fixture(scope="module")
+def expected(model_dir):
+    reference = ReferenceEngine(EngineConfig(str(model_dir), max_batch_size=16))
+    return {c.id: c for c in reference.generate(all_requests())}
+
+
+def engine(model_dir, **options):
+    return FastEngine(EngineConfig(str(model_dir), max_batch_size=4, options={"block_size": 4, **options}))
+
+
+def check(out, expected):
+    assert all(c.ok for c in out)
+    assert mismatches(out, [expected[c.id] for c in out]) == []
+
+
+def test_caching_off_matches_reference(model_dir, expected):
+    fast = engine(model_dir, prefix_cache=False)
+    check(fast.generate(all_requests()), expected)
+    assert "gpu" not in fast.stats()["cache"]
+
+
+def test_repeated_requests_hit_the_gpu_pool(model_dir, expected):
+    fast = engine(model_dir)
+    check(fast.generate(mixed_requests()), expected)
+    images = fast.stats()["images"]
+    check(fast.generate(mixed_requests()), expected)
+    stats = fast.stats()
+    assert stats["cache"]["gpu"]["hits"] > 0 and stats["cached_prompt_tokens"] > 0
+    assert stats["images"] == images  # every image was in a cached prefix: no vision the 2nd time
+    assert stats["kv_pages_used"] == 0 and stats["kv_pages_cached"] > 0
+
+
+def test_same_image_questions_admitted_together(model_dir, expected):
+    fast = engine(model_dir)
+    check(fast.generate(vqa()), expected)
+    stats = fast.stats()
+    assert stats["images"] == 1  # the tower ran for the first question only
+    assert stats["cache"]["gpu"]["hits"] == 3 * 7  # 28 shared tokens: image + template
+    assert stats["cached_prompt_tokens"] == 3 * 28
+
+
+def test_requests_join_mid_decode(model_dir, expected):
+    fast = engine(model_dir)
+    requests = {r.id: r for r in all_requests()}
+    done = fast.add([requests["q0"], requests["a"]])
+    for _ in range(3):
+        done += fast.step()
+    fast.add([requests["q1"], requests["r0"]])
+    done += fast.step()
+    fast.add([requests["q2"], requests["r1"], requests["m1"]])
+    while fast.num_unfinished():
+        done += fast.step()
+    check(done, expected)
+    assert fast.stats()["cache"]["gpu"]["hits"] >= 2 * 7
+
+
+def test_several_images(model_dir, expected):
+    fast = engine(model_dir)
+    check(fast.generate(several_images()), expected)
+    # m2's first image differs (variant 6): nothing shared; then again, all of it
+    check(fast.generate(several_images()), expected)
+    assert fast.stats()["cached_prompt_tokens"] > 0
+
+
+def test_small_gpu_pool_moves_blocks_to_the_host_and_back(model_dir, expected):
+    # 60 pages: about two sequences at a time; everything finished is evicted again and again.
+    fast = engine(model_dir, num_kv_blocks=60, host_cache_bytes=2**20)
+    requests = mixed_requests()[:4] + vqa()
+    check(fast.generate(requests), expected)
+    check(fast.generate(requests), expected)
+    cache = fast.stats()["cache"]
+    assert cache["gpu"]["evictions"] > 0 and cache["host"]["bytes_in"] > 0
+    assert cache["host"]["hits"] > 0 and cache["gpu"]["bytes_in"] > 0  # restored into pages
+
+
+def test_disk_tier_hits_after_a_restart(model_dir, expected, tmp_path):
+    options = {"num_kv_blocks": 60, "host_cache_bytes": 4 * 2048, "disk_cache_dir": str(tmp_path / "kv")}
+    first = engine(model_dir, **options)  # a 4-block host tier: most blocks end up on disk
+    requests = mixed_requests()[:4]
+    check(first.generate(requests + vqa()), expected)
+    first.tiers.disk.flush()
+    assert first.stats()["cache"]["disk"]["bytes_in"] > 0
+    first.close()
+    second = engine(model_dir, **options)  # another process would find the same keys
+    check(second.generate(requests), expected)
+    cache = second.stats()["cache"]
+    assert cache["disk"]["hits"] > 0 and cache["gpu"]["bytes_in"] > 0  # disk -> pages
+    assert second.stats()["cached_prompt_tokens"] > 0
+    second.close()
