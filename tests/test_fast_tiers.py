@@ -128,3 +128,23 @@ def test_restore_probe_borrows_free_pages():
     assert measure_restore(cache, blocks, shape, 4, repeats=2) > 0
     assert blocks.num_free == 31
     assert measure_h2d(4096, torch.device("cpu")) > 0
+
+
+def test_restores_beyond_the_staging_budget_wait_with_their_host_blocks_pinned():
+    cache = kv_cache()
+    shape = cache.layout.block_shape(HEADS, DIM)
+    host = HostTier(8, shape, torch.float32, pin_memory=False)
+    tier = KVTiers(cache, host, None, 2 * 4 * HEADS * DIM * 2 * 4, HEADS, DIM)  # one block of staging
+    tier.max_demote = 2  # (the same budget caps copies down)
+    blocks = victims(2)
+    before = pages_of(cache, [p for b in blocks for p in b.pages])
+    tier.demote(blocks)
+    targets = [CachedBlock(b.key, (20 + 2 * i, 21 + 2 * i), 1.0) for i, b in enumerate(blocks)]
+    seqs = [waiting_seq([b.key], [Restore(t.key, t.pages, t)]) for b, t in zip(blocks, targets)]
+    for seq in seqs:
+        tier.start(seq)
+    assert len(tier.restorer.running) == 1 and len(tier.restorer.queued) == 1
+    assert host.policy.is_pinned(blocks[1].key) and not host.policy.is_pinned(blocks[0].key)
+    tier.land()  # on CPU: the first lands, the second starts and lands
+    assert all(s.restores == [] for s in seqs) and not host.policy.num_pinned
+    assert torch.equal(pages_of(cache, [p for t in targets for p in t.pages]), before)

@@ -15,7 +15,7 @@ from wicore.engines.fast.prefix_cache import PrefixCache
 from wicore.engines.fast.tiers import KVTiers
 from wicore.errors import ConfigError
 
-DEMOTE_STAGING_BYTES = 512 * 2**20  # device staging for one step's copies down (beyond: dropped)
+STAGING_BYTES = 512 * 2**20  # device buffers of copies in flight, each way (down: more dropped; up: queued)
 HALF_LIFE_CAPACITIES = 2  # A2CR's half-life in accesses, in units of the tier's capacity (README)
 
 
@@ -51,4 +51,4 @@ def build_tiers(kv: KVCache, options: FastOptions, cuda: bool, kv_heads: int, he
         capacity = options.disk_cache_bytes // block_bytes
         policy = make_policy(options.cache_policy, capacity)
         disk = AsyncDiskTier(DiskTier(Path(options.disk_cache_dir), options.disk_cache_bytes, policy))
-    return KVTiers(kv, host, disk, DEMOTE_STAGING_BYTES, kv_heads, head_dim)
+    return KVTiers(kv, host, disk, STAGING_BYTES, kv_heads, head_dim)

@@ -6,54 +6,34 @@ Down (`demote`, right after admission evicted GPU blocks): one gather of the vic
 the main stream into a contiguous staging buffer, then `HostTier.store` copies it into the
 pinned pool on the host tier's copy stream, behind an event of the main stream. The pages are
 reused at once: every later write to them is queued after the gather on the same stream. A block
-the host tier evicts goes to the disk tier's writer thread (a CPU copy), never blocking the loop.
+the host tier evicts goes to the disk tier's writer thread (a CPU copy); blocks the host tier
+has no room for at all go there straight from the staging buffer (`_spill`). Nothing here waits
+for the disk.
 
-Up (`start` at admission, `land` each step): host hits are one host->device copy per run of
-consecutive host slots into a staging buffer on the copy stream; disk hits, read ahead of
-admission by the disk tier's reader thread (`prefetch`) into pinned memory, one more copy on the
-same stream. Once a transfer's event has completed, the main stream waits on it (already done,
-so it never stalls) and one scatter kernel writes the staging buffer into the sequence's pages;
-its blocks become `ready`, and its prefill (held back until then) reads them later on that
-stream. The copies overlap the steps that run meanwhile. On CPU every copy is synchronous.
+Up: `prefetch` starts disk reads for waiting sequences (the reader thread, into pinned memory),
+so admission can count those blocks as hits; `start` queues an admitted sequence's restores and
+`land` scatters finished ones into its pages (`restores.Restorer`).
 """
 
 from __future__ import annotations
 
 import logging
 from concurrent.futures import Future
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import torch
 
 from wicore.engines.cache.disk_io import AsyncDiskTier
 from wicore.engines.cache.hashing import BlockHash
-from wicore.engines.cache.host_tier import HostTier, Transfer
+from wicore.engines.cache.host_tier import HostTier
 from wicore.engines.cache.stats import CacheStats
 from wicore.engines.fast.kv_cache import KVCache
-from wicore.engines.fast.prefix_cache import PrefixCache, Restore
+from wicore.engines.fast.prefix_cache import PrefixCache
+from wicore.engines.fast.restores import Restorer
 from wicore.engines.fast.sequence import Sequence
 from wicore.ops.transfer import upload
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class Copy:
-    """Blocks on their way into pages: staging [n, *block_shape] on the device."""
-
-    pages: list[int]  # n * G pages, block-major (each block's pages in group order)
-    data: torch.Tensor
-    transfer: Transfer
-    source: torch.Tensor | None = None  # pinned host buffer the copy reads (kept until landed)
-
-
-@dataclass
-class RestoreJob:
-    seq: Sequence
-    copies: list[Copy] = field(default_factory=list)
-
-    def done(self) -> bool:
-        return all(copy.transfer.done() for copy in self.copies)
 
 
 class KVTiers:
@@ -62,7 +42,7 @@ class KVTiers:
         kv: KVCache,
         host: HostTier | None,
         disk: AsyncDiskTier | None,
-        max_demote_bytes: int,
+        max_staging_bytes: int,  # device buffers of copies in flight, each way
         kv_heads: int,
         head_dim: int,
     ):
@@ -70,8 +50,8 @@ class KVTiers:
         self.cuda = kv.tensor.is_cuda
         self.block_shape = kv.layout.block_shape(kv_heads, head_dim)
         self.block_bytes = kv.tensor.element_size() * int(torch.Size(self.block_shape).numel())
-        self.max_demote = max(1, max_demote_bytes // self.block_bytes)  # blocks staged per step
-        self.jobs: list[RestoreJob] = []
+        self.max_demote = max(1, max_staging_bytes // self.block_bytes)  # blocks staged per step
+        self.restorer = Restorer(kv, host, self.block_shape, self.block_bytes, max_staging_bytes)
         self.costs: dict[BlockHash, float] = {}  # of blocks in the host tier (for the disk's policy)
         self.restored_bytes = 0
         self.demoted_blocks = 0
@@ -125,52 +105,13 @@ class KVTiers:
         in_host = [r for r in seq.restores if self.host is not None and r.key in self.host]
         from_disk = [r for r in seq.restores if self.host is None or r.key not in self.host]
         self._count_lookups(seq, len(in_host))
-        if not seq.restores:
-            return
-        job = RestoreJob(seq)
-        if in_host:
-            data, transfer = self.host.load([r.key for r in in_host], self.kv.tensor.device)
-            job.copies.append(Copy(_pages(in_host), data, transfer))
-        if from_disk:
-            job.copies.append(self._upload(from_disk, prefetched))
-        self.restored_bytes += len(seq.restores) * self.block_bytes
-        self.jobs.append(job)
+        if seq.restores:
+            self.restorer.queue(seq, in_host, from_disk, prefetched)
+            self.restored_bytes += len(seq.restores) * self.block_bytes
 
     def land(self) -> None:
-        """Scatter every finished restore into its pages (main stream); their blocks are ready."""
-        waiting = []
-        for job in self.jobs:
-            if not job.done():
-                waiting.append(job)
-                continue
-            for copy in job.copies:
-                copy.transfer.wait()  # the current (main) stream; complete already
-                page_shape = copy.data.shape[2:]
-                self.kv.scatter_pages(
-                    upload(copy.pages, self.kv.tensor.device, torch.int64), copy.data.view(-1, *page_shape)
-                )
-            for restore in job.seq.restores:
-                if restore.block is not None:
-                    restore.block.ready = True
-            job.seq.restores = []
-        self.jobs = waiting
-
-    def _upload(self, restores: list[Restore], prefetched: dict) -> Copy:
-        missing = [r.key.hex()[:16] for r in restores if r.key not in prefetched]
-        if missing:
-            raise RuntimeError(f"blocks to restore are in no tier: {missing}")
-        source = torch.empty((len(restores), *self.block_shape), dtype=self.kv.tensor.dtype, pin_memory=self.cuda)
-        torch.stack([prefetched[r.key] for r in restores], out=source)
-        device = self.kv.tensor.device
-        if not self.cuda:
-            return Copy(_pages(restores), source, Transfer())
-        stream = self.host.copy_stream(device)
-        with torch.cuda.stream(stream):
-            data = torch.empty(source.shape, dtype=source.dtype, device=device)
-            data.copy_(source, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(stream)
-        return Copy(_pages(restores), data, Transfer(event, device, [data]), source)
+        """Scatter finished restores into their pages and start queued ones (`Restorer`)."""
+        self.restorer.land()
 
     def _count_lookups(self, seq: Sequence, host_hits: int) -> None:
         if self.host is not None:
@@ -235,7 +176,7 @@ class KVTiers:
 
     def reset(self) -> None:
         """Forget restores in flight (after a failed step)."""
-        self.jobs.clear()
+        self.restorer.reset()
 
     def cache_stats(self, cache: PrefixCache | None) -> CacheStats:
         stats = CacheStats()
@@ -251,7 +192,3 @@ class KVTiers:
     def close(self) -> None:
         if self.disk is not None:
             self.disk.close()
-
-
-def _pages(restores: list[Restore]) -> list[int]:
-    return [page for r in restores for page in r.pages]
