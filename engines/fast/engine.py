@@ -32,7 +32,7 @@ from wicore.engines.fast.kv_cache import KVLayout
 from wicore.engines.fast.memory import plan_pages
 from wicore.engines.fast.model_runner import ModelRunner
 from wicore.engines.fast.options import FastOptions
-from wicore.engines.fast.prefix_keys import PromptKeys, image_digests, model_fingerprint, prompt_keys
+from wicore.engines.fast.prefix_keys import PromptKeyer, model_fingerprint
 from wicore.engines.fast.restore_probe import measure_h2d, measure_restore
 from wicore.engines.fast.sampler import Sampler
 from wicore.engines.fast.scheduler import Scheduler
@@ -66,7 +66,8 @@ class FastEngine(Engine):
         text = parts.config.text_config
         layout = self.runner.layout
         self.tiers = build_tiers(self.runner.cache, self.options, self.cuda, text.num_key_value_heads, text.head_dim)
-        self.cache_model_id = model_fingerprint(config.model_dir, config.dtype, layout)  # salts every key
+        model_id = model_fingerprint(config.model_dir, config.dtype, layout)  # salts every key
+        self.keyer = PromptKeyer(model_id, self.options.block_size, parts.tokens_per_image)
         vision_batch = self.options.vision_batch(self.cuda)
         self.scheduler = Scheduler(
             layout, self.blocks, config.max_batch_size, vision_batch, self.prefill_tokens, self.tiers.holds
@@ -273,17 +274,10 @@ class FastEngine(Engine):
         ring); hashing decoded images (no hashes given) runs in the pixel threads."""
         if self.blocks.cache is None or self.runner.layout.wraps(seq.max_len):
             return
-        job = partial(self._prompt_keys, seq.request, seq.prompt)
+        job = partial(self.keyer, seq.request, seq.prompt)
         hash_pixels = seq.request.images and not seq.request.image_hashes
         seq.prefix_keys = self.pool.submit(job) if self.pool is not None and hash_pixels else job()
         seq.disk_lookup = self.tiers.disk is not None
-
-    def _prompt_keys(self, request: EngineRequest, prompt) -> PromptKeys:
-        digests = image_digests(request.image_hashes, request.images)
-        tokens = self.inputs.tokens_per_image
-        return prompt_keys(
-            prompt.ids, prompt.image_starts, digests, tokens, self.options.block_size, self.cache_model_id
-        )
 
     def _pixels_now(self, request: EngineRequest):
         try:

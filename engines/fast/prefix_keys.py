@@ -32,6 +32,20 @@ class PromptKeys:
     image_spans: tuple[tuple[int, int], ...]  # [start, end) of each image's soft tokens
 
 
+@dataclass(frozen=True)
+class PromptKeyer:
+    """Keys of a request's prompt for one engine (its model id, block size, image tokens)."""
+
+    model_id: str
+    block_size: int
+    tokens_per_image: int
+
+    def __call__(self, request, prompt) -> PromptKeys:
+        digests = image_digests(request.image_hashes, request.images)
+        ids, starts = prompt.ids, prompt.image_starts
+        return prompt_keys(ids, starts, digests, self.tokens_per_image, self.block_size, self.model_id)
+
+
 def model_fingerprint(model_dir: str | Path, dtype: str, layout: KVLayout) -> str:
     """A hex id of everything the cached K/V depend on. Weights are sampled (sizes and
     SAMPLES_PER_FILE chunks of each safetensors file), not read whole."""
