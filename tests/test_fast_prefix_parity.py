@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.fast_requests import mismatches, mixed_requests, one_torch_thread, request  # noqa: F401 (fixture)
+from tests.fast_requests import image, mismatches, mixed_requests, one_torch_thread, request  # noqa: F401
 from wicore.engines.base import EngineConfig
 from wicore.engines.fast import FastEngine
 from wicore.engines.reference import ReferenceEngine
@@ -31,10 +31,14 @@ def vqa(prefix="q", variant=1):
 
 
 def several_images():
-    """Two images, then the same first image with another second one (a match up to the second)."""
+    """Two images; three others; m1's first image with another second one (m3 shares m1's
+    blocks up to its second image, which alone goes through the vision tower)."""
+    m3 = request("m3", "Compare them.", images=2, variant=3, max_new_tokens=10)
+    m3.images[1] = image(999, 30, 26)
     return [
         request("m1", "Compare them.", images=2, variant=3, max_new_tokens=10),
         request("m2", "Compare them.", images=3, variant=6, max_new_tokens=10),
+        m3,
     ]
 
 
@@ -100,10 +104,14 @@ def test_requests_join_mid_decode(model_dir, expected):
 
 def test_several_images(model_dir, expected):
     fast = engine(model_dir)
-    check(fast.generate(several_images()), expected)
-    # m2's first image differs (variant 6): nothing shared; then again, all of it
-    check(fast.generate(several_images()), expected)
-    assert fast.stats()["cached_prompt_tokens"] > 0
+    first, second, third = several_images()
+    check(fast.generate([first, second]), expected)  # no image in common: the template's 8 tokens
+    assert fast.stats()["cached_prompt_tokens"] == 8
+    check(fast.generate([third]), expected)
+    stats = fast.stats()
+    assert stats["cached_prompt_tokens"] == 8 + 28 and stats["images"] == 5 + 2  # m3: both encoded, one used
+    check(fast.generate(several_images()), expected)  # all cached now: no vision at all
+    assert fast.stats()["images"] == 7
 
 
 def test_small_gpu_pool_moves_blocks_to_the_host_and_back(model_dir, expected):

@@ -143,6 +143,7 @@ class FastEngine(Engine):
     def stats(self) -> dict:
         report = {**super().stats(), **self.counters.report(self.runner, self.blocks, self.scheduler)}
         report["cache"] = self.tiers.cache_stats(self.blocks.cache).to_dict()
+        report.update(self.tiers.counters())
         return report
 
     def measure_restore(self, num_blocks: int, repeats: int = 3) -> float:

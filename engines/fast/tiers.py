@@ -17,6 +17,7 @@ so admission can count those blocks as hits; `start` queues an admitted sequence
 
 from __future__ import annotations
 
+import itertools
 import logging
 from concurrent.futures import Future
 from dataclasses import replace
@@ -34,6 +35,7 @@ from wicore.engines.fast.sequence import Sequence
 from wicore.ops.transfer import upload
 
 log = logging.getLogger(__name__)
+PREFETCH_AHEAD = 64  # waiting sequences (from the head) whose disk blocks are read ahead
 
 
 class KVTiers:
@@ -69,10 +71,11 @@ class KVTiers:
         """Start disk reads for waiting sequences: the run of blocks on disk that starts at or
         after their first block no upper tier holds now. Starting after it is useful too: a
         sequence admitted earlier may compute the missing blocks first (after a restart the
-        hottest, first blocks of a prompt are usually nowhere, having never left the GPU)."""
+        hottest, first blocks of a prompt are usually nowhere, having never left the GPU). Only
+        the first PREFETCH_AHEAD are read: the blocks read wait in pinned memory until admission."""
         if self.disk is None or cache is None:
             return
-        for seq in waiting:
+        for seq in itertools.islice(waiting, PREFETCH_AHEAD):
             if not seq.disk_lookup or seq.prefetched is not None or not seq.keys_ready:
                 continue
             keys = seq.keys()
@@ -188,6 +191,14 @@ class KVTiers:
         if self.disk is not None:
             stats.tiers["disk"] = self.disk.stats
         return stats
+
+    def counters(self) -> dict[str, int]:
+        """Block movements the per-tier stats do not show."""
+        return {
+            "kv_blocks_demoted": self.demoted_blocks,  # GPU -> host copies
+            "kv_blocks_dropped": self.dropped_blocks + (self.disk.dropped if self.disk is not None else 0),
+            "kv_restores_queued": len(self.restorer.queued) + len(self.restorer.running),
+        }
 
     def close(self) -> None:
         if self.disk is not None:
