@@ -184,3 +184,13 @@ def test_cache_stats_are_json():
     assert stats.tiers["gpu"].hits == 2 and stats.tiers["gpu"].misses == 2
     assert stats.tiers["gpu"].bytes_out == 200
     assert CacheStats.from_json(json.dumps(stats.to_dict())).tiers["gpu"].hits == 2
+
+
+def test_a_failed_key_job_leaves_the_sequence_uncached(caplog):
+    from concurrent.futures import Future
+
+    seq = sequence("a", range(10))
+    seq.prefix_keys = Future()
+    assert not seq.keys_ready
+    seq.prefix_keys.set_exception(ValueError("bad image"))
+    assert seq.keys_ready and seq.keys() is None and "not cached" in caplog.text

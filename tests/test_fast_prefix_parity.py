@@ -139,3 +139,27 @@ def test_disk_tier_hits_after_a_restart(model_dir, expected, tmp_path):
     assert cache["disk"]["hits"] > 0 and cache["gpu"]["bytes_in"] > 0  # disk -> pages
     assert second.stats()["cached_prompt_tokens"] > 0
     second.close()
+
+
+def test_keys_hashed_in_threads_and_from_given_image_hashes(model_dir, expected):
+    fast = engine(model_dir, preprocess_threads=2)  # pixel digests in the pool (no hashes given)
+    check(fast.generate(vqa()), expected)
+    assert fast.stats()["cached_prompt_tokens"] == 3 * 28
+    given = vqa()
+    for req in given:
+        req.image_hashes = ["ab" * 32]  # the caller's hash of the image's bytes: a new key
+    check(fast.generate(given), expected)
+    assert fast.stats()["cached_prompt_tokens"] == 3 * 28 + 8 + 3 * 28  # the template, then shared
+
+
+def test_a_failed_step_drops_the_cache_and_the_engine_recovers(model_dir, expected, monkeypatch):
+    fast = engine(model_dir, num_kv_blocks=60, host_cache_bytes=2**20)
+    check(fast.generate(vqa()), expected)
+    assert fast.stats()["kv_pages_cached"] > 0
+    with monkeypatch.context() as patch:
+        patch.setattr(fast.runner, "prefill", lambda seqs: (_ for _ in ()).throw(RuntimeError("device lost")))
+        out = fast.generate(mixed_requests()[:2])
+    assert all("device lost" in c.error for c in out)
+    stats = fast.stats()
+    assert stats["kv_pages_cached"] == 0 and stats["kv_pages_used"] == 0 and stats["kv_pages_free"] == 60
+    check(fast.generate(vqa()), expected)
