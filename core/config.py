@@ -35,6 +35,8 @@ class Settings(BaseSettings):
     retries: int = Field(2, ge=0)
     cache_dir: Path = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "wicore"
     no_cache: bool = False  # turn off the KV / vision-embedding caches
+    vision_cache_redis_bytes: int = Field(2**30, ge=0)  # Redis-shared image embeddings (0 = not shared)
+    vision_cache_ttl_s: float = Field(86_400, gt=0)
     log_level: str = "WARNING"
 
     @classmethod

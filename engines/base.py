@@ -57,6 +57,7 @@ class EngineConfig:
     dtype: str = "float32"  # "float32" | "bfloat16" | "float16"
     max_batch_size: int = 8
     seed: int = 0  # for config-only checkpoints whose weights are seeded at load time
+    cache: bool = True  # the engine's KV / vision-embedding caches (`--no-cache` turns them off)
     options: dict[str, Any] = field(default_factory=dict)  # engine-specific, validated by the engine
 
 
@@ -87,6 +88,10 @@ class Engine(abc.ABC):
 
     def free_slots(self) -> int:
         return max(0, self.config.max_batch_size - self.num_unfinished())
+
+    def attach_vision_cache(self, store) -> None:
+        """A shared image-embedding store (the worker's Redis layer). Engines without a vision
+        cache ignore it."""
 
     def stats(self) -> dict[str, Any]:
         """Counters for `wicore status` and benchmarks; engines add their own."""

@@ -164,3 +164,23 @@ def test_a_plain_rq_worker_can_run_a_wicore_job(redis_conn, tiny_model_dir, monk
     result = Producer(redis_conn, model=MODEL).result(job_id)
     assert result.output_tokens == 3 and result.engine == "reference"
     tasks._engine.cache_clear()
+
+
+@pytest.mark.parametrize("no_cache", [False, True])
+def test_worker_shares_image_embeddings_through_redis(redis_url, redis_conn, tiny_model_dir, no_cache):
+    """Two questions about one image, in two batches: with caching, the second batch's image
+    comes from the cache (local, filled through the Redis-shared layer); `--no-cache` encodes it again."""
+    from wicore.config import load_settings
+    from wicore.worker.factory import build_engine, build_worker
+
+    settings = load_settings(redis_url=redis_url, engine="fast", batch_size=1, no_cache=no_cache, max_queue_delay_ms=0)
+    engine = build_engine(settings, tiny_model_dir)
+    producer = Producer(redis_conn, model=MODEL)
+    params = GenerationParams(max_new_tokens=3)
+    ids = producer.submit_many([Submission(png_bytes(9), q, params=params) for q in ("one?", "two?")])
+    build_worker(settings, redis_conn, engine, MODEL, burst=True).run()
+    assert all(o.result is not None for o in outcomes(producer, ids).values())
+    stats = engine.stats()
+    assert stats["images_encoded"] == (2 if no_cache else 1)
+    shared = [k for k in redis_conn.scan_iter("wicore:vision:*")]
+    assert bool(shared) is not no_cache

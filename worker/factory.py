@@ -42,9 +42,22 @@ def build_engine(settings: Settings, model_dir: Path, options: dict | None = Non
         device=device,
         dtype=resolve_dtype(settings.dtype, device),
         max_batch_size=settings.batch_size,
+        cache=not settings.no_cache,
         options=options or {},
     )
     return create_engine(resolve_engine(settings.engine, device), config)
+
+
+def attach_shared_caches(settings: Settings, connection: Redis, engine: Engine, model_id: str) -> None:
+    """Image embeddings shared through Redis by every worker of this model, unless caching is off."""
+    if settings.no_cache or not settings.vision_cache_redis_bytes:
+        return
+    from wicore.worker.vision_cache import RedisVisionCache
+
+    store = RedisVisionCache(
+        connection, namespace=model_id, max_bytes=settings.vision_cache_redis_bytes, ttl_s=settings.vision_cache_ttl_s
+    )
+    engine.attach_vision_cache(store)
 
 
 def build_worker(
@@ -61,6 +74,7 @@ def build_worker(
         allowed_roots=tuple(Path(r) for r in settings.allowed_roots),
         limits=ImageLimits(max_bytes=settings.max_image_bytes, max_pixels=settings.max_image_pixels),
     )
+    attach_shared_caches(settings, connection, engine, model_id)
     config = WorkerConfig(
         model_id=model_id,
         name=name,

@@ -29,9 +29,10 @@ from wicore.engines.base import Completion, Engine
 from wicore.errors import DeadlineExceeded, ShutdownRequested
 from wicore.scheduler.policy import BatchPolicy, Take, Wait, choose, split_expired
 from wicore.scheduler.queues import BucketQueues
-from wicore.schemas import CaptionJob, CaptionResult, Timings
+from wicore.schemas import CaptionJob, Timings
 from wicore.worker.inputs import InputConfig, InputLoader, Loaded
 from wicore.worker.liveness import Heartbeat, reap_dead_workers
+from wicore.worker.results import caption_result
 from wicore.worker.rq_bridge import Claimed, Finished, RQBridge, RQWorkerRecord
 
 log = logging.getLogger(__name__)
@@ -204,23 +205,15 @@ class BatchingWorker:
         flight = self.in_flight.pop(completion.id)
         if not completion.ok:
             return Finished(flight.claimed, error=completion.error, retry=not completion.input_error)
-        now = time.time()
-        result = CaptionResult(
-            job_id=completion.id,
-            text=completion.text or "",
-            finish_reason=completion.finish_reason or "length",
-            prompt_tokens=completion.prompt_tokens,
-            output_tokens=len(completion.token_ids),
-            token_ids=tuple(completion.token_ids),
-            timings=Timings(
-                queued_s=max(0.0, flight.claimed.started_at - flight.payload.submitted_at),
-                preprocess_s=flight.preprocess_s,
-                engine_s=completion.engine_s,
-                total_s=max(0.0, now - flight.payload.submitted_at),
-            ),
-            worker=self.name,
-            engine=self.engine.name,
-            model=self.config.model_id,
+        submitted = flight.payload.submitted_at
+        timings = Timings(
+            queued_s=max(0.0, flight.claimed.started_at - submitted),
+            preprocess_s=flight.preprocess_s,
+            engine_s=completion.engine_s,
+            total_s=max(0.0, time.time() - submitted),
+        )
+        result = caption_result(
+            completion, timings, worker=self.name, engine=self.engine.name, model=self.config.model_id
         )
         return Finished(flight.claimed, result=result.model_dump(mode="json"))
 

@@ -35,6 +35,17 @@ def queue_rows(connection: Redis) -> list[dict[str, Any]]:
     return rows
 
 
+def stats_line(stats: dict[str, Any]) -> str:
+    """Counters first, then each cache tier as hits/lookups."""
+    plain = [f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in stats.items()
+             if isinstance(v, int | float) and not isinstance(v, bool)]  # fmt: skip
+    tiers = [f"{k}: {v['hits']}/{v['hits'] + v['misses']} hits" for k, v in sorted(stats.items())
+             if isinstance(v, dict) and "hits" in v]  # fmt: skip
+    tiers += [f"{k}.{t}: {v['hits']}/{v['hits'] + v['misses']} hits" for k, tiers_ in sorted(stats.items())
+              if isinstance(tiers_, dict) for t, v in tiers_.items() if isinstance(v, dict) and "hits" in v]  # fmt: skip
+    return ", ".join(tiers + plain)
+
+
 def worker_rows(connection: Redis) -> list[dict[str, Any]]:
     rows = []
     for worker in sorted(Worker.all(connection=connection), key=lambda w: w.name):
@@ -48,7 +59,7 @@ def worker_rows(connection: Redis) -> list[dict[str, Any]]:
                 "ok": worker.successful_job_count,
                 "failed": worker.failed_job_count,
                 "stats": stats,
-                "stats_line": ", ".join(f"{k}={v}" for k, v in stats.items() if not isinstance(v, dict))[:120],
+                "stats_line": stats_line(stats),
             }
         )
     return rows

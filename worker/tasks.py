@@ -12,7 +12,8 @@ from functools import cache
 from rq import get_current_job
 
 from wicore.errors import EngineError, JobInputError
-from wicore.schemas import CaptionJob, CaptionResult, Timings
+from wicore.schemas import CaptionJob, Timings
+from wicore.worker.results import caption_result
 
 
 @cache
@@ -42,16 +43,6 @@ def caption(payload: dict) -> dict:
     [done] = engine.generate([loaded.request])
     if not done.ok:
         raise (JobInputError if done.input_error else EngineError)(done.error)
-    result = CaptionResult(
-        job_id=job.id,
-        text=done.text or "",
-        finish_reason=done.finish_reason or "length",
-        prompt_tokens=done.prompt_tokens,
-        output_tokens=len(done.token_ids),
-        token_ids=tuple(done.token_ids),
-        timings=Timings(queued_s=0.0, preprocess_s=loaded.preprocess_s, engine_s=done.engine_s, total_s=0.0),
-        worker=job.worker_name or "",
-        engine=engine.name,
-        model=model_id,
-    )
+    timings = Timings(queued_s=0.0, preprocess_s=loaded.preprocess_s, engine_s=done.engine_s, total_s=0.0)
+    result = caption_result(done, timings, worker=job.worker_name or "", engine=engine.name, model=model_id)
     return result.model_dump(mode="json")

@@ -8,7 +8,6 @@ from __future__ import annotations
 import io
 import json
 import os
-import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -95,7 +94,7 @@ def bench_plain_rq(connection: Redis, jobs: int) -> RunStats:
 
 def write_results(report: dict, folder: Path) -> list[Path]:
     folder.mkdir(parents=True, exist_ok=True)
-    stem = folder / f"queue-{socket.gethostname().split('.')[0]}"
+    stem = folder / f"queue-{os.cpu_count()}cpu"
     json_path = stem.with_suffix(".json")
     json_path.write_text(json.dumps(report, indent=2) + "\n")
     png = bar_plot(

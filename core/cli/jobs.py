@@ -126,7 +126,7 @@ def status(
     queues = Table("queue (model.lane.crops.prompt.new_tokens)", "queued", "started", "finished", "failed")
     for q in report["queues"]:
         queues.add_row(q["name"], *(str(q[k]) for k in ("queued", "started", "finished", "failed")))
-    workers = Table("worker", "state", "running", "ok", "failed", "engine stats")
+    workers = Table("worker", "state", "running", "ok", "failed", "caches and engine counters")
     for w in report["workers"]:
         workers.add_row(w["name"], w["state"], str(w["running"]), str(w["ok"]), str(w["failed"]), w["stats_line"])
     console.print(queues)

@@ -18,6 +18,7 @@ import logging
 import random
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import replace
 from functools import partial
 
 import torch
@@ -26,7 +27,8 @@ from wicore.engines.base import Completion, Engine, EngineConfig, EngineRequest,
 from wicore.engines.checkpoint import load_processor, torch_dtype
 from wicore.engines.fast.block_manager import BlockManager
 from wicore.engines.fast.cache_setup import build_prefix_cache, build_tiers
-from wicore.engines.fast.handles import Readback, VisionJob
+from wicore.engines.fast.handles import Readback
+from wicore.engines.fast.images import ImageStage
 from wicore.engines.fast.inputs import InputProcessor
 from wicore.engines.fast.kv_cache import KVLayout
 from wicore.engines.fast.memory import plan_pages
@@ -36,7 +38,7 @@ from wicore.engines.fast.prefix_keys import PromptKeyer, model_fingerprint
 from wicore.engines.fast.restore_probe import measure_h2d, measure_restore
 from wicore.engines.fast.sampler import Sampler
 from wicore.engines.fast.scheduler import Scheduler
-from wicore.engines.fast.sequence import SeqStatus, Sequence
+from wicore.engines.fast.sequence import Sequence
 from wicore.engines.fast.stats import EngineStats
 from wicore.engines.fast.weights import load_gemma3
 from wicore.engines.text import finish_sequence, first_stop, stop_token_ids
@@ -53,6 +55,8 @@ class FastEngine(Engine):
     def __init__(self, config: EngineConfig):
         super().__init__(config)
         self.options = FastOptions.parse(config.options)
+        if not config.cache:  # `--no-cache`: no prefix KV cache either
+            self.options = replace(self.options, prefix_cache=False, disk_cache_dir=None)
         device = torch.device(config.device)
         self.cuda = device.type == "cuda"
         processor = load_processor(config.model_dir)
@@ -75,7 +79,9 @@ class FastEngine(Engine):
         threads = self.options.threads(self.cuda)
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="wicore-pixels") if threads else None
         self.rng = random.Random(config.seed)  # seeds for sampled requests that bring none
-        self.vision_jobs: deque[VisionJob] = deque()
+        self.images = ImageStage(
+            self.runner, self.inputs, self.pool, self.options.vision_cache(self.cuda, config.cache)
+        )
         self.readbacks: deque[Readback] = deque()
         self.unfinished: set[Sequence] = set()  # added and not yet returned
         self.counters = EngineStats()
@@ -103,6 +109,7 @@ class FastEngine(Engine):
             vision_batch=vision_batch,
             prefill_tokens=self.prefill_tokens,
             utilization=opts.gpu_memory_utilization,
+            reserve=opts.vision_cache(self.cuda, config.cache),
         )
         runner.allocate_cache(num_pages)
         if self.cuda and opts.cuda_graphs:
@@ -115,17 +122,26 @@ class FastEngine(Engine):
 
     def add(self, requests: list[EngineRequest]) -> list[Completion]:
         self.requests_seen += len(requests)
-        rejected = []
+        rejected, seqs = [], []
         for request in requests:
             try:
-                seq = self._sequence(request)
+                seqs.append(self._sequence(request))
             except JobInputError as error:
                 rejected.append(failed(request.id, error, input_error=True))
+        bad = {id(seq): error for seq, error in self.images.prepare(seqs)}
+        for seq in seqs:
+            if id(seq) in bad:
+                rejected.append(failed(seq.id, bad[id(seq)], input_error=True))
                 continue
             self.scheduler.add(seq)
             self.unfinished.add(seq)
         self.counters.rejected += len(rejected)
         return rejected
+
+    def attach_vision_cache(self, store) -> None:
+        """A shared embedding store (`EmbeddingStore`: the worker's Redis layer) behind the
+        engine's local vision cache."""
+        self.images.attach_shared(store)
 
     def num_unfinished(self) -> int:
         return len(self.unfinished)
@@ -141,9 +157,9 @@ class FastEngine(Engine):
         return done
 
     def stats(self) -> dict:
-        report = {**super().stats(), **self.counters.report(self.runner, self.blocks, self.scheduler)}
-        report["cache"] = self.tiers.cache_stats(self.blocks.cache).to_dict()
-        report.update(self.tiers.counters())
+        report = self.counters.report(self.runner, self.blocks, self.scheduler)
+        report = {**super().stats(), **report, **self.images.stats(), **self.tiers.counters()}
+        report["cache"] = self.tiers.cache_stats(self.blocks.cache).to_dict()  # prefix KV tiers
         return report
 
     def measure_restore(self, num_blocks: int, repeats: int = 3) -> float:
@@ -170,19 +186,18 @@ class FastEngine(Engine):
     def _step(self, done: list[Completion]) -> None:
         """Appends to `done` as sequences end, so a failure later in the step loses none."""
         self._fail_unreadable_images(done)
-        self._collect_vision()
+        self.images.collect()
         self.tiers.prefetch(self.scheduler.waiting, self.blocks.cache)
         # A full vision batch may queue behind another; a partial one only goes when no vision
         # work is queued (the device would idle), so the tower mostly runs full, compiled batches.
-        vision = self.scheduler.schedule_vision(VISION_IN_FLIGHT - len(self.vision_jobs), not self.vision_jobs)
+        vision = self.scheduler.schedule_vision(VISION_IN_FLIGHT - len(self.images.jobs), not self.images.jobs)
         for seq in self.scheduler.take_admitted():
             self.runner.set_table(seq.row, seq.table)
             self.tiers.start(seq)  # reads host slots before `demote` may reuse them
         self.tiers.demote(self.blocks.take_evicted())  # before anything writes the reused pages
         if vision:
-            self.vision_jobs.append(self.runner.launch_vision(vision))
-            self.counters.images += sum(s.num_images for s in vision)
-            self._collect_vision()  # on CPU it is done already
+            self.counters.images += self.images.launch(vision)
+            self.images.collect()  # on CPU it is done already
         self.tiers.land()
         prefill, decode = self.scheduler.schedule_model()
         launched = 0
@@ -201,11 +216,6 @@ class FastEngine(Engine):
             self._wait_for_work()
         self.counters.steps += 1
         self.runner.clock.collect()  # fold finished GPU timings in; keeps the pending list short
-
-    def _collect_vision(self) -> None:
-        while self.vision_jobs and self.vision_jobs[0].done():
-            for seq in self.vision_jobs.popleft().seqs:
-                seq.status = SeqStatus.READY
 
     def _read_tokens(self, keep: int, done: list[Completion]) -> int:
         """Process every readback but the newest `keep` (those launched this step); returns
@@ -241,8 +251,8 @@ class FastEngine(Engine):
     def _wait_for_work(self) -> None:
         """Nothing ran this step: wait (briefly, so the worker can keep admitting) for what
         everything waits on instead of spinning."""
-        if self.vision_jobs:
-            self.vision_jobs[0].wait(IDLE_WAIT_S)
+        if self.images.jobs:
+            self.images.jobs[0].wait(IDLE_WAIT_S)
         elif self.readbacks:
             self.readbacks[0].tokens()
         elif self.scheduler.waiting and isinstance(self.scheduler.waiting[0].pixels, Future):
@@ -261,12 +271,8 @@ class FastEngine(Engine):
             )
         if not self.scheduler.fits_ever(total):
             raise PromptTooLong(f"a {total}-token sequence does not fit in the KV cache")
-        if self.pool is not None and request.images:
-            pixels = self.pool.submit(self.inputs.pixels, request.images)
-        else:
-            pixels = self._pixels_now(request)
         seed = params.seed if params.seed is not None else self.rng.getrandbits(63)
-        seq = Sequence(request, prompt, pixels, seed)
+        seq = Sequence(request, prompt, None, seed)  # pixels or cached embeddings: ImageStage.prepare
         self._key(seq)
         return seq
 
@@ -279,12 +285,6 @@ class FastEngine(Engine):
         hash_pixels = seq.request.images and not seq.request.image_hashes
         seq.prefix_keys = self.pool.submit(job) if self.pool is not None and hash_pixels else job()
         seq.disk_lookup = self.tiers.disk is not None
-
-    def _pixels_now(self, request: EngineRequest):
-        try:
-            return self.inputs.pixels(request.images)
-        except Exception as error:
-            raise JobInputError(f"image preprocessing failed: {error}") from error
 
     def _fail_unreadable_images(self, done: list[Completion]) -> None:
         """Images that failed to preprocess, at the head of the queue (admission stops there)."""
@@ -300,7 +300,8 @@ class FastEngine(Engine):
         self.tiers.reset()
         self.blocks.drop_cache()  # blocks being written when the step failed are suspect
         self.scheduler.waiting.clear()
-        self.vision_jobs.clear()
+        self.images.jobs.clear()
+        self.images.in_flight.clear()
         self.readbacks.clear()
         done = [failed(seq.id, error, input_error=False) for seq in self.unfinished]
         self.unfinished.clear()

@@ -15,7 +15,10 @@ from wicore.engines.fast.sequence import Sequence
 @dataclass
 class VisionJob:
     seqs: list[Sequence]
-    event: torch.cuda.Event | None  # recorded on the side stream after the projector
+    event: torch.cuda.Event | None  # recorded on the vision stream after the projector
+    embeds: torch.Tensor | None = None  # [distinct images, tokens, hidden]
+    keys: list[str | None] = field(default_factory=list)  # image hash of each output row
+    attached: list[tuple[Sequence, list[int]]] = field(default_factory=list)  # (seq, its rows), joined later
 
     def done(self) -> bool:
         return self.event is None or self.event.query()

@@ -6,7 +6,7 @@ measures the activation peak of each phase: a full vision batch, a full packed p
 max-batch decode with the sampling path. Vision runs on its own stream beside prefill/decode,
 so the headroom is vision + max(prefill, decode). The pages get what is left of
 `gpu_memory_utilization` of the device:
-    budget = total * utilization - used_after_warm_up - headroom
+    budget = total * utilization - used_after_warm_up - headroom - reserve
 (nano-vllm's rule, with per-phase peaks). The warm-up runs with a 2-page cache whose writes all
 land on the null page.
 """
@@ -28,7 +28,9 @@ log = logging.getLogger(__name__)
 PROFILE_PROMPT = 1024  # tokens per dummy prompt of the warm-up prefill
 
 
-def plan_pages(runner: ModelRunner, *, override, max_batch, max_len, vision_batch, prefill_tokens, utilization) -> int:
+def plan_pages(
+    runner: ModelRunner, *, override, max_batch, max_len, vision_batch, prefill_tokens, utilization, reserve: int = 0
+) -> int:
     """Pages in the pool, including the null page."""
     if override is not None:
         return override + 1
@@ -40,7 +42,7 @@ def plan_pages(runner: ModelRunner, *, override, max_batch, max_len, vision_batc
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(runner.device)
     headroom = peaks["vision"] + max(peaks["prefill"], peaks["decode"])
-    budget = total * utilization - (total - free) - headroom
+    budget = total * utilization - (total - free) - headroom - reserve  # reserve: the vision cache
     c = runner.text_config
     pages = int(budget // runner.layout.page_bytes(c.num_key_value_heads, c.head_dim, runner.dtype))
     gib = {phase: round(peak / 2**30, 2) for phase, peak in peaks.items()}

@@ -22,7 +22,7 @@ import torch
 
 from wicore.engines.fast.attention import DecodeAttention, PrefillAttention, layer_specs
 from wicore.engines.fast.graph_runner import GraphRunner
-from wicore.engines.fast.handles import PhaseClock, Readback, VisionJob
+from wicore.engines.fast.handles import PhaseClock, Readback
 from wicore.engines.fast.kv_cache import KVCache, KVLayout
 from wicore.engines.fast.prefill_inputs import prefill_inputs, suffix_image_embeds
 from wicore.engines.fast.sampler import Sampler, SamplingBatch
@@ -89,34 +89,35 @@ class ModelRunner:
 
     # -- vision (side stream) ---------------------------------------------------------------
 
-    def launch_vision(self, seqs: list[Sequence]) -> VisionJob:
-        pixels = self._stage_pixels(seqs)  # [N, 3, H, W] float32, pinned on CUDA
+    def encode_images(self, images: list[np.ndarray]) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """N images [3, S, S] float32 -> embeddings [N, tokens, hidden] on the vision stream,
+        and the event recorded after them (None on CPU)."""
+        staged = self._stage(images)
         stream = self.side_stream
         with torch.cuda.stream(stream) if stream is not None else nullcontext():
             mark = self.clock.start(stream)
-            embeds = self.encode(pixels.to(self.device, non_blocking=True).to(self.dtype))
+            embeds = self.encode(staged.to(self.device, non_blocking=True).to(self.dtype))
             self.clock.stop("vision", mark, stream)
             event = None
             if stream is not None:
                 event = torch.cuda.Event()
                 event.record(stream)
-        start = 0
-        for seq in seqs:
-            seq.image_embeds = embeds[start : start + seq.num_images]  # [n, tokens, hidden]
-            seq.vision_event = event
-            start += seq.num_images
-        return VisionJob(seqs, event)
+        return embeds, event
 
-    def _stage_pixels(self, seqs: list[Sequence]) -> torch.Tensor:
-        """One host copy into (pinned) memory; the host allocator keeps the buffer alive until
-        the asynchronous upload has read it."""
-        arrays = [s.pixel_array() for s in seqs]
-        shape = (sum(a.shape[0] for a in arrays), *arrays[0].shape[1:])
-        staging = torch.empty(shape, dtype=torch.float32, pin_memory=self.cuda)
-        start = 0
-        for array in arrays:
-            staging[start : start + array.shape[0]] = torch.from_numpy(array)
-            start += array.shape[0]
+    def take(self, embeds: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """The given output rows [len(rows), tokens, hidden], selected on the vision stream (a
+        view when they are consecutive)."""
+        if rows == list(range(rows[0], rows[0] + len(rows))):
+            return embeds[rows[0] : rows[0] + len(rows)]
+        with torch.cuda.stream(self.side_stream) if self.side_stream is not None else nullcontext():
+            return embeds[torch.tensor(rows, device=embeds.device)]
+
+    def _stage(self, images: list[np.ndarray]) -> torch.Tensor:
+        """One host copy into (pinned) memory [N, 3, S, S]; the host allocator keeps the buffer
+        alive until the asynchronous upload has read it."""
+        staging = torch.empty((len(images), *images[0].shape), dtype=torch.float32, pin_memory=self.cuda)
+        for row, image in zip(staging, images, strict=True):
+            row.copy_(torch.from_numpy(image))
         return staging
 
     @torch.inference_mode()
@@ -142,7 +143,7 @@ class ModelRunner:
             inputs["image_embeds"] = torch.cat(embeds)  # [image tokens, hidden]
             if self.cuda:
                 for s in seqs:  # made on the side stream, read here on the main one
-                    if s.needs_vision:
+                    if s.images_in_suffix:
                         s.image_embeds.record_stream(torch.cuda.current_stream())
         logits = self.prefill_logits(**inputs)
         for seq in seqs:

@@ -29,6 +29,7 @@ class FastOptions:
     # tower's GEMMs starve decode steps (40 ms instead of 11) and one stream was as fast (bench/NOTES.md).
     overlap_vision: bool = False
     max_prefill_tokens: int | None = None  # prefill batch x longest prompt; default max(16384, max_model_len)
+    vision_cache_bytes: int | None = None  # device memory for cached image embeddings; 0 = off
     preprocess_threads: int | None = None  # threads resizing images; default 4 CUDA, 0 (inline) CPU
     # Prefix KV cache across requests (engines/cache/README.md): full prompt blocks stay in the
     # GPU pool after their sequence ends, move down to a pinned host tier and a disk tier under
@@ -56,6 +57,8 @@ class FastOptions:
         _positive_int("block_size", self.block_size)
         if self.block_size & (self.block_size - 1):
             raise ConfigError(f"block_size must be a power of two, got {self.block_size}")
+        if self.vision_cache_bytes is not None:
+            _int_at_least("vision_cache_bytes", self.vision_cache_bytes, 0)
         for name in ("max_model_len", "num_kv_blocks", "vision_batch_size", "max_prefill_tokens"):
             if getattr(self, name) is not None:
                 _positive_int(name, getattr(self, name))
@@ -125,6 +128,14 @@ class FastOptions:
         vision = cuda if self.compile_vision is None else self.compile_vision
         text = cuda if self.compile_text is None else self.compile_text
         return vision, text
+
+    def vision_cache(self, cuda: bool, enabled: bool = True) -> int:
+        """Bytes of embeddings kept on the device (a 4B image: 256 x 2560 bf16 = 1.3 MB)."""
+        if not enabled:
+            return 0
+        if self.vision_cache_bytes is not None:
+            return self.vision_cache_bytes
+        return 2 * 2**30 if cuda else 64 * 2**20
 
     def vision_batch(self, cuda: bool) -> int:
         return self.vision_batch_size if self.vision_batch_size is not None else (32 if cuda else 8)

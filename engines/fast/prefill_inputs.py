@@ -64,4 +64,4 @@ def prefill_inputs(seqs: list[Sequence], layout: KVLayout, tokens_per_image: int
 
 def suffix_image_embeds(seqs: list[Sequence]) -> list[torch.Tensor]:
     """[n_b * tokens, hidden] embeddings of each sequence's images in its suffix."""
-    return [s.image_embeds[s.first_image :].flatten(0, 1) for s in seqs if s.needs_vision]
+    return [s.image_embeds[s.first_image :].flatten(0, 1) for s in seqs if s.images_in_suffix]

@@ -31,7 +31,7 @@ class SeqStatus(str, Enum):
 class Sequence:
     request: EngineRequest
     prompt: Prompt
-    pixels: Future | np.ndarray  # [num_images, 3, H, W] float32 (a Future while being resized)
+    pixels: Future | np.ndarray | None  # [num_images, 3, H, W] float32 (a Future while resized)
     seed: int
     status: SeqStatus = SeqStatus.WAITING
     row: int = -1  # row of the device block tables / last-token buffer while admitted
@@ -133,5 +133,12 @@ class Sequence:
         return sum(1 for start in self.prompt.image_starts if start < self.prefix_len)
 
     @property
-    def needs_vision(self) -> bool:
+    def images_in_suffix(self) -> bool:
+        """Some image's soft tokens are prefilled (they need its embeddings)."""
         return self.first_image < self.num_images
+
+    @property
+    def needs_vision(self) -> bool:
+        """Prefilled images whose embeddings are not known yet (a vision-cache hit arrives with
+        them; images in a cached KV prefix need none)."""
+        return self.images_in_suffix and self.image_embeds is None
