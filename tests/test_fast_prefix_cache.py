@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import torch
 
 from wicore.engines.base import EngineRequest
 from wicore.engines.cache.policy import LRU
@@ -133,6 +134,21 @@ def test_match_never_ends_inside_an_image():
     assert usable_prefix(4, 4, 20, spans) == 16  # past the image
     assert usable_prefix(5, 4, 20, spans) == 19  # the whole prompt: the last token is recomputed
     assert usable_prefix(2, 4, 20, [(2, 6), (6, 10)]) == 0  # cut back through adjacent images
+    assert usable_prefix(2, 4, 20, spans, split_images=True) == 8  # allowed to split
+
+
+def test_a_split_image_is_prefilled_from_its_tail():
+    from wicore.engines.fast.prefill_inputs import suffix_image_embeds
+
+    # soft tokens at 6..9; the prompts share 11 tokens: 2 blocks, ending inside the image
+    seqs = [sequence(f"q{i}", [9] * 6 + [0, 1, 2, 3] + [9, 40 + i, 41], images=[6]) for i in range(2)]
+    sched, _ = scheduler()
+    sched.split_images = True
+    admit(sched, *seqs)
+    later = seqs[1]
+    assert (later.prefix_len, later.first_image, later.needs_vision) == (8, 0, True)
+    later.image_embeds = torch.arange(4.0).view(1, 4, 1)  # [images, tokens, hidden]
+    assert suffix_image_embeds([later])[0].flatten().tolist() == [2.0, 3.0]  # tokens 8, 9
 
 
 def test_image_blocks_are_keyed_by_content_and_cost_more():

@@ -163,3 +163,15 @@ def test_a_failed_step_drops_the_cache_and_the_engine_recovers(model_dir, expect
     stats = fast.stats()
     assert stats["kv_pages_cached"] == 0 and stats["kv_pages_used"] == 0 and stats["kv_pages_free"] == 60
     check(fast.generate(vqa()), expected)
+
+
+@pytest.mark.parametrize("block_size, split, shared", [(8, False, 8), (8, True, 24), (16, True, 16)])
+def test_prefix_ending_inside_an_image(model_dir, expected, block_size, split, shared):
+    # The questions share 28 tokens; the image's soft tokens are 9..24. Cut back to the image's
+    # block by default; with prefix_split_images the later questions reuse the blocks through the
+    # image's first part and prefill its tail from their own embeddings.
+    options = {"block_size": block_size, "prefix_split_images": split}
+    fast = FastEngine(EngineConfig(str(model_dir), max_batch_size=4, options=options))
+    check(fast.generate(vqa()), expected)
+    stats = fast.stats()
+    assert stats["cached_prompt_tokens"] == 3 * shared and stats["images"] == 4

@@ -74,7 +74,13 @@ class FastEngine(Engine):
         self.keyer = PromptKeyer(model_id, self.options.block_size, parts.tokens_per_image)
         vision_batch = self.options.vision_batch(self.cuda)
         self.scheduler = Scheduler(
-            layout, self.blocks, config.max_batch_size, vision_batch, self.prefill_tokens, self.tiers.holds
+            layout,
+            self.blocks,
+            config.max_batch_size,
+            vision_batch,
+            self.prefill_tokens,
+            self.tiers.holds,
+            self.options.prefix_split_images,
         )
         threads = self.options.threads(self.cuda)
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="wicore-pixels") if threads else None

@@ -39,6 +39,11 @@ class FastOptions:
     disk_cache_dir: str | None = None  # disk tier folder (one engine process per folder); None: off
     disk_cache_bytes: int = DEFAULT_DISK_CACHE_BYTES
     cache_policy: str = "a2cr"  # eviction order of every tier: "a2cr" (cost-aware, frequency) or "lru"
+    # A cached prefix may end inside an image (the rest of its soft tokens are prefilled from its
+    # embeddings: the vision tower or the vision cache). Off: matches are cut back to the image's
+    # start (issue 5), so questions about one image share its blocks only when the image ends
+    # on a block boundary shared by their prompts.
+    prefix_split_images: bool = False
 
     @classmethod
     def parse(cls, options: dict[str, Any]) -> FastOptions:
@@ -69,7 +74,7 @@ class FastOptions:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         self._check_cache()
-        for name in ("cuda_graphs", "overlap_vision", "prefix_cache"):
+        for name in ("cuda_graphs", "overlap_vision", "prefix_cache", "prefix_split_images"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
         for name in ("compile_vision", "compile_text"):

@@ -38,8 +38,9 @@ def prefill_inputs(seqs: list[Sequence], layout: KVLayout, tokens_per_image: int
     for b, (seq, offset, p) in enumerate(zip(seqs, offsets, prefix, strict=True)):
         for i, start in enumerate(seq.prompt.image_starts):
             groups[b, start : start + tokens_per_image] = i
-            if start >= p:  # images are wholly cached or wholly in the suffix
-                image_rows.append(offset + start - p + np.arange(tokens_per_image))
+            if i >= seq.first_image:  # its soft tokens from the prefix's end on (all of them, but
+                first = max(start, p)  # for an image the cached prefix splits)
+                image_rows.append(offset + first - p + np.arange(start + tokens_per_image - first))
     slots = [layout.prefill_slots(s.table, s.prompt_len, p, s.shared_len) for s, p in zip(seqs, prefix, strict=True)]
 
     def dev(array: np.ndarray) -> torch.Tensor:
@@ -63,5 +64,11 @@ def prefill_inputs(seqs: list[Sequence], layout: KVLayout, tokens_per_image: int
 
 
 def suffix_image_embeds(seqs: list[Sequence]) -> list[torch.Tensor]:
-    """[n_b * tokens, hidden] embeddings of each sequence's images in its suffix."""
-    return [s.image_embeds[s.first_image :].flatten(0, 1) for s in seqs if s.images_in_suffix]
+    """[image tokens in the suffix, hidden] of each sequence: its images from `first_image` on,
+    less the soft tokens of a split first one that lie in the cached prefix."""
+    out = []
+    for s in seqs:
+        if s.images_in_suffix:
+            cached = max(0, s.prefix_len - s.prompt.image_starts[s.first_image])
+            out.append(s.image_embeds[s.first_image :].flatten(0, 1)[cached:])
+    return out

@@ -3,7 +3,7 @@ register the blocks it will compute or restore.
 
 A match walks the keys in order: first the blocks in the GPU pool (`PrefixCache`), then the next
 ones a lower tier holds (`lower(seq, key)`: the host tier, or blocks prefetched from disk); it is
-cut back by `usable_prefix` (the last token recomputed, no split image). The GPU hits go into
+cut back by `usable_prefix` (the last token recomputed, no split image unless allowed). The GPU hits go into
 the sequence's table as they are (shared pages); every other block gets fresh pages, the
 restored ones are queued in `seq.restores`, and all of them are registered in the cache at once,
 so sequences admitted right after this one share them instead of recomputing them (they wait for
@@ -39,20 +39,24 @@ class PrefixMatch:
         return len(self.gpu) + self.lower
 
 
-def match_prefix(seq: Sequence, keys: PromptKeys, blocks: BlockManager, lower: LowerTiers, block_size: int):
+def match_prefix(
+    seq: Sequence, keys: PromptKeys, blocks: BlockManager, lower: LowerTiers, block_size: int, split_images: bool
+) -> PrefixMatch:
     gpu = blocks.cache.match(keys.keys)
     found = len(gpu)
     while found < len(keys.keys) and lower(seq, keys.keys[found]):
         found += 1
-    prefix = usable_prefix(found, block_size, seq.prompt_len, keys.image_spans)
+    prefix = usable_prefix(found, block_size, seq.prompt_len, keys.image_spans, split_images)
     used = blocks_of(prefix, block_size)
     return PrefixMatch(gpu[:used], max(0, used - len(gpu)), prefix)
 
 
-def place_cached(seq: Sequence, keys: PromptKeys, blocks: BlockManager, layout: KVLayout, lower: LowerTiers) -> bool:
+def place_cached(
+    seq: Sequence, keys: PromptKeys, blocks: BlockManager, layout: KVLayout, lower: LowerTiers, split_images: bool
+) -> bool:
     """Give `seq` its pages and table with the cache's hits; False (nothing taken) when the
     pages do not fit yet."""
-    found = match_prefix(seq, keys, blocks, lower, layout.block_size)
+    found = match_prefix(seq, keys, blocks, lower, layout.block_size, split_images)
     groups = len(layout.groups)
     need = groups * (math.ceil(seq.max_len / layout.block_size) - len(found.gpu))
     if not blocks.can_allocate(need, found.gpu):
@@ -70,6 +74,7 @@ def place_cached(seq: Sequence, keys: PromptKeys, blocks: BlockManager, layout: 
         Restore(keys.keys[i], block_pages[i], registered[i - first]) for i in range(first, found.num_blocks)
     ]
     seq.prefix_len = found.prefix_len
+    seq.first_image = sum(1 for _, end in keys.image_spans if end <= found.prefix_len)  # wholly cached
     seq.shared_len = found.num_blocks * layout.block_size
     blocks.cache.stats.record(hits=len(found.gpu), misses=len(keys.keys) - len(found.gpu))
     return True

@@ -104,13 +104,15 @@ def prompt_keys(
     return PromptKeys(keys, costs, spans)
 
 
-def usable_prefix(found: int, block_size: int, prompt_len: int, image_spans) -> int:
+def usable_prefix(found: int, block_size: int, prompt_len: int, image_spans, split_images: bool = False) -> int:
     """Prompt tokens to take from `found` leading cached blocks: all of them, but at least the
     last token is recomputed (its logits start the generation), and never a prefix that ends
     inside an image's soft tokens (they attend to each other both ways, so a split image would
-    still need its embeddings): such a match is cut back to the block where that image starts."""
+    still need its embeddings): such a match is cut back to the block where that image starts.
+    With `split_images` it may end inside one (its cached K/V were computed with the whole
+    image, the same one by its hash); its remaining soft tokens then need the embeddings."""
     prefix = min(found * block_size, prompt_len - 1)
-    cut = True
+    cut = not split_images
     while cut:
         cut = False
         for start, end in image_spans:

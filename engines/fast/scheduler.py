@@ -38,8 +38,9 @@ class Scheduler:
         vision_batch: int,
         prefill_tokens: int,
         lower: LowerTiers = _no_lower_tier,  # whether the host / disk tier holds a block
+        split_images: bool = False,  # a cached prefix may end inside an image (`usable_prefix`)
     ):
-        self.layout, self.blocks, self.lower = layout, blocks, lower
+        self.layout, self.blocks, self.lower, self.split_images = layout, blocks, lower, split_images
         self.vision_batch, self.prefill_tokens = vision_batch, prefill_tokens
         self.free_rows = deque(range(max_rows))
         self.waiting: deque[Sequence] = deque()
@@ -91,7 +92,7 @@ class Scheduler:
         """Pages and table for `seq`; False when they do not fit yet."""
         keys = seq.keys() if self.blocks.cache is not None else None
         if keys is not None:
-            return place_cached(seq, keys, self.blocks, self.layout, self.lower)
+            return place_cached(seq, keys, self.blocks, self.layout, self.lower, self.split_images)
         need = self.layout.pages_for(seq.max_len)
         if not self.blocks.can_allocate(need):
             return False

@@ -50,6 +50,7 @@ class Sequence:
     disk_lookup: bool = False  # admission waits for a disk prefetch (`prefetched`)
     prefetched: dict | Future | None = None  # key -> CPU block [G, slots, 2, bs, H, D] read from disk
     prefix_len: int = 0  # prompt tokens whose K/V come from the cache (not prefilled)
+    first_image: int = 0  # images before it lie wholly in the cached prefix (no embeddings needed)
     shared_len: int = 0  # positions in blocks taken from the cache: prefill must not write them
     held: list[CachedBlock] = field(default_factory=list)  # cached blocks in use (released at the end)
     reads: list[CachedBlock] = field(default_factory=list)  # cached blocks prefill waits on (`ready`)
@@ -126,11 +127,6 @@ class Sequence:
     def prefix_ready(self) -> bool:
         """Every cached block its prefill reads is written (or queued before it on the stream)."""
         return not self.restores and all(block.ready for block in self.reads)
-
-    @property
-    def first_image(self) -> int:
-        """Index of the first image whose soft tokens are prefilled (the earlier ones are cached)."""
-        return sum(1 for start in self.prompt.image_starts if start < self.prefix_len)
 
     @property
     def images_in_suffix(self) -> bool:
