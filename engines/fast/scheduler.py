@@ -92,7 +92,8 @@ class Scheduler:
         """Pages and table for `seq`; False when they do not fit yet."""
         keys = seq.keys() if self.blocks.cache is not None else None
         if keys is not None:
-            return place_cached(seq, keys, self.blocks, self.layout, self.lower, self.split_images)
+            with self.blocks.cache.stats.timed():  # the GPU tier's host time: matching, taking hits
+                return place_cached(seq, keys, self.blocks, self.layout, self.lower, self.split_images)
         need = self.layout.pages_for(seq.max_len)
         if not self.blocks.can_allocate(need):
             return False
