@@ -40,6 +40,10 @@ class AsyncDiskTier:
     def might_have(self, key: BlockHash) -> bool:
         return key in self.tier
 
+    def room(self) -> int:
+        """Writes a `put` would queue now (check before making copies for them)."""
+        return max(0, self.max_pending - self._pending)
+
     def put(self, key: BlockHash, tensor: torch.Tensor, cost: float = 1.0, ready=None) -> bool:
         """Queue a write of `tensor` (a CPU tensor the caller no longer touches; when `ready`, a
         CUDA event, is given, a copy into it still in flight that the writer waits for); False
