@@ -35,7 +35,9 @@ class FastOptions:
     # GPU pool after their sequence ends, move down to a pinned host tier and a disk tier under
     # pressure and come back on a hit.
     prefix_cache: bool = True
-    host_cache_bytes: int | None = None  # pinned host tier; default 4 GiB on CUDA, 0 (off) on CPU
+    # Pinned host tier; default 4 GiB on CUDA, 0 (off) on CPU. PyTorch's pinned allocator rounds
+    # an allocation up to a power of two: 24 GiB pins 32 GiB.
+    host_cache_bytes: int | None = None
     disk_cache_dir: str | None = None  # disk tier folder (one engine process per folder); None: off
     disk_cache_bytes: int = DEFAULT_DISK_CACHE_BYTES
     cache_policy: str = "a2cr"  # eviction order of every tier: "a2cr" (cost-aware, frequency) or "lru"
