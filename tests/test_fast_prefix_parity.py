@@ -175,3 +175,33 @@ def test_prefix_ending_inside_an_image(model_dir, expected, block_size, split, s
     check(fast.generate(vqa()), expected)
     stats = fast.stats()
     assert stats["cached_prompt_tokens"] == 3 * shared and stats["images"] == 4
+
+
+def test_random_arrivals_through_every_tier_match_caching_off(model_dir, tmp_path):
+    # 60 requests over 4 images, mixed image counts and lengths, arriving in random chunks while
+    # the engine steps; a GPU pool of 80 pages, a host tier of 8 blocks, a disk tier.
+    import random
+
+    rng = random.Random(0)
+    questions = ["What colour?", "How many?", "Where is it?", "Describe it.", "Why?"]
+    requests = [
+        request(f"r{i}", rng.choice(questions), images=rng.choice([0, 1, 1, 2]), variant=rng.randrange(4),
+                max_new_tokens=rng.randrange(1, 12))
+        for i in range(60)
+    ]  # fmt: skip
+    want = {c.id: c for c in engine(model_dir, prefix_cache=False).generate(requests)}
+    fast = engine(model_dir, num_kv_blocks=80, host_cache_bytes=8 * 2048, disk_cache_dir=str(tmp_path))
+    done, pending = [], list(requests)
+    while pending or fast.num_unfinished():
+        if pending and rng.random() < 0.5:
+            count = rng.randrange(1, 5)
+            done += fast.add(pending[:count])
+            pending = pending[count:]
+        done += fast.step()
+    check(done, want)
+    fast.tiers.disk.flush()  # (disk hits depend on the writer thread's timing; outputs never do)
+    cache, blocks = fast.stats()["cache"], fast.blocks
+    assert cache["gpu"]["hits"] > 0 and cache["host"]["hits"] > 0 and cache["disk"]["bytes_in"] > 0
+    assert blocks.num_used == 0 and blocks.cache.policy.num_pinned == 0
+    assert all(block.users == 0 and block.ready for block in blocks.cache.blocks.values())
+    fast.close()
