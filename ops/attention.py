@@ -91,16 +91,20 @@ def prefill_attention(
     prefill (the projections run packed), so the padding costs little.
     """
     n, heads, dim = q.shape
-    groups = heads // k.shape[1]
     qp, kp, vp = (x[layout.gather].transpose(1, 2) for x in (q, k, v))  # [B, H, L, D]
-    if groups > 1:
-        kp, vp = kp.repeat_interleave(groups, dim=1), vp.repeat_interleave(groups, dim=1)
-    if softcap is None:
-        out = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, scale=scale)
-    else:
-        out = _softcapped_attention(qp, kp, vp, mask, scale, softcap)
+    out = padded_attention(qp, kp, vp, mask, scale, softcap)
     out = out.transpose(1, 2).reshape(-1, heads, dim)  # [B * L, Hq, D]
     return out[layout.scatter]
+
+
+def padded_attention(q, k, v, mask, scale: float, softcap: float | None) -> torch.Tensor:
+    """q: [B, Hq, Lq, D], k/v: [B, Hkv, Lk, D], mask: [B, 1, Lq, Lk] bool -> [B, Hq, Lq, D]."""
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    return _softcapped_attention(q, k, v, mask, scale, softcap)
 
 
 def _softcapped_attention(q, k, v, mask, scale: float, softcap: float) -> torch.Tensor:

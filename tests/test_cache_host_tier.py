@@ -112,3 +112,11 @@ def test_cuda_round_trip_on_the_copy_stream():
     assert torch.equal(out, data.flip(0))
     tier.read(keys[0])  # a CPU reader waits for its store
     assert torch.equal(tier.read(keys[0]), data[0].cpu())
+
+
+def test_copies_coalesce_runs_of_consecutive_slots():
+    from wicore.engines.cache.host_tier import _runs
+
+    # (index in the batch, slot) -> (index, slot, count): one copy per run
+    assert _runs([(0, 5), (1, 6), (2, 7), (3, 2), (5, 3)]) == [(0, 5, 3), (3, 2, 1), (5, 3, 1)]
+    assert _runs([]) == []

@@ -58,9 +58,22 @@ def test_prefill_slots_keep_the_window_in_distinct_ring_slots():
     table[1, :ring] = [20, 21, 22]
     slots = layout.prefill_slots(table, 30)
     assert slots[0].tolist() == [table[0, p // 4] * 4 + p % 4 for p in range(30)]
-    kept = slots[1, 30 - 6 :]
-    assert len(set(kept.tolist())) == 6 and set(kept // 4) <= {20, 21, 22}
-    assert (slots[1, : 30 - 6] // 4 == NULL_PAGE).all()
+    # The last ring of positions (3 pages x 4) is kept, each in its own slot; earlier positions,
+    # overwritten later in the same prompt, go to the null page.
+    kept = slots[1, 30 - 12 :]
+    assert len(set(kept.tolist())) == 12 and set(kept // 4) <= {20, 21, 22}
+    assert (slots[1, : 30 - 12] // 4 == NULL_PAGE).all()
+    suffix = layout.prefill_slots(table, 30, start=20, shared=24)  # positions 20..29, 20..23 cached
+    assert suffix.shape == (2, 10) and (suffix[:, :4] == 0).all()
+    assert (suffix[:, 4:] == slots[:, 24:]).all()
+
+
+def test_wrapping_and_prefix_slots():
+    layout = KVLayout.build(text_config([S, F], window=6), block_size=4, max_model_len=64)
+    assert not layout.wraps(12) and layout.wraps(13)  # the sliding ring holds 3 pages x 4
+    table = np.zeros((2, layout.table_width), dtype=np.int32)
+    table[0, :3], table[1, :3] = [5, 6, 7], [8, 9, 10]
+    assert (layout.prefix_slots(table, 10) == layout.prefill_slots(table, 10)).all()
 
 
 def sequence(rid, prompt_len, max_new, images=0):

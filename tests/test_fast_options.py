@@ -35,6 +35,13 @@ def test_explicit_values():
         {"graph_batch_sizes": [0, 4]},
         {"vision_batch_size": 0},
         {"preprocess_threads": -1},
+        {"prefix_cache": 1},
+        {"host_cache_bytes": -1},
+        {"disk_cache_bytes": 0},
+        {"cache_policy": "fifo"},
+        {"disk_cache_dir": ""},
+        {"disk_cache_dir": "/tmp/kv", "host_cache_bytes": 0},
+        {"disk_cache_dir": "/tmp/kv", "prefix_cache": False},
     ],
 )
 def test_bad_options_raise(options):
@@ -47,3 +54,13 @@ def test_lengths_must_fit_the_model():
         FastOptions.parse({"max_model_len": 5000}).model_len(4096)
     with pytest.raises(ConfigError):
         FastOptions.parse({"max_prefill_tokens": 100}).prefill_tokens(4096)
+
+
+def test_cache_defaults():
+    options = FastOptions.parse({})
+    assert options.prefix_cache and options.cache_policy == "a2cr" and options.disk_cache_dir is None
+    assert options.host_bytes(cuda=True) == 4 * 2**30 and options.host_bytes(cuda=False) == 0
+    assert FastOptions.parse({"prefix_cache": False}).host_bytes(cuda=True) == 0
+    assert FastOptions.parse({"host_cache_bytes": 4096}).host_bytes(cuda=False) == 4096
+    with pytest.raises(ConfigError, match="host_cache_bytes"):
+        FastOptions.parse({"disk_cache_dir": "/tmp/kv"}).host_bytes(cuda=False)

@@ -199,11 +199,11 @@ class HostTier:
         return slot
 
     def _store_async(self, blocks: torch.Tensor, picks: list[tuple[int, int]]) -> Transfer:
-        stream = self._copy_stream(blocks.device)
+        stream = self.copy_stream(blocks.device)
         stream.wait_stream(torch.cuda.current_stream(blocks.device))  # blocks were written there
         with torch.cuda.stream(stream):
-            for index, slot in picks:
-                self.pool[slot].copy_(blocks[index], non_blocking=True)
+            for index, slot, count in _runs(picks):  # one DMA per run of consecutive slots
+                self.pool[slot : slot + count].copy_(blocks[index : index + count], non_blocking=True)
             event = torch.cuda.Event()
             event.record(stream)
         blocks.record_stream(stream)  # not reused by the compute stream before the copy reads it
@@ -212,12 +212,12 @@ class HostTier:
         return Transfer(event, blocks.device, [blocks])
 
     def _load_async(self, slots: list[int], device: torch.device) -> tuple[torch.Tensor, Transfer]:
-        stream = self._copy_stream(device)
+        stream = self.copy_stream(device)
         with torch.cuda.stream(stream):
             # allocated on the copy stream: it need not wait for the compute stream's frees
             out = torch.empty((len(slots), *self.block_shape), dtype=self.pool.dtype, device=device)
-            for index, slot in enumerate(slots):
-                out[index].copy_(self.pool[slot], non_blocking=True)
+            for index, slot, count in _runs(list(enumerate(slots))):  # one DMA per run of slots
+                out[index : index + count].copy_(self.pool[slot : slot + count], non_blocking=True)
             event = torch.cuda.Event()
             event.record(stream)
         return out, Transfer(event, device, [out])
@@ -238,8 +238,22 @@ class HostTier:
             stream.synchronize()
         self._pending.clear()
 
-    def _copy_stream(self, device: torch.device) -> torch.cuda.Stream:
+    def copy_stream(self, device: torch.device) -> torch.cuda.Stream:
+        """The stream every copy in or out of the pool runs on (other copies that must stay
+        ordered with them, e.g. an engine's uploads of blocks read from disk, may use it too)."""
         device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
         if device not in self._streams:
             self._streams[device] = torch.cuda.Stream(device=device)
         return self._streams[device]
+
+
+def _runs(pairs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """(index, slot) pairs -> (index, slot, count) runs where both advance by one: a restore of
+    blocks stored together is a few large copies, not one per block."""
+    runs: list[tuple[int, int, int]] = []
+    for index, slot in pairs:
+        if runs and runs[-1][0] + runs[-1][2] == index and runs[-1][1] + runs[-1][2] == slot:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((index, slot, 1))
+    return runs

@@ -1,7 +1,9 @@
 """Attention backends for one forward pass: they hold the step's metadata, write each layer's
 K/V into the paged cache and run the right kernel. The decoder calls `backend(layer, q, k, v)`.
 
-- `PrefillAttention`: packed prompts, fresh K/V, Gemma-3's image-bidirectional causal masks.
+- `PrefillAttention`: packed prompts, fresh K/V, Gemma-3's image-bidirectional causal masks;
+  prompts that start with cached positions also attend over the prefix K/V, gathered from the
+  pages (`ops.prefix_attention`).
 - `DecodeAttention`: one token per sequence, paged attention over the cache. Everything it
   derives (cache slots, context lengths) is computed on the device from `rows` / `positions`,
   so the same code runs inside a CUDA graph.
@@ -15,6 +17,7 @@ import torch
 
 from wicore.engines.fast.kv_cache import KVCache
 from wicore.ops.attention import PackedBatch, paged_decode_attention, prefill_attention, store_kv
+from wicore.ops.prefix_attention import prefix_prefill_attention
 
 
 @dataclass(frozen=True)
@@ -44,8 +47,9 @@ class PrefillAttention:
         layout: PackedBatch,
         masks: tuple[torch.Tensor, torch.Tensor | None],
         slots: torch.Tensor,  # [G, N] int64 cache slot of each packed token, per layer group
+        prefix=None,  # prefill_inputs.PrefixInputs: cached prefixes (None: none)
     ):
-        self.cache, self.specs, self.layout, self.slots = cache, specs, layout, slots
+        self.cache, self.specs, self.layout, self.slots, self.prefix = cache, specs, layout, slots, prefix
         self.full_mask, self.sliding_mask = masks
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -53,7 +57,12 @@ class PrefillAttention:
         _, k_cache, v_cache = self.cache.layer(layer)
         store_kv(k_cache, v_cache, k, v, self.slots[spec.group])
         mask = self.sliding_mask if spec.window is not None else self.full_mask
-        return prefill_attention(q, k, v, self.layout, mask, spec.scale, spec.softcap)
+        if self.prefix is None:
+            return prefill_attention(q, k, v, self.layout, mask, spec.scale, spec.softcap)
+        slots = self.prefix.slots[spec.group]  # [sum P] prefix positions' slots (never the new ones)
+        k_prefix = k_cache.view(-1, *k_cache.shape[2:]).index_select(0, slots)  # [sum P, Hkv, D]
+        v_prefix = v_cache.view(-1, *v_cache.shape[2:]).index_select(0, slots)
+        return prefix_prefill_attention(q, k, v, k_prefix, v_prefix, self.prefix.batch, mask, spec.scale, spec.softcap)
 
 
 class DecodeAttention:

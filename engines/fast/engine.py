@@ -5,6 +5,11 @@ the decode batch), launch vision on the side stream, prefill and decode on the m
 then read back the tokens sampled one step earlier and return the sequences that ended. Reading
 a step late keeps the device a step ahead of Python; a sequence that ended is decoded at most
 once more and that token is dropped.
+
+The prefix cache (`prefix_cache`, `tiers`) adds to a step: disk reads started for waiting
+sequences, restores from the host / disk tier queued for newly admitted ones, copies down for the
+blocks admission evicted (before anything can write their pages), and finished restores
+scattered into their pages before the prefill batch is picked.
 """
 
 from __future__ import annotations
@@ -13,12 +18,15 @@ import logging
 import random
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import replace
+from functools import partial
 
 import torch
 
 from wicore.engines.base import Completion, Engine, EngineConfig, EngineRequest, failed
 from wicore.engines.checkpoint import load_processor, torch_dtype
 from wicore.engines.fast.block_manager import BlockManager
+from wicore.engines.fast.cache_setup import build_prefix_cache, build_tiers
 from wicore.engines.fast.handles import Readback
 from wicore.engines.fast.images import ImageStage
 from wicore.engines.fast.inputs import InputProcessor
@@ -26,9 +34,11 @@ from wicore.engines.fast.kv_cache import KVLayout
 from wicore.engines.fast.memory import plan_pages
 from wicore.engines.fast.model_runner import ModelRunner
 from wicore.engines.fast.options import FastOptions
+from wicore.engines.fast.prefix_keys import PromptKeyer, model_fingerprint
+from wicore.engines.fast.restore_probe import measure_h2d, measure_restore
 from wicore.engines.fast.sampler import Sampler
 from wicore.engines.fast.scheduler import Scheduler
-from wicore.engines.fast.sequence import SeqStatus, Sequence
+from wicore.engines.fast.sequence import Sequence
 from wicore.engines.fast.stats import EngineStats
 from wicore.engines.fast.weights import load_gemma3
 from wicore.engines.text import finish_sequence, first_stop, stop_token_ids
@@ -45,6 +55,8 @@ class FastEngine(Engine):
     def __init__(self, config: EngineConfig):
         super().__init__(config)
         self.options = FastOptions.parse(config.options)
+        if not config.cache:  # `--no-cache`: no prefix KV cache either
+            self.options = replace(self.options, prefix_cache=False, disk_cache_dir=None)
         device = torch.device(config.device)
         self.cuda = device.type == "cuda"
         processor = load_processor(config.model_dir)
@@ -55,9 +67,20 @@ class FastEngine(Engine):
         self.max_len = self.options.model_len(parts.config.text_config.max_position_embeddings)
         self.prefill_tokens = self.options.prefill_tokens(self.max_len)
         self.runner, self.blocks = self._device_state(parts, device)
+        text = parts.config.text_config
+        layout = self.runner.layout
+        self.tiers = build_tiers(self.runner.cache, self.options, self.cuda, text.num_key_value_heads, text.head_dim)
+        model_id = model_fingerprint(config.model_dir, config.dtype, layout)  # salts every key
+        self.keyer = PromptKeyer(model_id, self.options.block_size, parts.tokens_per_image)
         vision_batch = self.options.vision_batch(self.cuda)
         self.scheduler = Scheduler(
-            self.runner.layout, self.blocks, config.max_batch_size, vision_batch, self.prefill_tokens
+            layout,
+            self.blocks,
+            config.max_batch_size,
+            vision_batch,
+            self.prefill_tokens,
+            self.tiers.holds,
+            self.options.prefix_split_images,
         )
         threads = self.options.threads(self.cuda)
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="wicore-pixels") if threads else None
@@ -99,7 +122,7 @@ class FastEngine(Engine):
             runner.capture_graphs(opts.graph_sizes(config.max_batch_size))
         if self.cuda:
             torch.cuda.synchronize()  # setup ran on the default stream; steps run on others
-        return runner, BlockManager(num_pages)
+        return runner, BlockManager(num_pages, build_prefix_cache(opts, num_pages, layout))
 
     # -- the interface ----------------------------------------------------------------------
 
@@ -141,11 +164,25 @@ class FastEngine(Engine):
 
     def stats(self) -> dict:
         report = self.counters.report(self.runner, self.blocks, self.scheduler)
-        return {**super().stats(), **report, **self.images.stats()}
+        report = {**super().stats(), **report, **self.images.stats(), **self.tiers.counters()}
+        report["cache"] = self.tiers.cache_stats(self.blocks.cache).to_dict()  # prefix KV tiers
+        return report
+
+    def measure_restore(self, num_blocks: int, repeats: int = 3) -> float:
+        """Bytes/s of restoring `num_blocks` KV blocks from the pinned host tier into free pages,
+        end to end (compare with `measure_h2d`). Run it on an idle engine."""
+        with torch.inference_mode(), self.runner.on_main_stream():
+            return measure_restore(self.runner.cache, self.blocks, self.tiers.block_shape, num_blocks, repeats)
+
+    def measure_h2d(self, num_bytes: int, repeats: int = 3) -> float:
+        """Bytes/s of one plain pinned host->device copy of `num_bytes`."""
+        with self.runner.on_main_stream():
+            return measure_h2d(num_bytes, self.runner.device, repeats)
 
     def close(self) -> None:
         if self.pool is not None:
             self.pool.shutdown(wait=False, cancel_futures=True)
+        self.tiers.close()
         self.runner = None
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
@@ -156,21 +193,24 @@ class FastEngine(Engine):
         """Appends to `done` as sequences end, so a failure later in the step loses none."""
         self._fail_unreadable_images(done)
         self.images.collect()
+        self.tiers.prefetch(self.scheduler.waiting, self.blocks.cache)
         # A full vision batch may queue behind another; a partial one only goes when no vision
         # work is queued (the device would idle), so the tower mostly runs full, compiled batches.
         vision = self.scheduler.schedule_vision(VISION_IN_FLIGHT - len(self.images.jobs), not self.images.jobs)
         for seq in self.scheduler.take_admitted():
             self.runner.set_table(seq.row, seq.table)
+            self.tiers.start(seq)  # reads host slots before `demote` may reuse them
+        self.tiers.demote(self.blocks.take_evicted())  # before anything writes the reused pages
         if vision:
             self.counters.images += self.images.launch(vision)
             self.images.collect()  # on CPU it is done already
+        self.tiers.land()
         prefill, decode = self.scheduler.schedule_model()
         launched = 0
         if prefill:
             self.readbacks.append(self.runner.prefill(prefill))
             self.counters.record_prefill(prefill)
-            for seq in prefill:
-                seq.status = SeqStatus.RUNNING
+            self.scheduler.prefilled(prefill)
             launched += 1
         if decode:
             readback, graphed = self.runner.decode(decode)
@@ -238,7 +278,19 @@ class FastEngine(Engine):
         if not self.scheduler.fits_ever(total):
             raise PromptTooLong(f"a {total}-token sequence does not fit in the KV cache")
         seed = params.seed if params.seed is not None else self.rng.getrandbits(63)
-        return Sequence(request, prompt, None, seed)  # pixels or cached embeddings: ImageStage.prepare
+        seq = Sequence(request, prompt, None, seed)  # pixels or cached embeddings: ImageStage.prepare
+        self._key(seq)
+        return seq
+
+    def _key(self, seq: Sequence) -> None:
+        """Prefix-cache keys for a sequence that can be cached (one that never wraps a sliding
+        ring); hashing decoded images (no hashes given) runs in the pixel threads."""
+        if self.blocks.cache is None or self.runner.layout.wraps(seq.max_len):
+            return
+        job = partial(self.keyer, seq.request, seq.prompt)
+        hash_pixels = seq.request.images and not seq.request.image_hashes
+        seq.prefix_keys = self.pool.submit(job) if self.pool is not None and hash_pixels else job()
+        seq.disk_lookup = self.tiers.disk is not None
 
     def _fail_unreadable_images(self, done: list[Completion]) -> None:
         """Images that failed to preprocess, at the head of the queue (admission stops there)."""
@@ -251,6 +303,8 @@ class FastEngine(Engine):
     def _fail_all(self, error: Exception) -> list[Completion]:
         for seq in list(self.scheduler.admitted):
             self.scheduler.finish(seq)
+        self.tiers.reset()
+        self.blocks.drop_cache()  # blocks being written when the step failed are suspect
         self.scheduler.waiting.clear()
         self.images.jobs.clear()
         self.images.in_flight.clear()

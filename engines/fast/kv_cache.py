@@ -74,18 +74,38 @@ class KVLayout:
     def page_bytes(self, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
         return self.slots * 2 * self.block_size * kv_heads * head_dim * dtype.itemsize
 
-    def prefill_slots(self, table: np.ndarray, length: int) -> np.ndarray:
-        """Cache slots [G, length] for a prompt's positions 0..length-1, given the sequence's
-        table [G, width]. Sliding groups keep only the last `window` positions; the others go
-        to the null page."""
-        pos = np.arange(length)
-        out = np.empty((len(self.groups), length), dtype=np.int64)
+    def wraps(self, num_tokens: int) -> bool:
+        """Whether a sequence of `num_tokens` positions cycles through a sliding ring (its early
+        pages get overwritten: the prefix cache neither keeps nor reuses its blocks)."""
+        return any(g.sliding and math.ceil(num_tokens / self.block_size) > g.ring for g in self.groups)
+
+    def prefill_slots(self, table: np.ndarray, length: int, start: int = 0, shared: int = 0) -> np.ndarray:
+        """Cache slots [G, length - start] for a prompt's positions start..length-1, given the
+        sequence's table [G, width]. Go to the null page: positions below `shared` (blocks taken
+        from the prefix cache hold them already, and other sequences may be reading them), and on
+        sliding groups the positions a later position of the same prompt overwrites (two writes
+        to one slot in one index_copy_ would be undefined; they are out of the window anyway).
+        A sequence that never wraps its ring keeps every position, so its blocks can be cached."""
+        pos = np.arange(start, length)
+        out = np.empty((len(self.groups), len(pos)), dtype=np.int64)
         for g, group in enumerate(self.groups):
             pages = table[g, (pos // self.block_size) % group.ring]
             out[g] = pages * self.block_size + pos % self.block_size
+            dropped = pos < shared
             if group.sliding:
-                out[g, : max(0, length - self.window)] = NULL_PAGE * self.block_size
+                dropped |= pos < length - group.ring * self.block_size
+            out[g, dropped] = NULL_PAGE * self.block_size
         return out
+
+    def prefix_slots(self, table: np.ndarray, length: int) -> np.ndarray:
+        """Cache slots [G, length] of positions 0..length-1 of a sequence that never wraps."""
+        pos = np.arange(length)
+        return table[:, pos // self.block_size].astype(np.int64) * self.block_size + pos % self.block_size
+
+    def block_shape(self, kv_heads: int, head_dim: int) -> tuple[int, ...]:
+        """One logical block (a page of every group) copied out of the cache:
+        [groups, slots, 2 (k/v), block_size, kv_heads, head_dim]."""
+        return (len(self.groups), self.slots, 2, self.block_size, kv_heads, head_dim)
 
 
 class KVCache:
@@ -102,3 +122,17 @@ class KVCache:
         """(group index, k cache, v cache) of a layer; caches: [pages, block_size, kv_heads, D]."""
         group, slot = self._places[index]
         return group, self.tensor[slot, 0], self.tensor[slot, 1]
+
+    @property
+    def by_page(self) -> torch.Tensor:
+        """A view [pages, slots, 2, block_size, kv_heads, head_dim]: page-major, for copying
+        whole pages in and out (one gather / scatter kernel, not one per layer)."""
+        return self.tensor.permute(2, 0, 1, 3, 4, 5)
+
+    def gather_pages(self, pages: torch.Tensor) -> torch.Tensor:
+        """pages [n] int64 on the device -> a new contiguous [n, slots, 2, bs, kv_heads, D]."""
+        return self.by_page[pages]
+
+    def scatter_pages(self, pages: torch.Tensor, data: torch.Tensor) -> None:
+        """Write data [n, slots, 2, bs, kv_heads, D] into pages [n] (distinct)."""
+        self.tensor.index_copy_(2, pages, data.permute(1, 2, 0, 3, 4, 5))

@@ -24,10 +24,12 @@ from wicore.engines.fast.attention import DecodeAttention, PrefillAttention, lay
 from wicore.engines.fast.graph_runner import GraphRunner
 from wicore.engines.fast.handles import PhaseClock, Readback
 from wicore.engines.fast.kv_cache import KVCache, KVLayout
+from wicore.engines.fast.prefill_inputs import prefill_inputs, suffix_image_embeds
 from wicore.engines.fast.sampler import Sampler, SamplingBatch
 from wicore.engines.fast.sequence import Sequence
 from wicore.engines.fast.weights import Gemma3Parts
-from wicore.ops.attention import gemma3_prefill_masks, pack_layout
+from wicore.ops.attention import gemma3_prefill_masks
+from wicore.ops.prefix_attention import gemma3_prefix_masks
 from wicore.ops.transfer import upload
 
 
@@ -133,13 +135,15 @@ class ModelRunner:
         for event in {id(s.vision_event): s.vision_event for s in seqs if s.vision_event is not None}.values():
             torch.cuda.current_stream().wait_event(event)  # normally complete already
         mark = self.clock.start()
-        inputs = self._prefill_inputs(seqs)
-        embeds = [s.image_embeds.flatten(0, 1) for s in seqs if s.num_images]
+        inputs = prefill_inputs(
+            seqs, self.layout, self.parts.tokens_per_image, self.text_config.vocab_size, self.device
+        )
+        embeds = suffix_image_embeds(seqs)  # images whose tokens are cached need none
         if embeds:
             inputs["image_embeds"] = torch.cat(embeds)  # [image tokens, hidden]
             if self.cuda:
                 for s in seqs:  # made on the side stream, read here on the main one
-                    if s.num_images:
+                    if s.images_in_suffix:
                         s.image_embeds.record_stream(torch.cuda.current_stream())
         logits = self.prefill_logits(**inputs)
         for seq in seqs:
@@ -148,45 +152,25 @@ class ModelRunner:
         self.clock.stop("prefill", mark)
         return readback
 
-    def prefill_logits(self, ids, positions, slots, image_rows, image_groups, last, layout, image_embeds=None):
-        """Packed prompts -> logits [B, vocab] at each prompt's last token. ids, positions,
-        image_rows, last: int64 [N] / [I] / [B]; slots [groups, N]; image_groups [B, L]."""
+    def prefill_logits(
+        self, ids, positions, slots, image_rows, image_groups, last, layout, image_embeds=None, prefix=None
+    ):
+        """Packed prompts (their uncached suffixes) -> logits [B, vocab] at each prompt's last
+        token. ids, positions, image_rows, last: int64 [N] / [I] / [B]; slots [groups, N];
+        image_groups [B, L] (absolute positions); prefix: `PrefixInputs` when some prompts
+        start with cached positions."""
         decoder = self.parts.decoder
         x = decoder.embed(ids)
         if image_embeds is not None:
             x = x.index_copy(0, image_rows, image_embeds.to(x.dtype))
-        masks = gemma3_prefill_masks(layout, image_groups, self.text_config.sliding_window)
-        attention = PrefillAttention(self.cache, self.specs, layout, masks, slots)
+        window = self.text_config.sliding_window
+        if prefix is None:
+            masks = gemma3_prefill_masks(layout, image_groups, window)
+        else:
+            masks = gemma3_prefix_masks(prefix.batch, image_groups, window)
+        attention = PrefillAttention(self.cache, self.specs, layout, masks, slots, prefix)
         hidden = decoder(x, positions, attention)
         return decoder.logits(hidden[last])
-
-    def _prefill_inputs(self, seqs: list[Sequence]) -> dict:
-        lengths = [s.prompt_len for s in seqs]
-        offsets = np.cumsum([0] + lengths[:-1])
-        vocab = self.text_config.vocab_size
-        ids = np.concatenate([np.asarray(s.prompt.ids, dtype=np.int64) for s in seqs])
-        ids[ids >= vocab] = 0  # an out-of-vocabulary image token id embeds as pad (as HF)
-        tpi = self.parts.tokens_per_image
-        groups = np.full((len(seqs), max(lengths)), -1, dtype=np.int64)  # image run of each cell
-        image_rows = []
-        for b, (seq, offset) in enumerate(zip(seqs, offsets, strict=True)):
-            for i, start in enumerate(seq.prompt.image_starts):
-                groups[b, start : start + tpi] = i
-                image_rows.append(offset + start + np.arange(tpi))
-        slots = np.concatenate([self.layout.prefill_slots(s.table, s.prompt_len) for s in seqs], axis=1)
-
-        def dev(array: np.ndarray) -> torch.Tensor:
-            return upload(array, self.device)
-
-        return {
-            "ids": dev(ids),
-            "positions": dev(np.concatenate([np.arange(n) for n in lengths])),
-            "slots": dev(slots),
-            "image_rows": dev(np.concatenate(image_rows) if image_rows else np.zeros(0, dtype=np.int64)),
-            "image_groups": dev(groups),
-            "last": dev(offsets + np.asarray(lengths) - 1),
-            "layout": pack_layout(lengths, self.device),
-        }
 
     # -- decode -----------------------------------------------------------------------------
 

@@ -9,6 +9,9 @@ from typing import Any
 from wicore.errors import ConfigError
 
 DEFAULT_MAX_MODEL_LEN = 8192  # caps the per-sequence block table width (the model allows 131k)
+DEFAULT_HOST_CACHE_BYTES = 4 * 2**30  # pinned host tier on CUDA
+DEFAULT_DISK_CACHE_BYTES = 32 * 2**30
+CACHE_POLICIES = ("lru", "a2cr")
 
 
 @dataclass(frozen=True)
@@ -28,6 +31,21 @@ class FastOptions:
     max_prefill_tokens: int | None = None  # prefill batch x longest prompt; default max(16384, max_model_len)
     vision_cache_bytes: int | None = None  # device memory for cached image embeddings; 0 = off
     preprocess_threads: int | None = None  # threads resizing images; default 4 CUDA, 0 (inline) CPU
+    # Prefix KV cache across requests (engines/cache/README.md): full prompt blocks stay in the
+    # GPU pool after their sequence ends, move down to a pinned host tier and a disk tier under
+    # pressure and come back on a hit.
+    prefix_cache: bool = True
+    # Pinned host tier; default 4 GiB on CUDA, 0 (off) on CPU. PyTorch's pinned allocator rounds
+    # an allocation up to a power of two: 24 GiB pins 32 GiB.
+    host_cache_bytes: int | None = None
+    disk_cache_dir: str | None = None  # disk tier folder (one engine process per folder); None: off
+    disk_cache_bytes: int = DEFAULT_DISK_CACHE_BYTES
+    cache_policy: str = "a2cr"  # eviction order of every tier: "a2cr" (cost-aware, frequency) or "lru"
+    # A cached prefix may end inside an image (the rest of its soft tokens are prefilled from its
+    # embeddings: the vision tower or the vision cache). Off: matches are cut back to the image's
+    # start (issue 5), so questions about one image share its blocks only when the image ends
+    # on a block boundary shared by their prompts.
+    prefix_split_images: bool = False
 
     @classmethod
     def parse(cls, options: dict[str, Any]) -> FastOptions:
@@ -57,7 +75,8 @@ class FastOptions:
             raise ConfigError("gpu_memory_utilization must be a number")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        for name in ("cuda_graphs", "overlap_vision"):
+        self._check_cache()
+        for name in ("cuda_graphs", "overlap_vision", "prefix_cache", "prefix_split_images"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
         for name in ("compile_vision", "compile_text"):
@@ -68,6 +87,28 @@ class FastOptions:
                 raise ConfigError("graph_batch_sizes must not be empty")
             for size in self.graph_batch_sizes:
                 _positive_int("graph_batch_sizes entry", size)
+
+    def _check_cache(self) -> None:
+        if self.host_cache_bytes is not None:
+            _int_at_least("host_cache_bytes", self.host_cache_bytes, 0)
+        _positive_int("disk_cache_bytes", self.disk_cache_bytes)
+        if self.cache_policy not in CACHE_POLICIES:
+            raise ConfigError(f"cache_policy must be one of {list(CACHE_POLICIES)}, got {self.cache_policy!r}")
+        if self.disk_cache_dir is not None:
+            if not isinstance(self.disk_cache_dir, str) or not self.disk_cache_dir:
+                raise ConfigError(f"disk_cache_dir must be a folder path, got {self.disk_cache_dir!r}")
+            if self.host_cache_bytes == 0 or not self.prefix_cache:
+                raise ConfigError("disk_cache_dir needs prefix_cache and a host tier (host_cache_bytes > 0)")
+
+    def host_bytes(self, cuda: bool) -> int:
+        """Bytes of the pinned host tier (0: none); on CPU a disk tier needs it set explicitly."""
+        if not self.prefix_cache:
+            return 0
+        if self.host_cache_bytes is not None:
+            return self.host_cache_bytes
+        if self.disk_cache_dir is not None and not cuda:
+            raise ConfigError("disk_cache_dir on CPU needs host_cache_bytes (the disk tier sits below the host tier)")
+        return DEFAULT_HOST_CACHE_BYTES if cuda else 0
 
     def model_len(self, model_limit: int) -> int:
         length = self.max_model_len if self.max_model_len is not None else min(model_limit, DEFAULT_MAX_MODEL_LEN)

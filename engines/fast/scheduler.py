@@ -5,6 +5,12 @@ can ever need (prompt + max_new_tokens) are free, so a running sequence never wa
 and nothing is preempted. Admitted sequences go through the vision tower in batches of about
 `vision_batch` images, are prefilled together (up to `prefill_tokens` tokens a step) and then
 decode one token per step until they finish; finished sequences give their pages and row back.
+
+With the prefix cache (`blocks.cache`), a sequence that never wraps a sliding ring is admitted
+through `prefix_admission.place_cached`: it takes the cached blocks of its prompt's prefix, only
+its suffix is prefilled, and it needs the vision tower only for images in that suffix. Its
+prefill waits until the blocks it reads are `ready` (computed by an earlier sequence's prefill,
+or restored from a lower tier).
 """
 
 from __future__ import annotations
@@ -15,12 +21,26 @@ import numpy as np
 
 from wicore.engines.fast.block_manager import BlockManager
 from wicore.engines.fast.kv_cache import KVLayout
+from wicore.engines.fast.prefix_admission import LowerTiers, place_cached
 from wicore.engines.fast.sequence import SeqStatus, Sequence
 
 
+def _no_lower_tier(seq: Sequence, key: bytes) -> bool:
+    return False
+
+
 class Scheduler:
-    def __init__(self, layout: KVLayout, blocks: BlockManager, max_rows: int, vision_batch: int, prefill_tokens: int):
-        self.layout, self.blocks = layout, blocks
+    def __init__(
+        self,
+        layout: KVLayout,
+        blocks: BlockManager,
+        max_rows: int,
+        vision_batch: int,
+        prefill_tokens: int,
+        lower: LowerTiers = _no_lower_tier,  # whether the host / disk tier holds a block
+        split_images: bool = False,  # a cached prefix may end inside an image (`usable_prefix`)
+    ):
+        self.layout, self.blocks, self.lower, self.split_images = layout, blocks, lower, split_images
         self.vision_batch, self.prefill_tokens = vision_batch, prefill_tokens
         self.free_rows = deque(range(max_rows))
         self.waiting: deque[Sequence] = deque()
@@ -60,16 +80,26 @@ class Scheduler:
     def _admit(self) -> None:
         while self.waiting and self.free_rows:
             seq = self.waiting[0]
-            need = self.layout.pages_for(seq.max_len)
-            if not seq.pixels_ready or not self.blocks.can_allocate(need):
+            if not (seq.pixels_ready and seq.keys_ready and seq.prefetch_ready) or not self._place(seq):
                 return
             self.waiting.popleft()
             seq.row = self.free_rows.popleft()
-            seq.pages = self.blocks.allocate(need)
-            seq.table = self._table(seq.pages, seq.max_len)
             seq.status = SeqStatus.ENCODING if seq.needs_vision else SeqStatus.READY
             self.admitted.append(seq)
             self.newly_admitted.append(seq)
+
+    def _place(self, seq: Sequence) -> bool:
+        """Pages and table for `seq`; False when they do not fit yet."""
+        keys = seq.keys() if self.blocks.cache is not None else None
+        if keys is not None:
+            with self.blocks.cache.stats.timed():  # the GPU tier's host time: matching, taking hits
+                return place_cached(seq, keys, self.blocks, self.layout, self.lower, self.split_images)
+        need = self.layout.pages_for(seq.max_len)
+        if not self.blocks.can_allocate(need):
+            return False
+        seq.pages = self.blocks.allocate(need)
+        seq.table = self._table(seq.pages, seq.max_len)
+        return True
 
     def _table(self, pages: list[int], num_tokens: int) -> np.ndarray:
         """[groups, width] int32: the pages of each group's logical blocks (0 = null page)."""
@@ -98,7 +128,7 @@ class Scheduler:
         within `prefill_tokens` (attention runs padded: its masks grow with batch x longest^2)."""
         batch, longest = [], 0
         for seq in self.admitted:
-            if seq.status == SeqStatus.READY:
+            if seq.status == SeqStatus.READY and seq.prefix_ready:
                 longest_next = max(longest, seq.prompt_len)
                 if batch and (len(batch) + 1) * longest_next > self.prefill_tokens:
                     break
@@ -106,13 +136,25 @@ class Scheduler:
                 longest = longest_next
         return batch
 
+    def prefilled(self, seqs: list[Sequence]) -> None:
+        """Their prefill is queued: they decode next, and the blocks they registered are ready
+        for any later prefill on the same stream."""
+        for seq in seqs:
+            seq.status = SeqStatus.RUNNING
+            for block in seq.held:
+                block.ready = True
+
     def finish(self, seq: Sequence) -> None:
-        """Give the sequence's pages and row back. Work already queued on the device for it
-        runs before anything queued later, so the next owner cannot be overwritten."""
+        """Give the sequence's pages and row back; its cached blocks stay (evictable once no one
+        uses them). Work already queued on the device for it runs before anything queued later,
+        so the next owner cannot be overwritten."""
         self.admitted.remove(seq)
         self.blocks.release(seq.pages)
+        if seq.held:
+            self.blocks.release_blocks(seq.held)
         self.free_rows.append(seq.row)
         seq.pages, seq.row, seq.status = [], -1, SeqStatus.FINISHED
+        seq.held, seq.reads, seq.restores = [], [], []
 
     @property
     def num_admitted(self) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -12,6 +13,10 @@ import torch
 
 from wicore.engines.base import Completion, EngineRequest
 from wicore.engines.fast.inputs import Prompt
+from wicore.engines.fast.prefix_cache import CachedBlock, Restore
+from wicore.engines.fast.prefix_keys import PromptKeys
+
+log = logging.getLogger(__name__)
 
 
 class SeqStatus(str, Enum):
@@ -40,6 +45,16 @@ class Sequence:
     finished: bool = False
     completion: Completion | None = None
     added_at: float = field(default_factory=time.perf_counter)
+    # The prefix cache (prefix_cache.py, tiers.py). Keys are None for a sequence that is not cached.
+    prefix_keys: PromptKeys | Future | None = None  # a Future while hashed in a thread
+    disk_lookup: bool = False  # admission waits for a disk prefetch (`prefetched`)
+    prefetched: dict | Future | None = None  # key -> CPU block [G, slots, 2, bs, H, D] read from disk
+    prefix_len: int = 0  # prompt tokens whose K/V come from the cache (not prefilled)
+    first_image: int = 0  # images before it lie wholly in the cached prefix (no embeddings needed)
+    shared_len: int = 0  # positions in blocks taken from the cache: prefill must not write them
+    held: list[CachedBlock] = field(default_factory=list)  # cached blocks in use (released at the end)
+    reads: list[CachedBlock] = field(default_factory=list)  # cached blocks prefill waits on (`ready`)
+    restores: list[Restore] = field(default_factory=list)  # blocks to bring up from host / disk
 
     @property
     def id(self) -> str:
@@ -61,11 +76,6 @@ class Sequence:
     @property
     def num_images(self) -> int:
         return len(self.request.images)
-
-    @property
-    def needs_vision(self) -> bool:
-        """Images whose embeddings are not known yet (a cache hit arrives with them)."""
-        return self.num_images > 0 and self.image_embeds is None
 
     @property
     def pixels_ready(self) -> bool:
@@ -91,3 +101,40 @@ class Sequence:
     @property
     def wants_decode(self) -> bool:
         return self.status == SeqStatus.RUNNING and not self.finished and self.launched < self.max_new
+
+    # -- the prefix cache -------------------------------------------------------------------
+
+    @property
+    def keys_ready(self) -> bool:
+        return not isinstance(self.prefix_keys, Future) or self.prefix_keys.done()
+
+    def keys(self) -> PromptKeys | None:
+        """The prompt's keys (once `keys_ready`); a key job that failed leaves it uncached."""
+        if isinstance(self.prefix_keys, Future):
+            error = self.prefix_keys.exception()
+            if error is not None:
+                log.warning("sequence %s: prefix keys failed (%s); not cached", self.id, error)
+            self.prefix_keys = None if error is not None else self.prefix_keys.result()
+        return self.prefix_keys
+
+    @property
+    def prefetch_ready(self) -> bool:
+        if not self.disk_lookup:
+            return True
+        return self.prefetched is not None and (not isinstance(self.prefetched, Future) or self.prefetched.done())
+
+    @property
+    def prefix_ready(self) -> bool:
+        """Every cached block its prefill reads is written (or queued before it on the stream)."""
+        return not self.restores and all(block.ready for block in self.reads)
+
+    @property
+    def images_in_suffix(self) -> bool:
+        """Some image's soft tokens are prefilled (they need its embeddings)."""
+        return self.first_image < self.num_images
+
+    @property
+    def needs_vision(self) -> bool:
+        """Prefilled images whose embeddings are not known yet (a vision-cache hit arrives with
+        them; images in a cached KV prefix need none)."""
+        return self.images_in_suffix and self.image_embeds is None

@@ -15,6 +15,7 @@ class EngineStats:
     prefill_batches: int = 0
     prefilled: int = 0  # sequences
     prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0  # of those, taken from the prefix cache (not prefilled)
     decode_steps: int = 0
     generated_tokens: int = 0  # tokens of finished requests (after cutting at EOS / stop)
     graph_replays: int = 0
@@ -27,6 +28,7 @@ class EngineStats:
         self.prefill_batches += 1
         self.prefilled += len(seqs)
         self.prompt_tokens += sum(s.prompt_len for s in seqs)
+        self.cached_prompt_tokens += sum(s.prefix_len for s in seqs)
 
     def record_decode(self, batch: int, graphed: bool) -> None:
         self.decode_steps += 1
@@ -53,6 +55,7 @@ class EngineStats:
             "prefill_batches": self.prefill_batches,
             "prompt_tokens": self.prompt_tokens,
             "mean_prompt_tokens": self.prompt_tokens / self.prefilled if self.prefilled else None,
+            "cached_prompt_tokens": self.cached_prompt_tokens,
             "decode_steps": self.decode_steps,
             "generated_tokens": self.generated_tokens,
             "finished": self.finished,
@@ -64,6 +67,7 @@ class EngineStats:
             "eager_decodes": self.eager_decodes,
             "kv_pages_used": blocks.num_used,
             "kv_pages_free": blocks.num_free,
+            "kv_pages_cached": blocks.num_cached,  # held only by the prefix cache (evictable)
             "kv_block_size": scheduler.layout.block_size,
             "waiting": len(scheduler.waiting),
             "admitted": scheduler.num_admitted,
