@@ -41,8 +41,8 @@ class CacheBench:
     new_tokens: int = 32
     dup_images: int = 1024
     batch_size: int = 384
-    small_gpu_blocks: int = 4096  # pages in the deliberately small GPU pool of the tiered run
-    host_cache_bytes: int = 24 * 2**30
+    small_gpu_pages: int = 16_384  # the deliberately small GPU pool of the tiered run (~100 sequences)
+    host_cache_bytes: int = 16 * 2**30
     disk_cache_bytes: int = 32 * 2**30
     device: str = "cuda"
 
@@ -55,8 +55,10 @@ def request(rid: str, path: Path, text: str, new_tokens: int) -> EngineRequest:
 
 
 def vqa_requests(paths: list[Path], questions: int, new_tokens: int) -> list[EngineRequest]:
-    """Image-major: the questions about one image arrive together, as a VQA client sends them."""
-    return [request(f"{i}-{q}", p, QUESTIONS[q], new_tokens) for i, p in enumerate(paths) for q in range(questions)]
+    """Question-major: every image gets its first question, then every image its second, ...:
+    a follow-up comes after 255 other images, so a small GPU pool must have moved the image's
+    prefix blocks down a tier and bring them back."""
+    return [request(f"{i}-{q}", p, QUESTIONS[q], new_tokens) for q in range(questions) for i, p in enumerate(paths)]
 
 
 def dup_requests(paths: list[Path], count: int, new_tokens: int, share: float = 0.3) -> list[EngineRequest]:
@@ -97,7 +99,8 @@ def run_config(name: str, model_dir: Path, bench: CacheBench, requests, warm, ca
     engine.generate(warm)  # compile, graphs and kernels warm; its images are not in `requests`
     seconds, stats = timed_generate(engine, requests)
     engine.close()
-    keep = ("vision_s", "prefill_s", "decode_s", "images_encoded", "prompt_tokens", "vision_cache", "cache")
+    keep = ("vision_s", "prefill_s", "decode_s", "images_encoded", "prompt_tokens", "cached_prompt_tokens",
+            "vision_cache", "cache", "kv_blocks_demoted", "kv_blocks_dropped", "kv_restores_queued")  # fmt: skip
     return {"name": name, "seconds": seconds, "requests_per_s": len(requests) / seconds,
             **{k: stats[k] for k in keep if k in stats}}  # fmt: skip
 
@@ -115,12 +118,13 @@ def run_cache_bench(bench: CacheBench) -> dict:
     vqa = vqa_requests(paths[: bench.images], bench.questions, bench.new_tokens)
     disk = bench.workdir / "kv-disk"
     shutil.rmtree(disk, ignore_errors=True)
+    split = {"prefix_split_images": True}  # a follow-up shares the image's blocks, not just the ones before it
     runs = [
         run_config("off", model_dir, bench, vqa, warm, cache=False),
-        run_config("gpu", model_dir, bench, vqa, warm, cache=True, host_cache_bytes=0),
+        run_config("gpu", model_dir, bench, vqa, warm, cache=True, host_cache_bytes=0, **split),
         run_config("gpu+cpu+disk (small GPU pool)", model_dir, bench, vqa, warm, cache=True,
-                   num_kv_blocks=bench.small_gpu_blocks, host_cache_bytes=bench.host_cache_bytes,
-                   disk_cache_dir=str(disk), disk_cache_bytes=bench.disk_cache_bytes),
+                   num_kv_blocks=bench.small_gpu_pages, host_cache_bytes=bench.host_cache_bytes,
+                   disk_cache_dir=str(disk), disk_cache_bytes=bench.disk_cache_bytes, **split),
     ]  # fmt: skip
     restore = measure_restore(model_dir, bench)
     dups = dup_requests(paths[bench.images : bench.images + bench.dup_images], bench.dup_images, 64)
@@ -152,7 +156,7 @@ def policy_results(results) -> dict:
 
 
 def measure_restore(model_dir: Path, bench: CacheBench) -> float:
-    engine = make_engine(model_dir, bench, True, host_cache_bytes=bench.host_cache_bytes)
+    engine = make_engine(model_dir, bench, True, host_cache_bytes=0)  # the probe brings its own host tier
     try:
         return engine.measure_restore(2048)
     finally:
