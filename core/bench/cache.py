@@ -98,7 +98,8 @@ def run_config(name: str, model_dir: Path, bench: CacheBench, requests, warm, ca
     engine = make_engine(model_dir, bench, cache, **options)
     engine.generate(warm)  # compile, graphs and kernels warm; its images are not in `requests`
     seconds, stats = timed_generate(engine, requests)
-    engine.close()
+    release(engine)
+    print(f"{name}: {len(requests) / seconds:.1f} requests/s", flush=True)
     keep = ("vision_s", "prefill_s", "decode_s", "images_encoded", "prompt_tokens", "cached_prompt_tokens",
             "vision_cache", "cache", "kv_blocks_demoted", "kv_blocks_dropped", "kv_restores_queued")  # fmt: skip
     return {"name": name, "seconds": seconds, "requests_per_s": len(requests) / seconds,
@@ -160,7 +161,20 @@ def measure_restore(model_dir: Path, bench: CacheBench) -> float:
     try:
         return engine.measure_restore(2048)
     finally:
-        engine.close()
+        release(engine)
+
+
+def release(engine) -> None:
+    """Close an engine and collect it (its parts reference each other), so the next
+    configuration gets the device memory."""
+    import gc
+
+    import torch
+
+    engine.close()
+    del engine
+    gc.collect()
+    torch.cuda.empty_cache()
 
 
 def _gpu_name() -> str:

@@ -14,6 +14,7 @@ scattered into their pages before the prefill batch is picked.
 
 from __future__ import annotations
 
+import gc
 import logging
 import random
 from collections import deque
@@ -180,10 +181,15 @@ class FastEngine(Engine):
             return measure_h2d(num_bytes, self.runner.device, repeats)
 
     def close(self) -> None:
+        """Give the device memory back now: the KV pool, graphs and weights are also reachable
+        from the image stage, the tiers and reference cycles, so drop them at the source."""
         if self.pool is not None:
             self.pool.shutdown(wait=False, cancel_futures=True)
         self.tiers.close()
-        self.runner = None
+        if self.runner is not None:
+            self.runner.release()
+        self.runner = self.images = self.tiers = None
+        gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 

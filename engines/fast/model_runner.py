@@ -77,6 +77,14 @@ class ModelRunner:
     def compile_text(self) -> None:
         self.parts.decoder.fns.compile()
 
+    def release(self) -> None:
+        """Drop the KV cache, the graphs (and their memory pool) and the weights."""
+        self.cache = None
+        self.graphs = None
+        self.encode_full = None
+        self.tables = None
+        self.parts = None
+
     def capture_graphs(self, sizes: list[int]) -> None:
         self.graphs = GraphRunner(self.decode_logits, sizes, self.null_row, self.device)
 
