@@ -124,3 +124,17 @@ def test_kill_9_mid_batch_then_new_worker_finishes_every_job_once(tmp_path, serv
     assert all(connection.xlen(f"rq:results:{i}") == 1 for i in ids), "no job finished twice"
     assert StartedJobRegistry(queue_name, connection=connection).count == 0
     assert connection.llen("rq:queue:" + queue_name) == 0
+
+
+def test_caption_fast_and_reference_engines_write_identical_texts(tmp_path, tiny_model_dir):
+    """The CLI parity check of the fast engine: same inputs, both engines, same `text` lines."""
+    folder = tmp_path / "imgs"
+    write_images(folder, 12, start=300)
+    texts = {}
+    for engine in ("reference", "fast"):
+        out = tmp_path / f"{engine}.jsonl"
+        wicore("caption", str(folder), "-o", str(out), "--model", str(tiny_model_dir), "--engine", engine,
+               "--max-new-tokens", "12", "--batch-size", "4")  # fmt: skip
+        texts[engine] = {line["input"]: line["text"] for line in read_lines(out)}
+        assert all(line["engine"] == engine for line in read_lines(out))
+    assert len(texts["fast"]) == 12 and texts["fast"] == texts["reference"]
