@@ -17,10 +17,14 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColum
 from rich.text import Text
 
 from wicore.cli.common import (
+    BatchSizeOption,
     ConfigOption,
+    DeviceOption,
+    DtypeOption,
     EngineOption,
     ModelIdOption,
     ModelOption,
+    NoCacheOption,
     RedisOption,
     console,
     friendly_errors,
@@ -67,13 +71,13 @@ def caption(
     engine: str = typer.Option(None, help="reference | fast (default: auto: fast on CUDA)", show_default=False),
     redis_url: str = RedisOption,
     workers: int = typer.Option(1, min=1, help="Worker processes to start (each loads the model)."),
-    batch_size: int = typer.Option(None, help="Most jobs in one engine batch [8].", show_default=False),
+    batch_size: int = BatchSizeOption,
     prompt: str = typer.Option(None, help="Prompt (default: 'Describe this image in detail.')."),
     max_new_tokens: int = typer.Option(64, help="Most tokens to generate per image."),
-    device: str = typer.Option(None, help="cpu, cuda ... (default: auto)", show_default=False),
-    dtype: str = typer.Option(None, help="float32 | bfloat16 (default: auto)", show_default=False),
+    device: str = DeviceOption,
+    dtype: str = DtypeOption,
     redis_dir: Path = typer.Option(None, help="Keep the embedded Redis's data here (default: a temp folder)."),
-    no_cache: bool = typer.Option(None, "--no-cache", help="Turn off the KV and vision caches."),
+    no_cache: bool = NoCacheOption,
     engine_option: list[str] = EngineOption,
     config: Path = ConfigOption,
 ) -> None:

@@ -54,6 +54,10 @@ def model_id_of(model_dir: Path) -> str:
     return name or "model"
 
 
+DeviceOption = typer.Option(None, help="cpu, cuda, cuda:1 ... (default: auto)", show_default=False)
+DtypeOption = typer.Option(None, help="float32 | bfloat16 | float16 (default: auto)", show_default=False)
+BatchSizeOption = typer.Option(None, help="Most jobs in one engine batch [8].", show_default=False)
+NoCacheOption = typer.Option(None, "--no-cache", help="Turn off the KV and vision caches.")
 EngineOption = typer.Option(
     None, "--engine-option", help="Engine option KEY=VALUE (VALUE as JSON, else a string); repeatable."
 )

@@ -8,10 +8,14 @@ import typer
 from redis import Redis
 
 from wicore.cli.common import (
+    BatchSizeOption,
     ConfigOption,
+    DeviceOption,
+    DtypeOption,
     EngineOption,
     ModelIdOption,
     ModelOption,
+    NoCacheOption,
     RedisOption,
     console,
     engine_options,
@@ -28,9 +32,9 @@ def worker(
     model: Path = ModelOption,
     model_id: str = ModelIdOption,
     engine: str = typer.Option(None, help="reference | fast | null (default: auto: fast on CUDA)", show_default=False),
-    device: str = typer.Option(None, help="cpu, cuda, cuda:1 ... (default: auto)", show_default=False),
-    dtype: str = typer.Option(None, help="float32 | bfloat16 | float16 (default: auto)", show_default=False),
-    batch_size: int = typer.Option(None, help="Most jobs in one engine batch [8].", show_default=False),
+    device: str = DeviceOption,
+    dtype: str = DtypeOption,
+    batch_size: int = BatchSizeOption,
     max_queue_delay_ms: float = typer.Option(
         None, help="Longest a partial batch waits to fill [5].", show_default=False
     ),
@@ -38,7 +42,7 @@ def worker(
     name: str = typer.Option(None, help="Worker name (default: random)."),
     burst: bool = typer.Option(False, help="Exit once the queues are empty."),
     max_jobs: int = typer.Option(None, help="Exit after this many jobs."),
-    no_cache: bool = typer.Option(None, "--no-cache", help="Turn off the KV and vision caches."),
+    no_cache: bool = NoCacheOption,
     engine_option: list[str] = EngineOption,
     config: Path = ConfigOption,
 ) -> None:
