@@ -205,3 +205,18 @@ def test_random_arrivals_through_every_tier_match_caching_off(model_dir, tmp_pat
     assert blocks.num_used == 0 and blocks.cache.policy.num_pinned == 0
     assert all(block.users == 0 and block.ready for block in blocks.cache.blocks.values())
     fast.close()
+
+
+def test_close_lets_go_of_the_kv_pool_and_the_host_tier(model_dir, expected):
+    # `close` must give the memory back while the engine object is still referenced (the cache
+    # benchmark's `release` runs with its caller holding the engine): the scheduler keeps the
+    # tiers' `holds`, and the host tier's eviction hook points back at the tiers.
+    import gc
+    import weakref
+
+    fast = engine(model_dir, num_kv_blocks=60, host_cache_bytes=2**20)
+    check(fast.generate(vqa()), expected)
+    buffers = {"KV pool": weakref.ref(fast.runner.cache.tensor), "host tier": weakref.ref(fast.tiers.host.pool)}
+    fast.close()
+    gc.collect()
+    assert [name for name, buffer in buffers.items() if buffer() is not None] == []

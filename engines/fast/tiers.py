@@ -203,5 +203,11 @@ class KVTiers:
         }
 
     def close(self) -> None:
+        """Stop the disk tier's threads and let go of the KV pool and the pinned host pool: the
+        scheduler still holds `holds` after the engine closes, and the host tier's eviction
+        hook points back here."""
         if self.disk is not None:
             self.disk.close()
+        if self.host is not None:
+            self.host.on_evict = None
+        self.kv = self.host = self.disk = self.restorer = None
