@@ -101,7 +101,8 @@ def run_config(name: str, model_dir: Path, bench: CacheBench, requests, warm, ca
     release(engine)
     print(f"{name}: {len(requests) / seconds:.1f} requests/s", flush=True)
     keep = ("vision_s", "prefill_s", "decode_s", "images_encoded", "prompt_tokens", "cached_prompt_tokens",
-            "vision_cache", "cache", "kv_blocks_demoted", "kv_blocks_dropped", "kv_restores_queued")  # fmt: skip
+            "vision_cache", "cache", "kv_blocks_demoted", "kv_blocks_dropped", "kv_restores_queued",
+            "kv_pages", "kv_pages_free", "kv_pages_cached", "mean_decode_batch")  # fmt: skip
     return {"name": name, "seconds": seconds, "requests_per_s": len(requests) / seconds,
             **{k: stats[k] for k in keep if k in stats}}  # fmt: skip
 

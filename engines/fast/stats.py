@@ -65,6 +65,7 @@ class EngineStats:
             "decode_batch_sizes": dict(sorted(self.decode_batch_sizes.items())),
             "graph_replays": self.graph_replays,
             "eager_decodes": self.eager_decodes,
+            "kv_pages": blocks.num_pages - 1,  # the pool (without the null page): sized from memory on CUDA
             "kv_pages_used": blocks.num_used,
             "kv_pages_free": blocks.num_free,
             "kv_pages_cached": blocks.num_cached,  # held only by the prefix cache (evictable)
