@@ -1,0 +1,85 @@
+"""Examples as the model sees them: images through the user's path, and token layouts.
+
+`pixels` takes an image the way a user's goes (render -> PNG/JPEG file -> PIL decode -> the
+processor's bilinear resize to S x S) and keeps it as uint8 [3, S, S], which the processor's
+rescale + normalize maps to (x / 255 - 0.5) / 0.5. PNG is lossless, so a PNG spec skips the
+file round trip (same pixels, less time). Used for validation during training; training
+itself draws its images with `synth`.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from multiprocessing import get_context
+
+import numpy as np
+import torch
+from PIL import Image
+
+from wicore.models.democap.data import Spec, decode, encode, render
+from wicore.models.democap.model import answer_text, chat
+
+
+def pixels(spec: Spec, size: int) -> np.ndarray:
+    """uint8 [3, S, S]: the processor's resize of the image `spec` describes, as a user sends it."""
+    image = render(spec)
+    if spec.fmt == "JPEG":
+        image = decode(encode(spec, image))
+    small = image.resize((size, size), Image.BILINEAR)  # Gemma3ImageProcessorPil's resample
+    return np.asarray(small).transpose(2, 0, 1).copy()
+
+
+def _pixels_chunk(specs: list[Spec], size: int) -> np.ndarray:
+    return np.stack([pixels(s, size) for s in specs])
+
+
+def render_all(specs: list[Spec], size: int, workers: int = 1, chunk: int = 256) -> torch.Tensor:
+    """uint8 [N, 3, S, S], in spec order whatever the number of worker processes."""
+    chunks = [specs[i : i + chunk] for i in range(0, len(specs), chunk)]
+    if workers <= 1:
+        return torch.from_numpy(np.concatenate([_pixels_chunk(c, size) for c in chunks]))
+    with ProcessPoolExecutor(workers, mp_context=get_context("spawn")) as pool:
+        return torch.from_numpy(np.concatenate(list(pool.map(_pixels_chunk, chunks, [size] * len(chunks)))))
+
+
+def normalize(images: torch.Tensor) -> torch.Tensor:
+    """uint8 [B, 3, S, S] -> float [B, 3, S, S] in [-1, 1], as the processor rescales and normalizes."""
+    return images.float().div(255.0).sub(0.5).div(0.5)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The token side of every example: one fixed prompt, then the caption's answer tokens."""
+
+    prompt_ids: torch.Tensor  # [P] long: <bos> ... <start_of_turn>model\n, 16 image soft tokens inside
+    prompt_types: torch.Tensor  # [P] long: 1 on image soft tokens (bidirectional attention), else 0
+    answers: dict[str, list[int]]  # caption -> its answer ids, ending with <end_of_turn>
+    pad_id: int
+
+    @classmethod
+    def from_processor(cls, processor, captions: list[str]) -> Layout:
+        text = processor.apply_chat_template(chat(), add_generation_prompt=True)
+        size = processor.image_processor.size["height"]
+        blank = Image.new("RGB", (size, size))
+        enc = processor(text=[text], images=[[blank]], add_special_tokens=False, return_tensors="pt")
+        tok = processor.tokenizer
+        answers = {c: tok(answer_text(c), add_special_tokens=False).input_ids for c in captions}
+        return cls(enc["input_ids"][0], enc["token_type_ids"][0], answers, tok.pad_token_id)
+
+    def batch(self, captions: list[str]) -> dict[str, torch.Tensor]:
+        """input_ids / token_type_ids / attention_mask [B, P + A] (answers right-padded) and
+        labels [B, P + A]: the answer ids, -100 elsewhere (loss on the answer only)."""
+        width = max(len(self.answers[c]) for c in captions)
+        p = len(self.prompt_ids)
+        ids = torch.full((len(captions), p + width), self.pad_id, dtype=torch.long)
+        labels = torch.full_like(ids, -100)
+        mask = torch.zeros_like(ids)
+        ids[:, :p], mask[:, :p] = self.prompt_ids, 1
+        for row, caption in enumerate(captions):
+            answer = torch.tensor(self.answers[caption])
+            ids[row, p : p + len(answer)] = labels[row, p : p + len(answer)] = answer
+            mask[row, p : p + len(answer)] = 1
+        types = torch.zeros_like(ids)
+        types[:, :p] = self.prompt_types
+        return {"input_ids": ids, "token_type_ids": types, "attention_mask": mask, "labels": labels}

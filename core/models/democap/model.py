@@ -1,0 +1,113 @@
+"""The demo captioner's architecture: the real `Gemma3ForConditionalGeneration` at toy size.
+
+Every field is a plain Gemma3Config / SiglipVisionConfig field, so the checkpoint loads with
+`from_pretrained` under any transformers that knows Gemma-3 (5.17 on the GPU machines too) and
+flows through every wicore engine like a real Gemma-3 checkpoint.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import (
+    Gemma3Config,
+    Gemma3ForConditionalGeneration,
+    Gemma3Processor,
+    Gemma3TextConfig,
+    PreTrainedTokenizerFast,
+    SiglipVisionConfig,
+)
+
+from wicore.models.corpus import tokenizer_corpus
+from wicore.models.gemma3 import make_processor
+from wicore.models.tokenizer import BOI, END_OF_TURN, EOI, IMAGE_SOFT, train_tokenizer
+from wicore.schemas import DEFAULT_PROMPT
+
+VOCAB_SIZE = 1024
+
+
+@dataclass(frozen=True)
+class Arch:
+    """Sizes of the toy Gemma-3. The processor squashes every image to image_size^2; the
+    projector average-pools the (image_size / patch_size)^2 patch grid to image_tokens."""
+
+    image_size: int = 96
+    patch_size: int = 8
+    vision_width: int = 128
+    vision_layers: int = 4
+    vision_heads: int = 4
+    vision_mlp: int = 256
+    image_tokens: int = 36  # a square whose side divides the patch grid's side
+    text_width: int = 128
+    text_layers: int = 2
+    text_heads: int = 4
+    text_mlp: int = 256
+
+
+def tokenizer() -> PreTrainedTokenizerFast:
+    return train_tokenizer(tokenizer_corpus(), vocab_size=VOCAB_SIZE)
+
+
+def config(arch: Arch, tok: PreTrainedTokenizerFast) -> Gemma3Config:
+    head_dim = arch.text_width // arch.text_heads
+    text = Gemma3TextConfig(
+        vocab_size=len(tok),
+        hidden_size=arch.text_width,
+        intermediate_size=arch.text_mlp,
+        num_hidden_layers=arch.text_layers,
+        num_attention_heads=arch.text_heads,
+        num_key_value_heads=max(1, arch.text_heads // 2),
+        head_dim=head_dim,
+        query_pre_attn_scalar=head_dim,
+        sliding_window=512,
+        # the real model's pattern in miniature: sliding layers, the last one global
+        layer_types=["sliding_attention"] * (arch.text_layers - 1) + ["full_attention"],
+        max_position_embeddings=2048,  # prompts are ~60 tokens; room for long max_new_tokens
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+            "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
+        },
+        pad_token_id=tok.pad_token_id,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+    )
+    vision = SiglipVisionConfig(
+        hidden_size=arch.vision_width,
+        intermediate_size=arch.vision_mlp,
+        num_hidden_layers=arch.vision_layers,
+        num_attention_heads=arch.vision_heads,
+        image_size=arch.image_size,
+        patch_size=arch.patch_size,
+        vision_use_head=False,
+    )
+    return Gemma3Config(
+        text_config=text,
+        vision_config=vision,
+        mm_tokens_per_image=arch.image_tokens,
+        boi_token_index=tok.convert_tokens_to_ids(BOI),
+        eoi_token_index=tok.convert_tokens_to_ids(EOI),
+        image_token_index=tok.convert_tokens_to_ids(IMAGE_SOFT),
+    )
+
+
+def build(arch: Arch, seed: int) -> tuple[Gemma3ForConditionalGeneration, Gemma3Processor]:
+    """Fresh weights from `seed` (the projector re-initialised: HF's init zeroes it) and the processor."""
+    tok = tokenizer()
+    cfg = config(arch, tok)
+    torch.manual_seed(seed)
+    model = Gemma3ForConditionalGeneration(cfg)
+    with torch.no_grad():
+        model.model.multi_modal_projector.mm_input_projection_weight.normal_(0.0, arch.text_width**-0.5)
+    model.generation_config.eos_token_id = [tok.eos_token_id, tok.convert_tokens_to_ids(END_OF_TURN)]
+    return model, make_processor(tok, cfg)
+
+
+def chat(prompt: str = DEFAULT_PROMPT) -> list[dict]:
+    """The conversation every caption answers: one image, then the prompt."""
+    return [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": prompt}]}]
+
+
+def answer_text(caption: str) -> str:
+    """What the model learns to write after `<start_of_turn>model\\n`: the caption, then its turn ends."""
+    return caption + END_OF_TURN

@@ -1,0 +1,189 @@
+"""Training images drawn straight at the model's input resolution, a batch at a time, in torch.
+
+`data.py` draws each image as a user would send it (up to 1024 px, PNG or JPEG), and the
+processor then squashes it to S x S. Drawing that way costs ~10 ms an image on a laptop core,
+which would starve training. This module draws the same distribution of *model inputs*
+directly: every output pixel is mapped back to the original image's coordinates (the squash
+of a W x H image to S x S), the shape is tested at n x n sub-pixel points there, and coverage
+is their mean. Then the softening the real path adds (the resize filter, blur, JPEG at small
+sizes, noise) is applied at random. Everything is drawn from one `torch.Generator`, so a seed
+gives the same batch on every run.
+
+The shapes match `data.unit_outline`: circumradius 1, squares and crosses' arm tips on the
+unit circle, stars with 5 outer points at radius 1.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from PIL import Image
+
+from wicore.models.corpus import COLORS, SHAPES
+from wicore.models.democap.data import JITTER, MAX_SIDE, MIN_SIDE, PALETTE
+
+PALETTE_RGB = torch.tensor([PALETTE[c] for c in COLORS], dtype=torch.float32)  # [8, 3]
+
+
+@dataclass(frozen=True)
+class Widen:
+    """How much wider than the task the training distribution is drawn (robustness margin)."""
+
+    fraction: tuple[float, float] = (0.17, 0.74)  # shape diameter / short side
+    aspect: float = 2.1  # width / height within [1/aspect, aspect]
+    jitter: int = JITTER + 6
+    star_inner: tuple[float, float] = (0.33, 0.55)
+    cross_arm: tuple[float, float] = (0.22, 0.45)
+
+
+@dataclass
+class Batch:
+    pixels: torch.Tensor  # uint8 [B, 3, S, S]
+    shape: torch.Tensor  # long [B], index into SHAPES
+    color: torch.Tensor  # long [B], index into COLORS
+    background: torch.Tensor  # long [B], index into COLORS
+    coverage: torch.Tensor  # float [B, S, S]: share of each pixel the shape covers (before blur)
+
+    def captions(self) -> list[str]:
+        from wicore.models.democap.data import caption
+
+        return [
+            caption(COLORS[c], SHAPES[s], COLORS[b])
+            for s, c, b in zip(self.shape.tolist(), self.color.tolist(), self.background.tolist())
+        ]
+
+
+def draw(batch: int, size: int, gen: torch.Generator, widen: Widen = Widen(), subsamples: int = 3) -> Batch:
+    """`batch` random images as the processor would hand them to the model: uint8 [B, 3, S, S]."""
+    dev = gen.device  # drawn where the generator lives (CPU for reproducible training)
+    u = lambda *shape: torch.rand(*shape, generator=gen, device=dev)  # noqa: E731
+    shape = torch.randint(0, len(SHAPES), (batch,), generator=gen, device=dev)
+    color = torch.randint(0, len(COLORS), (batch,), generator=gen, device=dev)
+    background = (color + torch.randint(1, len(COLORS), (batch,), generator=gen, device=dev)) % len(COLORS)
+
+    # the original image: log-uniform size and aspect, both sides in [64, 1024]
+    log_side = math.log(MIN_SIDE) + u(batch) * math.log(MAX_SIDE / MIN_SIDE)
+    log_aspect = (u(batch) * 2 - 1) * math.log(widen.aspect)
+    width = torch.exp(log_side + log_aspect / 2).clamp(MIN_SIDE, MAX_SIDE)
+    height = torch.exp(log_side - log_aspect / 2).clamp(MIN_SIDE, MAX_SIDE)
+    short = torch.minimum(width, height)
+    lo, hi = widen.fraction
+    radius = (lo + u(batch) * (hi - lo)) * short / 2
+    cx = radius + u(batch) * (width - 2 * radius)
+    cy = radius + u(batch) * (height - 2 * radius)
+    angle = u(batch) * 2 * math.pi
+    star_inner = widen.star_inner[0] + u(batch) * (widen.star_inner[1] - widen.star_inner[0])
+    cross_arm = widen.cross_arm[0] + u(batch) * (widen.cross_arm[1] - widen.cross_arm[0])
+
+    # sub-pixel sample points of the S x S output, mapped into the original's pixels: [B, P]
+    n = subsamples
+    grid = (torch.arange(size * n, dtype=torch.float32, device=dev) + 0.5) / n  # output pixels, n per pixel
+    gx, gy = grid[None, None, :], grid[None, :, None]  # [1, 1, Sn], [1, Sn, 1]
+    x = gx * (width / size)[:, None, None] - cx[:, None, None]  # [B, 1, Sn]
+    y = gy * (height / size)[:, None, None] - cy[:, None, None]  # [B, Sn, 1]
+    cos, sin = torch.cos(angle)[:, None, None], torch.sin(angle)[:, None, None]
+    r = radius[:, None, None]
+    lx = (x * cos + y * sin) / r  # [B, Sn, Sn], the shape's frame, circumradius 1
+    ly = (y * cos - x * sin) / r
+    inside = torch.zeros(batch, size * n, size * n, dtype=torch.bool, device=dev)
+    for k, name in enumerate(SHAPES):
+        rows = (shape == k).nonzero().flatten()
+        if len(rows):
+            inside[rows] = INSIDE[name](lx[rows], ly[rows], star_inner[rows], cross_arm[rows])
+    alpha = inside.float().reshape(batch, size, n, size, n).mean(dim=(2, 4))  # [B, S, S]
+
+    palette = PALETTE_RGB.to(dev)
+    fg = jittered(palette[color], widen.jitter, gen)  # [B, 3]
+    bg = jittered(palette[background], widen.jitter, gen)
+    rgb = bg[:, :, None, None] + (fg - bg)[:, :, None, None] * alpha[:, None]  # [B, 3, S, S]
+
+    # the resize filter (always) plus, for 30%, the image's own blur, in output pixels
+    scale = (size / short).clamp(max=1.5)
+    sigma = 0.25 + u(batch) * 0.5
+    blurred = u(batch) < 0.3
+    sigma = torch.where(
+        blurred, torch.hypot(sigma, (0.4 + u(batch) * 1.2) * torch.clamp(short / 256, min=1.0) * scale), sigma
+    )
+    rgb = gaussian_blur(rgb, sigma)
+    rgb = rgb + torch.randn(rgb.shape, generator=gen, device=dev) * (u(batch) * 2.0)[:, None, None, None]
+    pixels = rgb.round().clamp(0, 255).to(torch.uint8)
+
+    # JPEG blocks and chroma subsampling survive the resize only when the original is small
+    jpeg = u(batch) < torch.where(short < 2 * size, 0.5, 0.15)
+    quality = (60 + u(batch) * 36).long()
+    for row in jpeg.nonzero().flatten().tolist():
+        pixels[row] = jpeg_round_trip(pixels[row].cpu(), int(quality[row])).to(dev)
+    return Batch(pixels, shape, color, background, alpha)
+
+
+def jittered(rgb: torch.Tensor, jitter: int, gen: torch.Generator) -> torch.Tensor:
+    noise = torch.randint(-jitter, jitter + 1, rgb.shape, generator=gen, device=rgb.device).float()
+    return (rgb + noise).clamp(0, 255)
+
+
+def gaussian_blur(images: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
+    """Separable Gaussian of a per-image sigma (pixels) over float [B, C, H, W], edges replicated."""
+    b, c, h, w = images.shape
+    radius = max(1, math.ceil(3 * float(sigma.max())))
+    taps = torch.arange(-radius, radius + 1, dtype=torch.float32, device=images.device)
+    kernel = torch.exp(-0.5 * (taps[None] / sigma[:, None]) ** 2)
+    kernel = (kernel / kernel.sum(1, keepdim=True)).repeat_interleave(c, 0)  # [B*C, K]
+    flat = images.reshape(1, b * c, h, w)
+    flat = F.conv2d(F.pad(flat, (radius, radius, 0, 0), mode="replicate"), kernel[:, None, None, :], groups=b * c)
+    flat = F.conv2d(F.pad(flat, (0, 0, radius, radius), mode="replicate"), kernel[:, None, :, None], groups=b * c)
+    return flat.reshape(b, c, h, w)
+
+
+def jpeg_round_trip(pixels: torch.Tensor, quality: int) -> torch.Tensor:
+    out = io.BytesIO()
+    Image.fromarray(pixels.permute(1, 2, 0).numpy()).save(out, format="JPEG", quality=quality)
+    back = np.asarray(Image.open(out).convert("RGB"))
+    return torch.from_numpy(back.copy()).permute(2, 0, 1)
+
+
+# Inside tests in the shape's own frame (circumradius 1); arguments [N, H, W] and per-item [N].
+def _circle(x, y, inner, arm):
+    return x * x + y * y < 1.0
+
+
+def _square(x, y, inner, arm):
+    half = math.sqrt(0.5)  # corners on the unit circle
+    return (x.abs() < half) & (y.abs() < half)
+
+
+def _triangle(x, y, inner, arm):
+    # corners at 90, 210 and 330 degrees; edges at distance 0.5 with outward normals 270, 30, 150
+    inside = -y < 0.5
+    for degrees in (30.0, 150.0):
+        t = math.radians(degrees)
+        inside &= x * math.cos(t) + y * math.sin(t) < 0.5
+    return inside
+
+
+def _star(x, y, inner, arm):
+    # fold the angle into one half point: phi in [0, 36] degrees from an outer corner
+    step = 2 * math.pi / 5
+    theta = torch.remainder(torch.atan2(y, x) - math.pi / 2, step)
+    phi = torch.minimum(theta, step - theta)
+    rho = torch.hypot(x, y)
+    qx, qy = rho * torch.cos(phi), rho * torch.sin(phi)
+    # the edge from the outer corner (1, 0) to the inner one inner * (cos 36, sin 36)
+    ri = inner[:, None, None]
+    bx, by = ri * math.cos(step / 2) - 1.0, ri * math.sin(step / 2)
+    return bx * qy - by * (qx - 1.0) > 0  # on the centre's side of the edge
+
+
+def _cross(x, y, inner, arm):
+    a = arm[:, None, None]
+    reach = 1.0 / torch.sqrt(1.0 + a * a)  # arm tip corners on the unit circle
+    w = a * reach
+    ax, ay = x.abs(), y.abs()
+    return ((ax < reach) & (ay < w)) | ((ay < reach) & (ax < w))
+
+
+INSIDE = {"circle": _circle, "square": _square, "triangle": _triangle, "star": _star, "cross": _cross}
