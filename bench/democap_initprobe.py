@@ -1,5 +1,5 @@
 # CPU shape probe (bench/NOTES.md, after run 14): SigLIP w64 L4 64px p8, max-pooled head + per-patch labels.
-# usage: python bench/democap_initprobe.py base|mim|mimsin STEPS LR
+# usage: python bench/democap_initprobe.py base|mim|mimsin STEPS LR [INPUT_SIZE]
 import math
 import sys
 import time
@@ -15,7 +15,7 @@ from wicore.models.democap.batches import normalize
 torch.set_num_threads(2)
 torch.manual_seed(0)
 variant, steps, lr = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
-W, S, P = 64, 64, 8
+W, S, P = 64, int(sys.argv[4]) if len(sys.argv) > 4 else 64, 8  # width, input size, patch
 G = S // P
 cfg = SiglipVisionConfig(
     hidden_size=W,
