@@ -140,7 +140,23 @@ def test_training_writes_a_gemma3_checkpoint_the_reference_engine_runs(tmp_path)
     out = tmp_path / "ckpt"
     small = ["--image-size", "32", "--patch-size", "8", "--vision-width", "32", "--vision-heads", "2", "--vision-mlp", "64",
              "--image-tokens", "16", "--text-width", "32", "--text-heads", "2", "--text-mlp", "64", "--text-layers", "1"]  # fmt: skip
-    main(["--out", str(out), "--steps", "3", "--batch-size", "4", "--valid-images", "8", "--eval-every", "3", *small])
+    stages = ["--vision-steps", "2", "--vision-batch-size", "4", "--init", "mimetic"]
+    main(
+        [
+            "--out",
+            str(out),
+            "--steps",
+            "3",
+            "--batch-size",
+            "4",
+            "--valid-images",
+            "8",
+            "--eval-every",
+            "3",
+            *stages,
+            *small,
+        ]
+    )
     record = json.loads((out / "training.json").read_text())
     assert record["history"][-1]["step"] == 3 and 0.0 <= record["valid_exact_match"] <= 1.0
     config = json.loads((out / "config.json").read_text())
@@ -152,3 +168,21 @@ def test_training_writes_a_gemma3_checkpoint_the_reference_engine_runs(tmp_path)
     )
     engine.close()
     assert done[0].ok and isinstance(done[0].text, str)
+
+
+def test_mimetic_init_sets_the_attention_products():
+    from transformers import SiglipVisionConfig, SiglipVisionModel
+
+    from wicore.models.democap.train import mimetic_init
+
+    tower = SiglipVisionModel(SiglipVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                                 num_attention_heads=2, image_size=16, patch_size=8))  # fmt: skip
+    mimetic_init(tower, seed=0)
+    eye = torch.eye(16)
+    for layer in tower.encoder.layers:
+        attn = layer.self_attn
+        qk = attn.q_proj.weight.T @ attn.k_proj.weight  # x Wq^T Wk x^T
+        ov = attn.out_proj.weight @ attn.v_proj.weight
+        # both are 0.x (Z Z^T +- I): symmetric, with the identity's sign on the diagonal's mean
+        assert torch.allclose(qk, qk.T, atol=1e-4) and torch.allclose(ov, ov.T, atol=1e-4)
+        assert (qk * eye).sum() / 16 > 0.5 and (ov * eye).sum() / 16 < 0.1

@@ -46,6 +46,9 @@ class TrainConfig:
     aux_weight: float = 0.5  # weight of the pooled probe losses, decayed to 0 by the end
     dense_weight: float = 1.0  # weight of the per-patch shape labels, decayed to 0 by the end
     subsamples: int = 3  # anti-aliasing samples per pixel side in `synth`
+    vision_steps: int = 0  # steps training the tower + projector alone on the probes, first
+    vision_batch_size: int = 64
+    init: str = "hf"  # "hf" or "mimetic" (attention weights of the tower, see mimetic_init)
     valid_images: int = 1000
     eval_every: int = 500
     seed: int = 0  # weights and the drawn batches
@@ -87,7 +90,10 @@ def train(config: TrainConfig, arch: Arch) -> dict:
     valid_specs = sample_specs(config.valid_images, VALID_SEED)
     valid = (render_all(valid_specs, arch.image_size), [s.caption for s in valid_specs])
     probes = Probes(arch.text_width, arch.vision_width).to(device)
-    history = fit(model, probes, layout, valid, config, arch, device, start)
+    if config.init == "mimetic":
+        mimetic_init(model.model.vision_tower, config.seed)
+    history = pretrain_tower(model, probes, config, arch, device, start) if config.vision_steps else []
+    history += fit(model, probes, layout, valid, config, arch, device, start)
 
     out = Path(config.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -144,6 +150,56 @@ class Probes(torch.nn.Module):
         )
 
 
+def mimetic_init(tower: torch.nn.Module, seed: int, qk: float = 0.7, vo: float = 0.4) -> None:
+    """Attention that starts out attending like a local filter (Trockman & Kolter, 2023): per
+    layer W_q^T W_k ~ qk (Z Z^T + I) and W_o W_v ~ vo (Z Z^T - I), Z ~ N(0, 1/d)."""
+    gen = torch.Generator().manual_seed(seed)
+    for name, module in tower.named_modules():
+        if not name.endswith("self_attn"):
+            continue
+        d = module.q_proj.weight.shape[0]
+        pairs = ((module.q_proj, module.k_proj, qk, 1.0), (module.out_proj, module.v_proj, vo, -1.0))
+        for first, second, scale, sign in pairs:
+            z = torch.randn(d, d, generator=gen) / math.sqrt(d)
+            u, s, vh = torch.linalg.svd(scale * (z @ z.T + sign * torch.eye(d)))
+            with torch.no_grad():  # q/k: x Wq^T Wk x^T, so Wq^T Wk = M; o/v: Wo Wv = M
+                first.weight.copy_((u * s.sqrt()).T if first is module.q_proj else u * s.sqrt())
+                second.weight.copy_(s.sqrt()[:, None] * vh)
+
+
+def pretrain_tower(model, probes: Probes, config: TrainConfig, arch: Arch, device, start: float) -> list[dict]:
+    """The tower and projector alone on the probes: no decoder in the loop, so a step costs a
+    fraction of a full one and the tower gets most of the budget."""
+    inner = model.model
+    gen = torch.Generator(device).manual_seed(config.seed + 1)
+    params = [*inner.vision_tower.parameters(), *inner.multi_modal_projector.parameters(), *probes.parameters()]
+    optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay, betas=(0.9, 0.98))
+    total = config.vision_steps
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, config, total))
+    history, right = [], []
+    inner.train()
+    for step in range(1, total + 1):
+        batch = synth.draw(config.vision_batch_size, arch.image_size, gen, subsamples=config.subsamples)
+        patch_tokens = inner.vision_tower(pixel_values=normalize(batch.pixels)).last_hidden_state  # [B, N, Dv]
+        image_tokens = inner.multi_modal_projector(patch_tokens)  # [B, T_img, D]
+        loss = probes.loss(image_tokens, batch) + probes.dense_loss(patch_tokens, batch) * config.dense_weight
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        schedule.step()
+        optimizer.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            guess = probes.shape(image_tokens.amax(dim=1)).argmax(-1)
+            right.append((guess == batch.shape).float().mean().item())
+        if step % 100 == 0:
+            accuracy = round(sum(right[-100:]) / 100, 3)
+            history.append(
+                {"vision_step": step, "probe_shape_accuracy": accuracy, "s": round(time.perf_counter() - start)}
+            )
+            print(history[-1], flush=True)
+    return history
+
+
 def fit(
     model, probes: Probes, layout: Layout, valid, config: TrainConfig, arch: Arch, device, start: float
 ) -> list[dict]:
@@ -172,14 +228,14 @@ def fit(
         optimizer.zero_grad(set_to_none=True)
         losses.append(lm.item())
         if step % 50 == 0:
-            print(f"step {step} loss {sum(losses[-50:]) / 50:.4f} {time.perf_counter() - start:.0f}s", flush=True)
+            print(f"step {step} loss {sum(losses[-50:]) / len(losses[-50:]):.4f} {time.perf_counter() - start:.0f}s", flush=True)
         if step % config.eval_every == 0 or step == config.steps:
             captured.clear()
             accuracy = exact_match(model, layout, *valid, device)
             history.append(
                 {
                     "step": step,
-                    "loss": round(sum(losses[-50:]) / 50, 5),
+                    "loss": round(sum(losses[-50:]) / len(losses[-50:]), 5),
                     "valid_exact_match": accuracy,
                     "s": round(time.perf_counter() - start),
                 }
@@ -190,11 +246,12 @@ def fit(
     return history
 
 
-def lr_factor(step: int, config: TrainConfig) -> float:
-    """Linear warmup, then cosine decay to min_lr_factor."""
+def lr_factor(step: int, config: TrainConfig, total: int | None = None) -> float:
+    """Linear warmup, then cosine decay to min_lr_factor over `total` steps (default: config.steps)."""
+    total = config.steps if total is None else total
     if step < config.warmup_steps:
         return (step + 1) / config.warmup_steps
-    progress = (step - config.warmup_steps) / max(1, config.steps - config.warmup_steps)
+    progress = (step - config.warmup_steps) / max(1, total - config.warmup_steps)
     return config.min_lr_factor + (1 - config.min_lr_factor) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
