@@ -57,10 +57,15 @@ def tiny_config(tokenizer, *, sliding_window: int = 16, image_size: int = 64) ->
         patch_size=8,
         vision_use_head=False,
     )
+    return joined_config(text, vision, 16, tokenizer)
+
+
+def joined_config(text, vision, image_tokens: int, tokenizer) -> Gemma3Config:
+    """The multimodal config of `text` + `vision`, its image specials at the trained tokenizer's ids."""
     return Gemma3Config(
         text_config=text,
         vision_config=vision,
-        mm_tokens_per_image=16,
+        mm_tokens_per_image=image_tokens,
         boi_token_index=tokenizer.convert_tokens_to_ids(BOI),
         eoi_token_index=tokenizer.convert_tokens_to_ids(EOI),
         image_token_index=tokenizer.convert_tokens_to_ids(IMAGE_SOFT),

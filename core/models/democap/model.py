@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 from transformers import (
     Gemma3Config,
     Gemma3ForConditionalGeneration,
@@ -20,8 +19,8 @@ from transformers import (
 )
 
 from wicore.models.corpus import tokenizer_corpus
-from wicore.models.gemma3 import make_processor
-from wicore.models.tokenizer import BOI, END_OF_TURN, EOI, IMAGE_SOFT, train_tokenizer
+from wicore.models.gemma3 import joined_config, make_processor, seeded_model
+from wicore.models.tokenizer import END_OF_TURN, train_tokenizer
 from wicore.schemas import DEFAULT_PROMPT
 
 VOCAB_SIZE = 1024
@@ -81,24 +80,14 @@ def config(arch: Arch, tok: PreTrainedTokenizerFast) -> Gemma3Config:
         patch_size=arch.patch_size,
         vision_use_head=False,
     )
-    return Gemma3Config(
-        text_config=text,
-        vision_config=vision,
-        mm_tokens_per_image=arch.image_tokens,
-        boi_token_index=tok.convert_tokens_to_ids(BOI),
-        eoi_token_index=tok.convert_tokens_to_ids(EOI),
-        image_token_index=tok.convert_tokens_to_ids(IMAGE_SOFT),
-    )
+    return joined_config(text, vision, arch.image_tokens, tok)
 
 
 def build(arch: Arch, seed: int) -> tuple[Gemma3ForConditionalGeneration, Gemma3Processor]:
-    """Fresh weights from `seed` (the projector re-initialised: HF's init zeroes it) and the processor."""
+    """Fresh weights from `seed` (a non-zero projector, see `seeded_model`) and the processor."""
     tok = tokenizer()
     cfg = config(arch, tok)
-    torch.manual_seed(seed)
-    model = Gemma3ForConditionalGeneration(cfg)
-    with torch.no_grad():
-        model.model.multi_modal_projector.mm_input_projection_weight.normal_(0.0, arch.text_width**-0.5)
+    model = seeded_model(cfg, seed)
     model.generation_config.eos_token_id = [tok.eos_token_id, tok.convert_tokens_to_ids(END_OF_TURN)]
     return model, make_processor(tok, cfg)
 
