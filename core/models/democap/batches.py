@@ -9,9 +9,7 @@ itself draws its images with `synth`.
 
 from __future__ import annotations
 
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
-from multiprocessing import get_context
 
 import numpy as np
 import torch
@@ -30,17 +28,9 @@ def pixels(spec: Spec, size: int) -> np.ndarray:
     return np.asarray(small).transpose(2, 0, 1).copy()
 
 
-def _pixels_chunk(specs: list[Spec], size: int) -> np.ndarray:
-    return np.stack([pixels(s, size) for s in specs])
-
-
-def render_all(specs: list[Spec], size: int, workers: int = 1, chunk: int = 256) -> torch.Tensor:
-    """uint8 [N, 3, S, S], in spec order whatever the number of worker processes."""
-    chunks = [specs[i : i + chunk] for i in range(0, len(specs), chunk)]
-    if workers <= 1:
-        return torch.from_numpy(np.concatenate([_pixels_chunk(c, size) for c in chunks]))
-    with ProcessPoolExecutor(workers, mp_context=get_context("spawn")) as pool:
-        return torch.from_numpy(np.concatenate(list(pool.map(_pixels_chunk, chunks, [size] * len(chunks)))))
+def render_all(specs: list[Spec], size: int) -> torch.Tensor:
+    """uint8 [N, 3, S, S], in spec order."""
+    return torch.from_numpy(np.stack([pixels(s, size) for s in specs]))
 
 
 def normalize(images: torch.Tensor) -> torch.Tensor:
