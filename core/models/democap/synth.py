@@ -80,11 +80,25 @@ def draw(batch: int, size: int, gen: torch.Generator, widen: Widen = Widen(), su
     star_inner = widen.star_inner[0] + u(batch) * (widen.star_inner[1] - widen.star_inner[0])
     cross_arm = widen.cross_arm[0] + u(batch) * (widen.cross_arm[1] - widen.cross_arm[0])
 
-    # sub-pixel sample points of the S x S output, mapped into the original's pixels: [B, P]
-    n = subsamples
+    alpha = coverage(shape, width, height, cx, cy, radius, angle, star_inner, cross_arm, size, subsamples)
+
+    palette = PALETTE_RGB.to(dev)
+    fg = jittered(palette[color], widen.jitter, gen)  # [B, 3]
+    bg = jittered(palette[background], widen.jitter, gen)
+    rgb = bg[:, :, None, None] + (fg - bg)[:, :, None, None] * alpha[:, None]  # [B, 3, S, S]
+
+    pixels = soften(rgb, short, gen)
+    return Batch(pixels, shape, color, background, alpha)
+
+
+def coverage(shape, width, height, cx, cy, radius, angle, star_inner, cross_arm, size: int, n: int) -> torch.Tensor:
+    """float [B, S, S]: the share of each output pixel the shape covers, from n x n sub-pixel
+    points mapped back into the original W x H image (the processor's squash to S x S). Every
+    argument but size and n is per image, [B]."""
+    batch, dev = len(shape), shape.device
     grid = (torch.arange(size * n, dtype=torch.float32, device=dev) + 0.5) / n  # output pixels, n per pixel
     gx, gy = grid[None, None, :], grid[None, :, None]  # [1, 1, Sn], [1, Sn, 1]
-    x = gx * (width / size)[:, None, None] - cx[:, None, None]  # [B, 1, Sn]
+    x = gx * (width / size)[:, None, None] - cx[:, None, None]  # [B, 1, Sn], original pixels
     y = gy * (height / size)[:, None, None] - cy[:, None, None]  # [B, Sn, 1]
     cos, sin = torch.cos(angle)[:, None, None], torch.sin(angle)[:, None, None]
     r = radius[:, None, None]
@@ -95,13 +109,14 @@ def draw(batch: int, size: int, gen: torch.Generator, widen: Widen = Widen(), su
         rows = (shape == k).nonzero().flatten()
         if len(rows):
             inside[rows] = INSIDE[name](lx[rows], ly[rows], star_inner[rows], cross_arm[rows])
-    alpha = inside.float().reshape(batch, size, n, size, n).mean(dim=(2, 4))  # [B, S, S]
+    return inside.float().reshape(batch, size, n, size, n).mean(dim=(2, 4))
 
-    palette = PALETTE_RGB.to(dev)
-    fg = jittered(palette[color], widen.jitter, gen)  # [B, 3]
-    bg = jittered(palette[background], widen.jitter, gen)
-    rgb = bg[:, :, None, None] + (fg - bg)[:, :, None, None] * alpha[:, None]  # [B, 3, S, S]
 
+def soften(rgb: torch.Tensor, short: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """What the real path adds to float [B, 3, S, S] drawn sharp: the resize filter, blur, noise
+    and JPEG at small sizes; uint8 out. `short` [B] is each original's short side."""
+    batch, size, dev = len(rgb), rgb.shape[-1], rgb.device
+    u = lambda *shape: torch.rand(*shape, generator=gen, device=dev)  # noqa: E731
     # the resize filter (always) plus, for 30%, the image's own blur, in output pixels
     scale = (size / short).clamp(max=1.5)
     sigma = 0.25 + u(batch) * 0.5
@@ -118,7 +133,7 @@ def draw(batch: int, size: int, gen: torch.Generator, widen: Widen = Widen(), su
     quality = (60 + u(batch) * 36).long()
     for row in jpeg.nonzero().flatten().tolist():
         pixels[row] = jpeg_round_trip(pixels[row].cpu(), int(quality[row])).to(dev)
-    return Batch(pixels, shape, color, background, alpha)
+    return pixels
 
 
 def jittered(rgb: torch.Tensor, jitter: int, gen: torch.Generator) -> torch.Tensor:
