@@ -183,11 +183,7 @@ def pretrain_tower(model, probes: Probes, config: TrainConfig, arch: Arch, devic
         patch_tokens = inner.vision_tower(pixel_values=normalize(batch.pixels)).last_hidden_state  # [B, N, Dv]
         image_tokens = inner.multi_modal_projector(patch_tokens)  # [B, T_img, D]
         loss = probes.loss(image_tokens, batch) + probes.dense_loss(patch_tokens, batch) * config.dense_weight
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        optimizer.step()
-        schedule.step()
-        optimizer.zero_grad(set_to_none=True)
+        update(loss, params, optimizer, schedule)
         with torch.no_grad():
             guess = probes.shape(image_tokens.amax(dim=1)).argmax(-1)
             right.append((guess == batch.shape).float().mean().item())
@@ -221,21 +217,18 @@ def fit(
         fading = 1 - step / config.steps
         aux = probes.loss(captured[0], batch) * config.aux_weight * fading
         aux = aux + probes.dense_loss(captured[1], batch) * config.dense_weight * fading
-        (lm + aux).backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        optimizer.step()
-        schedule.step()
-        optimizer.zero_grad(set_to_none=True)
+        update(lm + aux, params, optimizer, schedule)
         losses.append(lm.item())
+        recent = sum(losses[-50:]) / len(losses[-50:])  # mean caption loss of the last 50 steps
         if step % 50 == 0:
-            print(f"step {step} loss {sum(losses[-50:]) / len(losses[-50:]):.4f} {time.perf_counter() - start:.0f}s", flush=True)
+            print(f"step {step} loss {recent:.4f} {time.perf_counter() - start:.0f}s", flush=True)
         if step % config.eval_every == 0 or step == config.steps:
             captured.clear()
             accuracy = exact_match(model, layout, *valid, device)
             history.append(
                 {
                     "step": step,
-                    "loss": round(sum(losses[-50:]) / len(losses[-50:]), 5),
+                    "loss": round(recent, 5),
                     "valid_exact_match": accuracy,
                     "s": round(time.perf_counter() - start),
                 }
@@ -244,6 +237,15 @@ def fit(
     for hook in hooks:
         hook.remove()
     return history
+
+
+def update(loss: torch.Tensor, params: list, optimizer, schedule) -> None:
+    """One optimizer step on `loss`, gradients clipped to norm 1."""
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(params, 1.0)
+    optimizer.step()
+    schedule.step()
+    optimizer.zero_grad(set_to_none=True)
 
 
 def lr_factor(step: int, config: TrainConfig, total: int | None = None) -> float:
