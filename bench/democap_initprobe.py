@@ -5,12 +5,12 @@ import sys
 import time
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 from transformers import SiglipVisionConfig, SiglipVisionModel
 
 from wicore.models.democap import synth
 from wicore.models.democap.batches import normalize
+from wicore.models.democap.train import Probes, mimetic_init
 
 torch.set_num_threads(2)
 torch.manual_seed(0)
@@ -27,22 +27,6 @@ cfg = SiglipVisionConfig(
     vision_use_head=False,
 )
 v = SiglipVisionModel(cfg)
-
-
-def mimetic(a_qk=0.7, b_qk=0.7, a_vo=0.4, b_vo=0.4):
-    for layer in v.encoder.layers:
-        at = layer.self_attn
-        for wa, wb, a, b, sign in ((at.q_proj, at.k_proj, a_qk, b_qk, 1), (at.out_proj, at.v_proj, a_vo, b_vo, -1)):
-            z = torch.randn(W, W) / math.sqrt(W)
-            m = a * z @ z.T + sign * b * torch.eye(W)
-            u, s, vh = torch.linalg.svd(m)
-            with torch.no_grad():
-                if wa is at.q_proj:  # logits: x Wq^T Wk x^T = x M x^T -> Wq^T Wk = M
-                    wa.weight.copy_((u * s.sqrt()).T)
-                    wb.weight.copy_(s.sqrt()[:, None] * vh)
-                else:  # out = x Wv^T Wo^T -> (Wo Wv)^T ... Wo Wv = M
-                    wa.weight.copy_(u * s.sqrt())
-                    wb.weight.copy_(s.sqrt()[:, None] * vh)
 
 
 def sincos():
@@ -64,12 +48,11 @@ def sincos():
 
 
 if "mim" in variant:
-    mimetic()
+    mimetic_init(v, seed=0)
 if "sin" in variant:
     sincos()
-head = nn.Linear(W, 5)
-dense = nn.Linear(W, 6)
-params = list(v.parameters()) + list(head.parameters()) + list(dense.parameters())
+probes = Probes(W, W)  # its shape head on the max-pooled tokens, its per-patch head on every token
+params = list(v.parameters()) + list(probes.shape.parameters()) + list(probes.patch.parameters())
 opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.05, betas=(0.9, 0.98))
 sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1, (s + 1) / 150))
 g = torch.Generator().manual_seed(0)
@@ -78,12 +61,8 @@ acc = []
 for step in range(steps):
     b = synth.draw(64, S, g)
     h = v(pixel_values=normalize(b.pixels)).last_hidden_state
-    logits = head(h.amax(1))
-    cover = F.adaptive_avg_pool2d(b.coverage[:, None], G).reshape(64, -1)
-    tgt = torch.full_like(cover, -100, dtype=torch.long)
-    tgt = torch.where(cover >= 0.25, b.shape[:, None].expand_as(tgt), tgt)
-    tgt = torch.where(cover < 0.01, torch.full_like(tgt, 5), tgt)
-    loss = F.cross_entropy(logits, b.shape) + F.cross_entropy(dense(h).flatten(0, 1), tgt.flatten(), ignore_index=-100)
+    logits = probes.shape(h.amax(1))
+    loss = F.cross_entropy(logits, b.shape) + probes.dense_loss(h, b)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(params, 1.0)
     opt.step()
