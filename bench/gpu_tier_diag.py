@@ -304,6 +304,13 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def build_engine(model_dir: Path, args, cache: bool, options: dict) -> FastEngine:
+    """The fast engine as the benchmark builds it, on this run's device and dtype."""
+    config = EngineConfig(str(model_dir), device=args.device, dtype=args.dtype, max_batch_size=BENCH.batch_size,
+                          cache=cache, options=options)  # fmt: skip
+    return FastEngine(config)
+
+
 def run_engine(name, model_dir, args, requests, warm, cache: bool, **options) -> dict:
     """One configuration the benchmark's way (`run_config`), traced."""
     say(f"\n== {name}: cache={cache} options={options}")
@@ -311,9 +318,7 @@ def run_engine(name, model_dir, args, requests, warm, cache: bool, **options) ->
     if args.no_compile:
         options = {**options, "compile_text": False, "compile_vision": False}
     started = time.perf_counter()
-    config = EngineConfig(str(model_dir), device=args.device, dtype=args.dtype, max_batch_size=BENCH.batch_size,
-                          cache=cache, options=options)  # fmt: skip
-    engine = FastEngine(config)
+    engine = build_engine(model_dir, args, cache, options)
     built = time.perf_counter() - started
     layout = engine.runner.layout
     longest = max(len(engine.inputs.prompt(r.chat, len(r.images)).ids) + r.params.max_new_tokens for r in requests)
@@ -399,9 +404,7 @@ def sizing_4b(args, workdir: Path) -> list[dict]:
     ):
         say(f"  {name}: memory before {memory(args.device)}")
         started = time.perf_counter()
-        config = EngineConfig(str(model_dir), device=args.device, dtype=args.dtype, max_batch_size=BENCH.batch_size,
-                              cache=cache, options=options)  # fmt: skip
-        engine = FastEngine(config)
+        engine = build_engine(model_dir, args, cache, options)
         pages, text = engine.blocks.num_pages - 1, engine.runner.text_config
         page_bytes = engine.runner.layout.page_bytes(text.num_key_value_heads, text.head_dim, engine.runner.dtype)
         say(f"  {name}: {pages} pages ({pages * page_bytes / 2**30:.1f} GiB) in {time.perf_counter() - started:.0f} s;"
