@@ -81,6 +81,59 @@ def test_synth_batches_repeat_under_a_seed_and_differ_across_seeds():
     assert set(a.captions()) <= set(caption_lines())
 
 
+def test_the_eight_symmetries_are_distinct_and_undo_each_other():
+    image = torch.arange(16.0).reshape(1, 4, 4)  # no symmetry of its own
+    variants = []
+    for code in range(8):
+        flips = torch.tensor([[bool(code & 1)], [bool(code & 2)], [bool(code & 4)]])
+        variants.append(synth.symmetric(image, flips))
+    assert len({tuple(v.flatten().tolist()) for v in variants}) == 8
+    # transpose, flip rows, flip columns: undone by the same flips in reverse order
+    once = synth.symmetric(image, torch.tensor([[True], [True], [False]]))
+    assert torch.equal(once.flip(1).transpose(1, 2), image)
+
+
+def test_mask_pool_paints_new_images_from_the_same_masks():
+    gen = torch.Generator().manual_seed(0)
+    pool = synth.MaskPool(8, 32, gen, chunk=3)
+    assert len(pool) == 8 and pool.soft.dtype == torch.uint8
+    first, second = synth.paint(pool.sample(64, gen), gen), synth.paint(pool.sample(64, gen), gen)
+    assert not torch.equal(first.pixels, second.pixels)
+    for batch in (first, second):
+        # painted where the mask says: the covered pixels take the shape's colour, the rest the background's
+        covered = batch.coverage > 0.95
+        palette = synth.PALETTE_RGB
+        for row in range(4):
+            pixels = batch.pixels[row].float()  # [3, S, S]
+            if covered[row].sum() < 4:
+                continue
+            inside = pixels[:, covered[row]].mean(1)
+            assert (inside - palette[batch.color[row]]).abs().max() < 40
+        assert set(batch.captions()) <= set(caption_lines())
+
+
+def test_whitened_patch_embedding_outputs_decorrelated_unit_modes():
+    from transformers import SiglipVisionConfig, SiglipVisionModel
+
+    from wicore.models.democap.model import Arch
+    from wicore.models.democap.train import Images, TrainConfig, whiten_patches
+
+    arch = Arch(image_size=32, patch_size=8, vision_width=16)
+    tower = SiglipVisionModel(SiglipVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                                 num_attention_heads=2, image_size=32, patch_size=8))  # fmt: skip
+    images = Images(TrainConfig(out="", pool=64), arch, "cpu")
+    whiten_patches(tower, images, 8, count=512, scale=1.0)
+    from wicore.models.democap.batches import normalize
+
+    with torch.no_grad():
+        out = tower.embeddings.patch_embedding(normalize(images.batch(512).pixels))  # [B, W, 4, 4]
+    features = out.permute(0, 2, 3, 1).reshape(-1, 16)
+    covariance = torch.cov(features.T)
+    assert features.mean(0).abs().max() < 0.2  # centred
+    assert torch.allclose(covariance.diagonal(), torch.ones(16), atol=0.35)  # unit variance per mode
+    assert (covariance - torch.diag(covariance.diagonal())).abs().max() < 0.3  # decorrelated
+
+
 @pytest.mark.parametrize("shape", SHAPES)
 def test_synth_shapes_cover_the_same_area_as_the_user_renderer(shape):
     """A shape's area / its circumscribed circle's area is what tells the shapes apart at low
@@ -120,7 +173,7 @@ def test_dense_labels_mark_covered_patches_with_the_shape_and_empty_ones_backgro
     from wicore.models.democap.train import Probes
 
     batch = synth.draw(4, 64, torch.Generator().manual_seed(0))
-    probes = Probes(16, 8)
+    probes = Probes(8)
     with torch.no_grad():
         probes.patch.weight.zero_()
         probes.patch.bias.zero_()
@@ -140,7 +193,7 @@ def test_training_writes_a_gemma3_checkpoint_the_reference_engine_runs(tmp_path)
     out = tmp_path / "ckpt"
     small = ["--image-size", "32", "--patch-size", "8", "--vision-width", "32", "--vision-heads", "2", "--vision-mlp", "64",
              "--image-tokens", "16", "--text-width", "32", "--text-heads", "2", "--text-mlp", "64", "--text-layers", "1"]  # fmt: skip
-    stages = ["--vision-steps", "2", "--vision-batch-size", "4", "--init", "mimetic"]
+    stages = ["--vision-steps", "2", "--vision-batch-size", "4", "--init", "mimetic", "--pool", "16"]
     main(
         [
             "--out",
@@ -157,6 +210,11 @@ def test_training_writes_a_gemma3_checkpoint_the_reference_engine_runs(tmp_path)
             *small,
         ]
     )
+    again = tmp_path / "again"
+    main(["--out", str(again), "--steps", "3", "--batch-size", "4", "--valid-images", "8", "--eval-every", "3",
+          *stages, *small])  # fmt: skip
+    same = (out / "model.safetensors").read_bytes() == (again / "model.safetensors").read_bytes()
+    assert same, "the same command wrote different weights"
     record = json.loads((out / "training.json").read_text())
     assert record["history"][-1]["step"] == 3 and 0.0 <= record["valid_exact_match"] <= 1.0
     config = json.loads((out / "config.json").read_text())
@@ -186,3 +244,31 @@ def test_mimetic_init_sets_the_attention_products():
         # both are 0.x (Z Z^T +- I): symmetric, with the identity's sign on the diagonal's mean
         assert torch.allclose(qk, qk.T, atol=1e-4) and torch.allclose(ov, ov.T, atol=1e-4)
         assert (qk * eye).sum() / 16 > 0.5 and (ov * eye).sum() / 16 < 0.1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("engine", ["reference", "fast"])
+def test_bundled_captioner_through_wicore_caption(tmp_path, engine):
+    """The whole product path (the CLI, embedded redis-server, a worker process, the engine) with
+    the default model on fresh images of a seed no training used; measured: see the model card."""
+    from wicore.models.democap import evaluate
+
+    truth = evaluate.write_samples(evaluate.main_samples(60, seed=4242), tmp_path / "images")
+    out = tmp_path / "captions.jsonl"
+    evaluate.caption_folder(tmp_path / "images", out, engine, None, ["--max-new-tokens", "16"])
+    report = evaluate.score(truth, out)
+    assert report.total == 60
+    assert report.accuracy >= 0.9, report.mistakes
+
+
+def test_readme_examples_are_the_generators_images(tmp_path):
+    """examples/images is what examples/make_images.py writes (README command 1 captions them)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    subprocess.run([sys.executable, str(root / "examples" / "make_images.py"), str(tmp_path)], check=True)
+    made = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    shipped = {p.name: p.read_bytes() for p in (root / "examples" / "images").iterdir()}
+    assert made == shipped

@@ -35,3 +35,18 @@ def test_producer_and_scheduler_import_neither_torch_nor_transformers():
 def test_engines_and_ops_import_neither_redis_nor_rq():
     modules = imported_modules("import wicore.engines.reference, wicore.engines.null, wicore.ops.preprocess")
     assert not {"redis", "rq"} & modules
+
+
+def test_the_wheel_ships_the_default_model(tmp_path):
+    """`pip install wicore` (not only an editable checkout) must carry the bundled demo captioner."""
+    import zipfile
+
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", str(ROOT),
+                    "-w", str(tmp_path)], check=True, capture_output=True)  # fmt: skip
+    [wheel] = tmp_path.glob("wicore-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    shipped = {
+        f"wicore/models/democap/checkpoint/{p.name}" for p in (ROOT / "core/models/democap/checkpoint").iterdir()
+    }
+    assert {"config.json", "model.safetensors", "tokenizer.json", "README.md"} <= {n.rsplit("/", 1)[1] for n in shipped}
+    assert shipped <= names

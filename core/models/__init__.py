@@ -5,14 +5,16 @@ from __future__ import annotations
 from pathlib import Path
 
 TINY_ID = "tiny"
+DEMOCAP_ID = "democap"
+DEMOCAP_DIR = Path(__file__).parent / "democap" / "checkpoint"  # shipped in the package (~2 MB)
 
 
 def default_model(cache_dir: Path) -> tuple[Path, str]:
-    """The model `wicore caption` uses without --model: the tiny random Gemma-3, built once
-    into the cache folder (until the bundled demo captioner ships)."""
-    path = Path(cache_dir) / "models" / TINY_ID
-    if not (path / "config.json").is_file():
-        from wicore.models.gemma3 import make_tiny
+    """The model `wicore caption` uses without --model: the bundled demo captioner (one shape on a
+    plain background; its model card is DEMOCAP_DIR / README.md). `cache_dir` is kept for
+    checkpoints that are built on first use; this one is read in place."""
+    if not (DEMOCAP_DIR / "config.json").is_file():
+        from wicore.errors import ConfigError
 
-        make_tiny(path)
-    return path, TINY_ID
+        raise ConfigError(f"the bundled demo captioner is missing from {DEMOCAP_DIR}; reinstall wicore or pass --model")
+    return DEMOCAP_DIR, DEMOCAP_ID

@@ -1,27 +1,29 @@
-"""Exact-match accuracy of a captioner checkpoint on fresh images, through the `reference` engine.
+"""Exact-match accuracy of the demo captioner on fresh images, through `wicore caption`.
 
-    python -m wicore.models.democap.evaluate --model DIR --n 1000 --seed 1000
-    python -m wicore.models.democap.evaluate --model DIR --renderer alt --n 1000 --seed 2000
+    python -m wicore.models.democap.evaluate --n 1000 --seed 1000 --engine reference
+    python -m wicore.models.democap.evaluate --n 1000 --seed 1000 --engine fast
+    python -m wicore.models.democap.evaluate --renderer alt --n 1000 --seed 2000
 
-Images are made as files (PNG/JPEG bytes), then opened as a user's would be
-(`PIL.Image.open(...).convert("RGB")`) and captioned with `DEFAULT_PROMPT`, greedy, 16 new
-tokens. Training uses seeds 1 and 2; evaluation seeds should be >= 1000.
+Images are written as files (PNG/JPEG) into a folder, then the real CLI captions the folder
+(embedded Redis, a worker process, the engine; the default model unless --model), exactly as
+README command 1 does; each caption is compared with the truth the file was drawn from.
+Training uses seeds 0-2; evaluation seeds should be >= 1000.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import subprocess
+import sys
+import tempfile
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
-from wicore.engines.base import EngineConfig, EngineRequest
-from wicore.engines.reference import ReferenceEngine
 from wicore.models.democap import alt_render, data
-from wicore.models.democap.model import chat
-from wicore.schemas import GenerationParams
 
 Sampler = Callable[[int, int], list[tuple[bytes, str]]]  # (n, seed) -> [(file bytes, caption)]
 
@@ -30,6 +32,7 @@ def main_samples(n: int, seed: int) -> list[tuple[bytes, str]]:
     return [(data.image_bytes(s), s.caption) for s in data.sample_specs(n, seed)]
 
 
+PNG_MAGIC = b"\x89PNG"
 RENDERERS: dict[str, Sampler] = {"main": main_samples, "alt": alt_render.sample}
 
 
@@ -37,62 +40,77 @@ RENDERERS: dict[str, Sampler] = {"main": main_samples, "alt": alt_render.sample}
 class Report:
     total: int = 0
     correct: int = 0
-    by_shape: Counter = field(default_factory=Counter)  # shape -> errors
+    errors_by_shape: Counter = field(default_factory=Counter)  # the true shape -> errors
     mistakes: list[tuple[str, str]] = field(default_factory=list)  # (truth, output), first 20
-    outputs: list[str] = field(default_factory=list)  # every output, in sample order
 
     @property
     def accuracy(self) -> float:
         return self.correct / max(1, self.total)
 
-    def add(self, truth: str, output: str) -> None:
+    def add(self, truth: str, output: str | None) -> None:
         self.total += 1
-        self.outputs.append(output)
         if output == truth:
             self.correct += 1
             return
-        self.by_shape[truth.split()[2]] += 1
+        self.errors_by_shape[truth.split()[2]] += 1
         if len(self.mistakes) < 20:
-            self.mistakes.append((truth, output))
+            self.mistakes.append((truth, str(output)))
 
 
-def evaluate(model_dir: str, samples: list[tuple[bytes, str]], batch_size: int = 32) -> Report:
-    engine = ReferenceEngine(EngineConfig(model_dir, max_batch_size=batch_size))
+def write_samples(samples: list[tuple[bytes, str]], folder: Path) -> dict[str, str]:
+    """Files 00000.png, 00001.jpg, ... (the format sniffed from the bytes) -> their true captions."""
+    folder.mkdir(parents=True, exist_ok=True)
+    truth = {}
+    for i, (raw, caption) in enumerate(samples):
+        suffix = "png" if raw.startswith(PNG_MAGIC) else "jpg"
+        path = folder / f"{i:05d}.{suffix}"
+        path.write_bytes(raw)
+        truth[path.name] = caption
+    return truth
+
+
+def caption_folder(folder: Path, out: Path, engine: str, model: str | None, extra: list[str]) -> None:
+    """README command 1 on `folder`, in a subprocess, as a user runs it."""
+    cmd = [sys.executable, "-m", "wicore.cli.main", "caption", str(folder), "-o", str(out), "--engine", engine]
+    cmd += ["--model", model] if model else []
+    subprocess.run(cmd + extra, check=True)
+
+
+def score(truth: dict[str, str], captions: Path) -> Report:
+    outputs = {}
+    for line in captions.read_text().splitlines():
+        record = json.loads(line)
+        outputs[Path(record["input"]).name] = record["text"] if record["text"] is not None else record["error"]
     report = Report()
-    params = GenerationParams(max_new_tokens=16)
-    for start, batch in chunks(samples, batch_size):
-        requests = [
-            EngineRequest(f"img-{start + i}", chat(), [data.decode(raw)], params) for i, (raw, _) in enumerate(batch)
-        ]
-        for (_, truth), done in zip(batch, engine.generate(requests)):
-            report.add(truth, done.text if done.ok else f"<error: {done.error}>")
-    engine.close()
+    for name, caption in truth.items():
+        report.add(caption, outputs.get(name))
     return report
-
-
-def chunks(items: list, size: int) -> Iterator[tuple[int, list]]:
-    for start in range(0, len(items), size):
-        yield start, items[start : start + size]
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", required=True, help="checkpoint folder (from `train --out`)")
+    parser.add_argument("--model", default=None, help="checkpoint folder (default: the bundled demo captioner)")
+    parser.add_argument("--engine", default="reference", help="reference | fast")
     parser.add_argument("--renderer", choices=sorted(RENDERERS), default="main")
     parser.add_argument("--n", type=int, default=1000)
     parser.add_argument("--seed", type=int, default=1000)
-    parser.add_argument("--batch-size", type=int, default=32)
-    args = parser.parse_args(argv)
+    parser.add_argument("--workdir", default=None, help="folder for the images and captions (default: a temp dir)")
+    args, extra = parser.parse_known_args(argv)  # anything else goes to `wicore caption`
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="democap-eval-"))
     clock = time.perf_counter()
-    samples = RENDERERS[args.renderer](args.n, args.seed)
+    truth = write_samples(RENDERERS[args.renderer](args.n, args.seed), work / "images")
     made_s = time.perf_counter() - clock
-    report = evaluate(args.model, samples, args.batch_size)
+    captions = work / f"captions-{args.engine}.jsonl"
+    captions.unlink(missing_ok=True)
+    caption_folder(work / "images", captions, args.engine, args.model, extra)
+    report = score(truth, captions)
     summary = {
         "renderer": args.renderer,
         "seed": args.seed,
+        "engine": args.engine,
         "n": report.total,
         "exact_match": round(report.accuracy, 4),
-        "errors_by_shape": dict(report.by_shape),
+        "errors_by_shape": dict(report.errors_by_shape),
         "mistakes": report.mistakes,
         "render_s": round(made_s, 1),
         "caption_s": round(time.perf_counter() - clock - made_s, 1),

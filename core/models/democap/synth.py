@@ -47,7 +47,7 @@ class Batch:
     shape: torch.Tensor  # long [B], index into SHAPES
     color: torch.Tensor  # long [B], index into COLORS
     background: torch.Tensor  # long [B], index into COLORS
-    coverage: torch.Tensor  # float [B, S, S]: share of each pixel the shape covers (before blur)
+    coverage: torch.Tensor  # float [B, S, S] (or coarser): share of each pixel the shape covers, before blur
 
     def captions(self) -> list[str]:
         from wicore.models.democap.data import caption
@@ -58,13 +58,27 @@ class Batch:
         ]
 
 
+@dataclass
+class Masks:
+    """Colorless images: where the shape is, before (coverage) and after (soft) the blur. Blur is
+    linear and the two colors are constant per image, so painting `soft` equals blurring the
+    painted image; the colors can be drawn later, and again, for the same masks."""
+
+    shape: torch.Tensor  # long [B]
+    coverage: torch.Tensor  # float [B, S, S]
+    soft: torch.Tensor  # float [B, S, S], coverage after the resize filter and the image's blur
+    short: torch.Tensor  # float [B], the original's short side (JPEG survives only when small)
+
+
 def draw(batch: int, size: int, gen: torch.Generator, widen: Widen = Widen(), subsamples: int = 3) -> Batch:
     """`batch` random images as the processor would hand them to the model: uint8 [B, 3, S, S]."""
+    return paint(draw_masks(batch, size, gen, widen, subsamples), gen, widen)
+
+
+def draw_masks(batch: int, size: int, gen: torch.Generator, widen: Widen = Widen(), subsamples: int = 3) -> Masks:
     dev = gen.device  # drawn where the generator lives (CPU for reproducible training)
     u = lambda *shape: torch.rand(*shape, generator=gen, device=dev)  # noqa: E731
     shape = torch.randint(0, len(SHAPES), (batch,), generator=gen, device=dev)
-    color = torch.randint(0, len(COLORS), (batch,), generator=gen, device=dev)
-    background = (color + torch.randint(1, len(COLORS), (batch,), generator=gen, device=dev)) % len(COLORS)
 
     # the original image: log-uniform size and aspect, both sides in [64, 1024]
     log_side = math.log(MIN_SIDE) + u(batch) * math.log(MAX_SIDE / MIN_SIDE)
@@ -81,14 +95,52 @@ def draw(batch: int, size: int, gen: torch.Generator, widen: Widen = Widen(), su
     cross_arm = widen.cross_arm[0] + u(batch) * (widen.cross_arm[1] - widen.cross_arm[0])
 
     alpha = coverage(shape, width, height, cx, cy, radius, angle, star_inner, cross_arm, size, subsamples)
+    return Masks(shape, alpha, blur(alpha, short, gen), short)
 
+
+def paint(masks: Masks, gen: torch.Generator, widen: Widen = Widen()) -> Batch:
+    """Two palette colors per mask, jittered, then noise and JPEG: uint8 pixels."""
+    batch, dev = len(masks.shape), gen.device
+    color = torch.randint(0, len(COLORS), (batch,), generator=gen, device=dev)
+    background = (color + torch.randint(1, len(COLORS), (batch,), generator=gen, device=dev)) % len(COLORS)
     palette = PALETTE_RGB.to(dev)
     fg = jittered(palette[color], widen.jitter, gen)  # [B, 3]
     bg = jittered(palette[background], widen.jitter, gen)
-    rgb = bg[:, :, None, None] + (fg - bg)[:, :, None, None] * alpha[:, None]  # [B, 3, S, S]
+    rgb = bg[:, :, None, None] + (fg - bg)[:, :, None, None] * masks.soft[:, None]  # [B, 3, S, S]
+    return Batch(finish(rgb, masks.short, gen), masks.shape, color, background, masks.coverage)
 
-    pixels = soften(rgb, short, gen)
-    return Batch(pixels, shape, color, background, alpha)
+
+class MaskPool:
+    """Masks drawn once and reused: each use picks one of the square's 8 symmetries (the squash
+    of a W x H original turned by 90 degrees is the squash of its H x W turn, so every variant
+    is still a valid input) and new colors, noise and JPEG. Drawing a mask costs most of a
+    fresh image; this makes a training step cost little more than the model."""
+
+    def __init__(self, count: int, size: int, gen: torch.Generator, chunk: int = 256, **kwargs):
+        byte = lambda x: x.mul(255).round().to(torch.uint8)  # noqa: E731  (1 byte a pixel)
+        parts = [draw_masks(min(chunk, count - i), size, gen, **kwargs) for i in range(0, count, chunk)]
+        parts = [Masks(m.shape, byte(m.coverage), byte(m.soft), m.short) for m in parts]
+        self.shape = torch.cat([m.shape for m in parts])
+        self.soft = torch.cat([m.soft for m in parts])
+        self.coverage = torch.cat([m.coverage for m in parts])
+        self.short = torch.cat([m.short for m in parts])
+
+    def __len__(self) -> int:
+        return len(self.shape)
+
+    def sample(self, batch: int, gen: torch.Generator) -> Masks:
+        dev = gen.device  # the pool lives there too
+        rows = torch.randint(0, len(self), (batch,), generator=gen, device=dev)
+        flips = torch.randint(0, 2, (3, batch), generator=gen, device=dev).bool()
+        soft, cover = self.soft[rows].float() / 255, self.coverage[rows].float() / 255
+        return Masks(self.shape[rows], symmetric(cover, flips), symmetric(soft, flips), self.short[rows])
+
+
+def symmetric(images: torch.Tensor, flips: torch.Tensor) -> torch.Tensor:
+    """[B, S, S] under per-image flips [3, B]: transpose, then flip rows, then flip columns."""
+    images = torch.where(flips[0][:, None, None], images.transpose(1, 2), images)
+    images = torch.where(flips[1][:, None, None], images.flip(1), images)
+    return torch.where(flips[2][:, None, None], images.flip(2), images)
 
 
 def coverage(shape, width, height, cx, cy, radius, angle, star_inner, cross_arm, size: int, n: int) -> torch.Tensor:
@@ -112,20 +164,30 @@ def coverage(shape, width, height, cx, cy, radius, angle, star_inner, cross_arm,
     return inside.float().reshape(batch, size, n, size, n).mean(dim=(2, 4))
 
 
-def soften(rgb: torch.Tensor, short: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
-    """What the real path adds to float [B, 3, S, S] drawn sharp: the resize filter, blur, noise
-    and JPEG at small sizes; uint8 out. `short` [B] is each original's short side."""
-    batch, size, dev = len(rgb), rgb.shape[-1], rgb.device
+def blur(alpha: torch.Tensor, short: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """The resize filter (always) plus, for 30%, the image's own blur, in output pixels, applied to
+    float [B, S, S] masks. `short` [B] is each original's short side."""
+    batch, size, dev = len(alpha), alpha.shape[-1], alpha.device
     u = lambda *shape: torch.rand(*shape, generator=gen, device=dev)  # noqa: E731
-    # the resize filter (always) plus, for 30%, the image's own blur, in output pixels
     scale = (size / short).clamp(max=1.5)
     sigma = 0.25 + u(batch) * 0.5
     blurred = u(batch) < 0.3
     sigma = torch.where(
         blurred, torch.hypot(sigma, (0.4 + u(batch) * 1.2) * torch.clamp(short / 256, min=1.0) * scale), sigma
     )
-    rgb = gaussian_blur(rgb, sigma)
-    rgb = rgb + torch.randn(rgb.shape, generator=gen, device=dev) * (u(batch) * 2.0)[:, None, None, None]
+    return gaussian_blur(alpha[:, None], sigma)[:, 0]
+
+
+def finish(rgb: torch.Tensor, short: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """Sensor-like noise and, for some, a JPEG round trip of float [B, 3, S, S]; uint8 out."""
+    batch, size, dev = len(rgb), rgb.shape[-1], rgb.device
+    u = lambda *shape: torch.rand(*shape, generator=gen, device=dev)  # noqa: E731
+    # uniform noise of std up to 2 (a Gaussian's costs ~3x more to draw on a CPU, and looks alike here)
+    rgb = (
+        rgb
+        + (torch.rand(rgb.shape, generator=gen, device=dev) - 0.5)
+        * (u(batch) * 2.0 * math.sqrt(12))[:, None, None, None]
+    )
     pixels = rgb.round().clamp(0, 255).to(torch.uint8)
 
     # JPEG blocks and chroma subsampling survive the resize only when the original is small

@@ -2,10 +2,12 @@
 
     python -m wicore.models.democap.train --out core/models/democap/checkpoint
 
-Every step draws a fresh batch with `synth` (images at the model's input size, the task's
-distribution widened a little), so the model never sees an image twice and cannot memorise.
-The loss is the caption's next-token loss plus, while the vision tower is young, three linear
-probes on the pooled image tokens (shape, color, background) that speed its start; the probes
+Two stages. First the SigLIP tower alone learns what is in the picture from linear probes on
+its patch tokens (shape, color and background from the max over tokens, plus every patch's own
+label: which shape covers it, or none); no decoder in the loop, so a step costs little. Then the
+tower is frozen and the projector and decoder learn to write the caption. Images come from a
+pool of masks drawn once (`synth.MaskPool`, ~4x cheaper a step than drawing fresh ones) and are
+painted, turned and compressed anew every step, so no two steps see the same image. The probes
 are dropped and the checkpoint is a plain Gemma-3. A held-out set drawn by the user's path
 (`data.py` files through the processor's resize) is checked every `--eval-every` steps.
 
@@ -37,18 +39,23 @@ VALID_SEED = 2  # the held-out set checked during training; evaluation seeds are
 @dataclass(frozen=True)
 class TrainConfig:
     out: str
-    steps: int = 3000
+    vision_steps: int = 3000  # stage 1: the tower alone on the probes
+    vision_batch_size: int = 128
+    vision_lr: float = 3e-3
+    steps: int = 600  # stage 2: the caption, tower frozen
     batch_size: int = 96
     lr: float = 2e-3
     min_lr_factor: float = 0.02
     weight_decay: float = 0.05
     warmup_steps: int = 150
-    aux_weight: float = 0.5  # weight of the pooled probe losses, decayed to 0 by the end
-    dense_weight: float = 1.0  # weight of the per-patch shape labels, decayed to 0 by the end
-    subsamples: int = 3  # anti-aliasing samples per pixel side in `synth`
-    vision_steps: int = 0  # steps training the tower + projector alone on the probes, first
-    vision_batch_size: int = 64
-    init: str = "hf"  # "hf" or "mimetic" (attention weights of the tower, see mimetic_init)
+    dense_weight: float = 1.0  # weight of the per-patch shape labels
+    pool: int = 40_000  # masks drawn once and reused (0: draw every batch afresh)
+    subsamples: int = 2  # anti-aliasing samples per pixel side in `synth`
+    init: str = "mimetic"  # the tower's attention: "mimetic" (see mimetic_init) or "siglip"
+    patch_init: str = "whiten"  # the patch embedding: "whiten" (see whiten_patches) or "siglip"
+    whiten_scale: float = 0.5
+    min_fraction: float = 0.17  # smallest shape diameter / short side drawn (the task's: 0.2)
+    freeze_patches: bool = True  # a frozen whitened layer learned shapes ~2x faster (NOTES)
     valid_images: int = 1000
     eval_every: int = 500
     seed: int = 0  # weights and the drawn batches
@@ -69,7 +76,8 @@ def parse_args(argv: list[str] | None) -> tuple[TrainConfig, Arch]:
         for f in fields(dc):
             if f.name != "out":
                 default = getattr(dc, f.name)
-                parser.add_argument(f"--{f.name.replace('_', '-')}", type=type(default), default=default)
+                kind = (lambda v: v.lower() in ("1", "true", "yes")) if isinstance(default, bool) else type(default)
+                parser.add_argument(f"--{f.name.replace('_', '-')}", type=kind, default=default)
     args = vars(parser.parse_args(argv))
     arch_names = {f.name for f in fields(Arch)}
     return (
@@ -85,15 +93,20 @@ def train(config: TrainConfig, arch: Arch) -> dict:
     start = time.perf_counter()
     device = torch.device(config.device)
     model, processor = build(arch, config.seed)
+    siglip_init(model, config.seed)
+    if config.init == "mimetic":
+        mimetic_init(model.model.vision_tower, config.seed)
     model.to(device)
     layout = Layout.from_processor(processor, caption_lines())
     valid_specs = sample_specs(config.valid_images, VALID_SEED)
     valid = (render_all(valid_specs, arch.image_size), [s.caption for s in valid_specs])
-    probes = Probes(arch.text_width, arch.vision_width).to(device)
-    if config.init == "mimetic":
-        mimetic_init(model.model.vision_tower, config.seed)
-    history = pretrain_tower(model, probes, config, arch, device, start) if config.vision_steps else []
-    history += fit(model, probes, layout, valid, config, arch, device, start)
+    images = Images(config, arch, device)
+    print(f"pool of {config.pool} masks drawn: {time.perf_counter() - start:.0f}s", flush=True)
+    if config.patch_init == "whiten":
+        whiten_patches(model.model.vision_tower, images, arch.patch_size, scale=config.whiten_scale)
+    model.model.vision_tower.embeddings.patch_embedding.requires_grad_(not config.freeze_patches)
+    history = pretrain_tower(model, images, config, arch, device, start)
+    history += fit(model, images, layout, valid, config, device, start)
 
     out = Path(config.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -114,21 +127,68 @@ def train(config: TrainConfig, arch: Arch) -> dict:
     return record
 
 
+class Images:
+    """Training batches: painted from the mask pool, or drawn afresh when the pool is 0."""
+
+    def __init__(self, config: TrainConfig, arch: Arch, device):
+        self.gen = torch.Generator(device).manual_seed(config.seed)
+        self.size, self.subsamples = arch.image_size, config.subsamples
+        self.widen = synth.Widen(fraction=(config.min_fraction, synth.Widen.fraction[1]))
+        self.pool = None
+        if config.pool:
+            self.pool = synth.MaskPool(config.pool, self.size, self.gen, widen=self.widen, subsamples=self.subsamples)
+
+    def batch(self, size: int) -> synth.Batch:
+        if self.pool is None:
+            return synth.draw(size, self.size, self.gen, self.widen, subsamples=self.subsamples)
+        return synth.paint(self.pool.sample(size, self.gen), self.gen)
+
+
+@torch.no_grad()
+def whiten_patches(tower, images: Images, patch: int, count: int = 256, scale: float = 0.5) -> None:
+    """Patch embedding = the top principal directions of real patches, each scaled to unit
+    variance (times `scale`), centred: the tower starts from the patches' main modes of
+    variation (colors, then edges at every orientation) instead of random directions, the
+    whitened first layer of fast CIFAR-10 training recipes."""
+    conv = tower.embeddings.patch_embedding
+    pixels = normalize(images.batch(count).pixels)  # [B, 3, S, S]
+    patches = F.unfold(pixels, kernel_size=patch, stride=patch).transpose(1, 2).flatten(0, 1)  # [B*N, 3*p*p]
+    mean = patches.mean(0)
+    centred = (patches - mean).double()
+    values, vectors = torch.linalg.eigh(centred.T @ centred / len(centred))  # ascending
+    width = conv.weight.shape[0]
+    top, top_values = vectors[:, -width:].flip(1).float(), values[-width:].flip(0).float()  # [3*p*p, W], [W]
+    weight = (top / (top_values.clamp(min=1e-6).sqrt() / scale)).T  # [W, 3*p*p]
+    conv.weight.copy_(weight.reshape(conv.weight.shape))
+    conv.bias.copy_(-(weight @ mean))
+
+
+def siglip_init(model, seed: int) -> None:
+    """The tower's weights as SigLIP initialises them (lecun-normal patches, position embeddings
+    of std 1/sqrt(width)), not Gemma-3's std 0.02 everywhere, which starts the positions ~6x
+    weaker than the patches at width 64 and learned shapes slower in the sweeps (bench/NOTES.md)."""
+    from transformers import SiglipVisionModel
+
+    torch.manual_seed(seed)
+    fresh = SiglipVisionModel(model.config.vision_config)
+    model.model.vision_tower.load_state_dict(fresh.state_dict())
+
+
 class Probes(torch.nn.Module):
-    """Training-only linear heads. `loss`: shape, color and background from the projected image
-    tokens, max-pooled (a shape covers a few tokens among many of background, and a mean would
-    dilute it: a mean-pooled probe stayed near chance for thousands of steps where the
-    max-pooled one learned; bench/NOTES.md). `dense_loss`: every patch token of the vision tower
-    says which shape covers it, or background: 64 labels an image instead of one, and a patch
-    on an edge must look at its neighbours to answer (token labelling)."""
+    """Training-only linear heads on the tower's patch tokens. `loss`: shape, color and background
+    from the max over tokens (a shape covers a few tokens among many of background, and a mean
+    would dilute it: a mean-pooled probe stayed near chance for thousands of steps where the
+    max-pooled one learned; bench/NOTES.md). `dense_loss`: every patch token says which shape
+    covers it, or background: many labels an image instead of one, and a patch on an edge must
+    look at its neighbours to answer (token labelling)."""
 
     BACKGROUND = len(SHAPES)  # the dense head's extra class
 
-    def __init__(self, width: int, vision_width: int):
+    def __init__(self, vision_width: int):
         super().__init__()
-        self.shape = torch.nn.Linear(width, len(SHAPES))
-        self.color = torch.nn.Linear(width, len(COLORS))
-        self.background = torch.nn.Linear(width, len(COLORS))
+        self.shape = torch.nn.Linear(vision_width, len(SHAPES))
+        self.color = torch.nn.Linear(vision_width, len(COLORS))
+        self.background = torch.nn.Linear(vision_width, len(COLORS))
         self.patch = torch.nn.Linear(vision_width, len(SHAPES) + 1)
 
     def dense_loss(self, patch_tokens: torch.Tensor, batch: synth.Batch) -> torch.Tensor:
@@ -141,8 +201,8 @@ class Probes(torch.nn.Module):
         target = torch.where(cover < 0.01, torch.full_like(target, self.BACKGROUND), target)
         return F.cross_entropy(self.patch(patch_tokens).flatten(0, 1), target.flatten(), ignore_index=-100)
 
-    def loss(self, image_tokens: torch.Tensor, batch: synth.Batch) -> torch.Tensor:
-        pooled = image_tokens.amax(dim=1)  # [B, T_img, D] -> [B, D]
+    def loss(self, patch_tokens: torch.Tensor, batch: synth.Batch) -> torch.Tensor:
+        pooled = patch_tokens.amax(dim=1)  # [B, N, Dv] -> [B, Dv]
         return (
             F.cross_entropy(self.shape(pooled), batch.shape)
             + F.cross_entropy(self.color(pooled), batch.color)
@@ -167,63 +227,52 @@ def mimetic_init(tower: torch.nn.Module, seed: int, qk: float = 0.7, vo: float =
                 second.weight.copy_(s.sqrt()[:, None] * vh)
 
 
-def pretrain_tower(model, probes: Probes, config: TrainConfig, arch: Arch, device, start: float) -> list[dict]:
-    """The tower and projector alone on the probes: no decoder in the loop, so a step costs a
-    fraction of a full one and the tower gets most of the budget."""
-    inner = model.model
-    gen = torch.Generator(device).manual_seed(config.seed + 1)
-    params = [*inner.vision_tower.parameters(), *inner.multi_modal_projector.parameters(), *probes.parameters()]
-    optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay, betas=(0.9, 0.98))
+def pretrain_tower(model, images: Images, config: TrainConfig, arch: Arch, device, start: float) -> list[dict]:
+    """Stage 1: the tower alone on the probes. Without the decoder a step costs a fraction of a
+    full one, so the tower, which has the hard part (shapes), gets most of the budget."""
+    tower = model.model.vision_tower
+    probes = Probes(arch.vision_width).to(device)
+    params = [*tower.parameters(), *probes.parameters()]
+    optimizer = torch.optim.AdamW(params, lr=config.vision_lr, weight_decay=config.weight_decay, betas=(0.9, 0.98))
     total = config.vision_steps
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, config, total))
     history, right = [], []
-    inner.train()
+    tower.train()
     for step in range(1, total + 1):
-        batch = synth.draw(config.vision_batch_size, arch.image_size, gen, subsamples=config.subsamples)
-        patch_tokens = inner.vision_tower(pixel_values=normalize(batch.pixels)).last_hidden_state  # [B, N, Dv]
-        image_tokens = inner.multi_modal_projector(patch_tokens)  # [B, T_img, D]
-        loss = probes.loss(image_tokens, batch) + probes.dense_loss(patch_tokens, batch) * config.dense_weight
+        batch = images.batch(config.vision_batch_size)
+        patch_tokens = tower(pixel_values=normalize(batch.pixels)).last_hidden_state  # [B, N, Dv]
+        loss = probes.loss(patch_tokens, batch) + probes.dense_loss(patch_tokens, batch) * config.dense_weight
         update(loss, params, optimizer, schedule)
         with torch.no_grad():
-            guess = probes.shape(image_tokens.amax(dim=1)).argmax(-1)
+            guess = probes.shape(patch_tokens.amax(dim=1)).argmax(-1)
             right.append((guess == batch.shape).float().mean().item())
-        if step % 100 == 0:
-            accuracy = round(sum(right[-100:]) / 100, 3)
+        if step % 200 == 0 or step == total:
+            accuracy = round(sum(right[-200:]) / len(right[-200:]), 3)
             history.append(
                 {"vision_step": step, "probe_shape_accuracy": accuracy, "s": round(time.perf_counter() - start)}
             )
             print(history[-1], flush=True)
+    tower.requires_grad_(False)  # stage 2 reads it frozen: no backward through the tower
     return history
 
 
-def fit(
-    model, probes: Probes, layout: Layout, valid, config: TrainConfig, arch: Arch, device, start: float
-) -> list[dict]:
-    gen = torch.Generator(device).manual_seed(config.seed)
-    params = list(model.parameters()) + list(probes.parameters())
+def fit(model, images: Images, layout: Layout, valid, config: TrainConfig, device, start: float) -> list[dict]:
+    """Stage 2: projector and decoder learn the caption from the frozen tower's tokens."""
+    params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay, betas=(0.9, 0.98))
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, config))
-    captured: list[torch.Tensor] = []  # [projected image tokens, vision tower patch tokens]
-    hooks = [
-        model.model.multi_modal_projector.register_forward_hook(lambda m, i, out: captured.insert(0, out)),
-        model.model.vision_tower.register_forward_hook(lambda m, i, out: captured.append(out.last_hidden_state)),
-    ]
     history, losses = [], []
     for step in range(1, config.steps + 1):
         model.train()
-        batch = synth.draw(config.batch_size, arch.image_size, gen, subsamples=config.subsamples)
-        captured.clear()
-        lm = caption_loss(model, layout, batch.pixels, batch.captions(), device)
-        fading = 1 - step / config.steps
-        aux = probes.loss(captured[0], batch) * config.aux_weight * fading
-        aux = aux + probes.dense_loss(captured[1], batch) * config.dense_weight * fading
-        update(lm + aux, params, optimizer, schedule)
-        losses.append(lm.item())
+        model.model.vision_tower.eval()
+        batch = images.batch(config.batch_size)
+        loss = caption_loss(model, layout, batch.pixels, batch.captions(), device)
+        update(loss, params, optimizer, schedule)
+        losses.append(loss.item())
         recent = sum(losses[-50:]) / len(losses[-50:])  # mean caption loss of the last 50 steps
         if step % 50 == 0:
             print(f"step {step} loss {recent:.4f} {time.perf_counter() - start:.0f}s", flush=True)
         if step % config.eval_every == 0 or step == config.steps:
-            captured.clear()
             accuracy = exact_match(model, layout, *valid, device)
             history.append(
                 {
@@ -234,8 +283,6 @@ def fit(
                 }
             )
             print(history[-1], flush=True)
-    for hook in hooks:
-        hook.remove()
     return history
 
 
