@@ -1,11 +1,8 @@
 #!/usr/bin/env bash
 # Recipe sweep for the demo captioner on the GPU machine: each config runs train.py (both stages)
 # for the steps a 2-core CPU affords in < 30 minutes (measured locally), several in parallel.
-set -o pipefail
-export PYTHONUNBUFFERED=1 CUBLAS_WORKSPACE_CONFIG=:4096:8
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-  && export PYTHONPATH=/tmp/site:$PYTHONPATH || exit 1
-python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || { echo "project install failed"; exit 1; }
+source bench/gpu_setup.sh
+export CUBLAS_WORKSPACE_CONFIG=:4096:8
 mkdir -p /tmp/sweep
 run() {  # name, args...
   name=$1; shift

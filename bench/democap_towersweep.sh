@@ -1,11 +1,8 @@
 #!/usr/bin/env bash
 # Session 3 sweep of tower probes (bench/democap_towerprobe.py) on the GPU machine, in parallel.
 # Steps per config: what a 2-core CPU affords in ~15 min at that size (measured locally).
-set -o pipefail
-export PYTHONUNBUFFERED=1 CUBLAS_WORKSPACE_CONFIG=:4096:8
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-  && export PYTHONPATH=/tmp/site:$PYTHONPATH || exit 1
-python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || { echo "project install failed"; exit 1; }
+source bench/gpu_setup.sh
+export CUBLAS_WORKSPACE_CONFIG=:4096:8
 mkdir -p /tmp/tsweep
 run() {  # name, args...
   name=$1; shift

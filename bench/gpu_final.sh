@@ -1,10 +1,6 @@
 #!/usr/bin/env bash
 # The caption benchmark (product defaults), then one product-path run with other engine settings.
-set -o pipefail
-export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-  && export PYTHONPATH=/tmp/site:$PYTHONPATH || exit 1
-python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || { echo "project install failed"; exit 1; }
+source bench/gpu_setup.sh
 timeout 400 python3 -m wicore.cli.main bench caption --images 1024 --out $OUT --workdir /tmp/wb 2>&1 \
   | grep -v -i warn | tee $OUT/bench.log | tail -20
 cp /tmp/wb/worker.log $OUT/ 2>/dev/null

@@ -1,11 +1,7 @@
 #!/usr/bin/env bash
 # GPU run: install the carried wheels and the project, run the GPU tests, then the caption benchmark.
 # Usage on the device machine (carry .whl): bash bench/gpu_run1.sh [extra bench args]
-set -o pipefail
-export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-  && export PYTHONPATH=/tmp/site:$PYTHONPATH || exit 1
-python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || { echo "project install failed"; exit 1; }
+source bench/gpu_setup.sh
 nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv
 python3 -c "import torch, transformers, triton; print(torch.__version__, transformers.__version__, triton.__version__)"
 timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_fast_gpu.py tests/test_ops_attention.py 2>&1 \
