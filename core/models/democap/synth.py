@@ -68,6 +68,7 @@ class Masks:
     coverage: torch.Tensor  # float [B, S, S]
     soft: torch.Tensor  # float [B, S, S], coverage after the resize filter and the image's blur
     short: torch.Tensor  # float [B], the original's short side (JPEG survives only when small)
+    noise: torch.Tensor | None = None  # [B, 3, S, S] unit-std noise fields to use; None: draw new
 
 
 def draw(batch: int, size: int, gen: torch.Generator, widen: Widen = Widen(), subsamples: int = 3) -> Batch:
@@ -107,7 +108,7 @@ def paint(masks: Masks, gen: torch.Generator, widen: Widen = Widen()) -> Batch:
     fg = jittered(palette[color], widen.jitter, gen)  # [B, 3]
     bg = jittered(palette[background], widen.jitter, gen)
     rgb = bg[:, :, None, None] + (fg - bg)[:, :, None, None] * masks.soft[:, None]  # [B, 3, S, S]
-    return Batch(finish(rgb, masks.short, gen), masks.shape, color, background, masks.coverage)
+    return Batch(finish(rgb, masks.short, gen, masks.noise), masks.shape, color, background, masks.coverage)
 
 
 class MaskPool:
@@ -116,7 +117,9 @@ class MaskPool:
     is still a valid input) and new colors, noise and JPEG. Drawing a mask costs most of a
     fresh image; this makes a training step cost little more than the model."""
 
-    def __init__(self, count: int, size: int, gen: torch.Generator, chunk: int = 256, **kwargs):
+    def __init__(
+        self, count: int, size: int, gen: torch.Generator, chunk: int = 256, noise_fields: int = 256, **kwargs
+    ):
         byte = lambda x: x.mul(255).round().to(torch.uint8)  # noqa: E731  (1 byte a pixel)
         parts = [draw_masks(min(chunk, count - i), size, gen, **kwargs) for i in range(0, count, chunk)]
         parts = [Masks(m.shape, byte(m.coverage), byte(m.soft), m.short) for m in parts]
@@ -124,6 +127,8 @@ class MaskPool:
         self.soft = torch.cat([m.soft for m in parts])
         self.coverage = torch.cat([m.coverage for m in parts])
         self.short = torch.cat([m.short for m in parts])
+        # noise fields drawn once too: drawing 6M random numbers a batch was a tenth of a CPU step
+        self.noise = (torch.rand(noise_fields, 3, size, size, generator=gen, device=gen.device) - 0.5) * math.sqrt(12)
 
     def __len__(self) -> int:
         return len(self.shape)
@@ -132,8 +137,10 @@ class MaskPool:
         dev = gen.device  # the pool lives there too
         rows = torch.randint(0, len(self), (batch,), generator=gen, device=dev)
         flips = torch.randint(0, 2, (3, batch), generator=gen, device=dev).bool()
-        soft, cover = self.soft[rows].float() / 255, self.coverage[rows].float() / 255
-        return Masks(self.shape[rows], symmetric(cover, flips), symmetric(soft, flips), self.short[rows])
+        soft = symmetric(self.soft[rows], flips).float() / 255  # turned while still 1 byte a pixel
+        cover = symmetric(self.coverage[rows], flips).float() / 255
+        noise = self.noise[torch.randint(0, len(self.noise), (batch,), generator=gen, device=dev)]
+        return Masks(self.shape[rows], cover, soft, self.short[rows], noise)
 
 
 def symmetric(images: torch.Tensor, flips: torch.Tensor) -> torch.Tensor:
@@ -178,16 +185,14 @@ def blur(alpha: torch.Tensor, short: torch.Tensor, gen: torch.Generator) -> torc
     return gaussian_blur(alpha[:, None], sigma)[:, 0]
 
 
-def finish(rgb: torch.Tensor, short: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
-    """Sensor-like noise and, for some, a JPEG round trip of float [B, 3, S, S]; uint8 out."""
+def finish(rgb: torch.Tensor, short: torch.Tensor, gen: torch.Generator, noise: torch.Tensor | None = None):
+    """Sensor-like noise and, for some, a JPEG round trip of float [B, 3, S, S]; uint8 out.
+    `noise`: unit-std fields [B, 3, S, S] to scale, else drawn here."""
     batch, size, dev = len(rgb), rgb.shape[-1], rgb.device
     u = lambda *shape: torch.rand(*shape, generator=gen, device=dev)  # noqa: E731
-    # uniform noise of std up to 2 (a Gaussian's costs ~3x more to draw on a CPU, and looks alike here)
-    rgb = (
-        rgb
-        + (torch.rand(rgb.shape, generator=gen, device=dev) - 0.5)
-        * (u(batch) * 2.0 * math.sqrt(12))[:, None, None, None]
-    )
+    if noise is None:  # uniform, unit std (a Gaussian's costs ~3x more to draw on a CPU, and looks alike here)
+        noise = (torch.rand(rgb.shape, generator=gen, device=dev) - 0.5) * math.sqrt(12)
+    rgb = rgb + noise * (u(batch) * 2.0)[:, None, None, None]
     pixels = rgb.round().clamp(0, 255).to(torch.uint8)
 
     # JPEG blocks and chroma subsampling survive the resize only when the original is small

@@ -39,7 +39,7 @@ VALID_SEED = 2  # the held-out set checked during training; evaluation seeds are
 @dataclass(frozen=True)
 class TrainConfig:
     out: str
-    vision_steps: int = 3000  # stage 1: the tower alone on the probes
+    vision_steps: int = 3600  # stage 1: the tower alone on the probes
     vision_batch_size: int = 128
     vision_lr: float = 3e-3
     steps: int = 600  # stage 2: the caption, tower frozen
@@ -54,7 +54,7 @@ class TrainConfig:
     init: str = "mimetic"  # the tower's attention: "mimetic" (see mimetic_init) or "siglip"
     patch_init: str = "whiten"  # the patch embedding: "whiten" (see whiten_patches) or "siglip"
     whiten_scale: float = 0.5
-    min_fraction: float = 0.17  # smallest shape diameter / short side drawn (the task's: 0.2)
+    min_fraction: float = 0.19  # smallest shape diameter / short side drawn (the task's: 0.2)
     freeze_patches: bool = True  # a frozen whitened layer learned shapes ~2x faster (NOTES)
     valid_images: int = 1000
     eval_every: int = 500
