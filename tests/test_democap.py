@@ -115,6 +115,7 @@ def test_mask_pool_paints_new_images_from_the_same_masks():
 def test_whitened_patch_embedding_outputs_decorrelated_unit_modes():
     from transformers import SiglipVisionConfig, SiglipVisionModel
 
+    from wicore.models.democap.batches import normalize
     from wicore.models.democap.model import Arch
     from wicore.models.democap.train import Images, TrainConfig, whiten_patches
 
@@ -123,8 +124,6 @@ def test_whitened_patch_embedding_outputs_decorrelated_unit_modes():
                                                  num_attention_heads=2, image_size=32, patch_size=8))  # fmt: skip
     images = Images(TrainConfig(out="", pool=64), arch, "cpu")
     whiten_patches(tower, images, 8, count=512, scale=1.0)
-    from wicore.models.democap.batches import normalize
-
     with torch.no_grad():
         out = tower.embeddings.patch_embedding(normalize(images.batch(512).pixels))  # [B, W, 4, 4]
     features = out.permute(0, 2, 3, 1).reshape(-1, 16)

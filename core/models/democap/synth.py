@@ -47,7 +47,7 @@ class Batch:
     shape: torch.Tensor  # long [B], index into SHAPES
     color: torch.Tensor  # long [B], index into COLORS
     background: torch.Tensor  # long [B], index into COLORS
-    coverage: torch.Tensor  # float [B, S, S] (or coarser): share of each pixel the shape covers, before blur
+    coverage: torch.Tensor  # float [B, S, S]: share of each pixel the shape covers (before blur)
 
     def captions(self) -> list[str]:
         from wicore.models.democap.data import caption

@@ -101,7 +101,7 @@ def train(config: TrainConfig, arch: Arch) -> dict:
     valid_specs = sample_specs(config.valid_images, VALID_SEED)
     valid = (render_all(valid_specs, arch.image_size), [s.caption for s in valid_specs])
     images = Images(config, arch, device)
-    print(f"pool of {config.pool} masks drawn: {time.perf_counter() - start:.0f}s", flush=True)
+    print(f"held-out images and a pool of {config.pool} masks drawn: {time.perf_counter() - start:.0f}s", flush=True)
     if config.patch_init == "whiten":
         whiten_patches(model.model.vision_tower, images, arch.patch_size, scale=config.whiten_scale)
     model.model.vision_tower.embeddings.patch_embedding.requires_grad_(not config.freeze_patches)
@@ -201,13 +201,16 @@ class Probes(torch.nn.Module):
         target = torch.where(cover < 0.01, torch.full_like(target, self.BACKGROUND), target)
         return F.cross_entropy(self.patch(patch_tokens).flatten(0, 1), target.flatten(), ignore_index=-100)
 
-    def loss(self, patch_tokens: torch.Tensor, batch: synth.Batch) -> torch.Tensor:
+    def loss(self, patch_tokens: torch.Tensor, batch: synth.Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """The pooled heads' summed loss, and the shape logits [B, shapes] (for the accuracy)."""
         pooled = patch_tokens.amax(dim=1)  # [B, N, Dv] -> [B, Dv]
-        return (
-            F.cross_entropy(self.shape(pooled), batch.shape)
+        shape_logits = self.shape(pooled)
+        loss = (
+            F.cross_entropy(shape_logits, batch.shape)
             + F.cross_entropy(self.color(pooled), batch.color)
             + F.cross_entropy(self.background(pooled), batch.background)
         )
+        return loss, shape_logits
 
 
 def mimetic_init(tower: torch.nn.Module, seed: int, qk: float = 0.7, vo: float = 0.4) -> None:
@@ -241,11 +244,9 @@ def pretrain_tower(model, images: Images, config: TrainConfig, arch: Arch, devic
     for step in range(1, total + 1):
         batch = images.batch(config.vision_batch_size)
         patch_tokens = tower(pixel_values=normalize(batch.pixels)).last_hidden_state  # [B, N, Dv]
-        loss = probes.loss(patch_tokens, batch) + probes.dense_loss(patch_tokens, batch) * config.dense_weight
-        update(loss, params, optimizer, schedule)
-        with torch.no_grad():
-            guess = probes.shape(patch_tokens.amax(dim=1)).argmax(-1)
-            right.append((guess == batch.shape).float().mean().item())
+        pooled_loss, shape_logits = probes.loss(patch_tokens, batch)
+        update(pooled_loss + probes.dense_loss(patch_tokens, batch) * config.dense_weight, params, optimizer, schedule)
+        right.append((shape_logits.argmax(-1) == batch.shape).float().mean().item())
         if step % 200 == 0 or step == total:
             accuracy = round(sum(right[-200:]) / len(right[-200:]), 3)
             history.append(
