@@ -100,15 +100,20 @@ def test_mask_pool_paints_new_images_from_the_same_masks():
     first, second = synth.paint(pool.sample(64, gen), gen), synth.paint(pool.sample(64, gen), gen)
     assert not torch.equal(first.pixels, second.pixels)
     for batch in (first, second):
-        # painted where the mask says: the covered pixels take the shape's colour, the rest the background's
-        covered = batch.coverage > 0.95
-        palette = synth.PALETTE_RGB
-        for row in range(4):
-            pixels = batch.pixels[row].float()  # [3, S, S]
-            if covered[row].sum() < 4:
+        # painted where the mask says: the covered pixels take the shape's colour, the rest the
+        # background's (nearest palette colour of their mean; jitter, noise and a small JPEG's
+        # chroma bleed move a few, a mask painted in the wrong place or orientation moves most)
+        palette, right, total = synth.PALETTE_RGB, 0, 0
+        for row in range(len(batch.shape)):
+            covered, clear = batch.coverage[row] > 0.95, batch.coverage[row] < 0.05
+            if covered.sum() < 4 or clear.sum() < 4:
                 continue
-            inside = pixels[:, covered[row]].mean(1)
-            assert (inside - palette[batch.color[row]]).abs().max() < 40
+            pixels = batch.pixels[row].float()  # [3, S, S]
+            nearest = lambda rgb: int((palette - rgb).norm(dim=1).argmin())  # noqa: E731
+            right += nearest(pixels[:, covered].mean(1)) == batch.color[row]
+            right += nearest(pixels[:, clear].mean(1)) == batch.background[row]
+            total += 2
+        assert total >= 40 and right / total >= 0.9, (right, total)
         assert set(batch.captions()) <= set(caption_lines())
 
 

@@ -107,7 +107,8 @@ def paint(masks: Masks, gen: torch.Generator, widen: Widen = Widen()) -> Batch:
     palette = PALETTE_RGB.to(dev)
     fg = jittered(palette[color], widen.jitter, gen)  # [B, 3]
     bg = jittered(palette[background], widen.jitter, gen)
-    rgb = bg[:, :, None, None] + (fg - bg)[:, :, None, None] * masks.soft[:, None]  # [B, 3, S, S]
+    # bg + (fg - bg) * soft in one pass over the [B, 3, S, S] output (the step's largest tensor)
+    rgb = torch.addcmul(bg[:, :, None, None], (fg - bg)[:, :, None, None], masks.soft[:, None])
     return Batch(finish(rgb, masks.short, gen, masks.noise), masks.shape, color, background, masks.coverage)
 
 
@@ -139,15 +140,31 @@ class MaskPool:
         flips = torch.randint(0, 2, (3, batch), generator=gen, device=dev).bool()
         soft = symmetric(self.soft[rows], flips).float() / 255  # turned while still 1 byte a pixel
         cover = symmetric(self.coverage[rows], flips).float() / 255
-        noise = self.noise[torch.randint(0, len(self.noise), (batch,), generator=gen, device=dev)]
+        start = int(torch.randint(0, max(1, len(self.noise) - batch + 1), (), generator=gen, device=dev))
+        if batch <= len(self.noise):  # consecutive fields: a view, not a [B, 3, S, S] copy
+            noise = self.noise[start : start + batch]
+        else:
+            noise = self.noise[torch.randint(0, len(self.noise), (batch,), generator=gen, device=dev)]
         return Masks(self.shape[rows], cover, soft, self.short[rows], noise)
 
 
 def symmetric(images: torch.Tensor, flips: torch.Tensor) -> torch.Tensor:
-    """[B, S, S] under per-image flips [3, B]: transpose, then flip rows, then flip columns."""
-    images = torch.where(flips[0][:, None, None], images.transpose(1, 2), images)
-    images = torch.where(flips[1][:, None, None], images.flip(1), images)
-    return torch.where(flips[2][:, None, None], images.flip(2), images)
+    """[B, S, S] under per-image flips [3, B]: transpose, then flip rows, then flip columns.
+    Applied per group of images that share all three (at most 8 groups), so each pixel is
+    copied once instead of passing the whole batch through three selects."""
+    codes = flips[0].long() + 2 * flips[1].long() + 4 * flips[2].long()  # [B], 0..7
+    out = torch.empty_like(images)
+    for code in codes.unique().tolist():
+        at = (codes == code).nonzero().flatten()
+        group = images[at]
+        if code & 1:
+            group = group.transpose(1, 2)
+        if code & 2:
+            group = group.flip(1)
+        if code & 4:
+            group = group.flip(2)
+        out[at] = group
+    return out
 
 
 def coverage(shape, width, height, cx, cy, radius, angle, star_inner, cross_arm, size: int, n: int) -> torch.Tensor:
@@ -159,16 +176,17 @@ def coverage(shape, width, height, cx, cy, radius, angle, star_inner, cross_arm,
     gx, gy = grid[None, None, :], grid[None, :, None]  # [1, 1, Sn], [1, Sn, 1]
     x = gx * (width / size)[:, None, None] - cx[:, None, None]  # [B, 1, Sn], original pixels
     y = gy * (height / size)[:, None, None] - cy[:, None, None]  # [B, Sn, 1]
-    cos, sin = torch.cos(angle)[:, None, None], torch.sin(angle)[:, None, None]
-    r = radius[:, None, None]
-    lx = (x * cos + y * sin) / r  # [B, Sn, Sn], the shape's frame, circumradius 1
-    ly = (y * cos - x * sin) / r
+    # the shape's frame (circumradius 1), per shape so every [B, Sn, Sn] tensor is made once
+    cos_r, sin_r = (torch.cos(angle) / radius)[:, None, None], (torch.sin(angle) / radius)[:, None, None]
     inside = torch.zeros(batch, size * n, size * n, dtype=torch.bool, device=dev)
     for k, name in enumerate(SHAPES):
         rows = (shape == k).nonzero().flatten()
         if len(rows):
-            inside[rows] = INSIDE[name](lx[rows], ly[rows], star_inner[rows], cross_arm[rows])
-    return inside.float().reshape(batch, size, n, size, n).mean(dim=(2, 4))
+            xs, ys, c, s = x[rows], y[rows], cos_r[rows], sin_r[rows]
+            lx, ly = xs * c + ys * s, ys * c - xs * s  # [b, Sn, Sn]
+            inside[rows] = INSIDE[name](lx, ly, star_inner[rows], cross_arm[rows])
+    # the mean of each pixel's n x n points: n^2 strided sums (avg_pool2d was ~3x slower here)
+    return sum(inside[:, i::n, j::n].float() for i in range(n) for j in range(n)) / (n * n)
 
 
 def blur(alpha: torch.Tensor, short: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
@@ -186,14 +204,15 @@ def blur(alpha: torch.Tensor, short: torch.Tensor, gen: torch.Generator) -> torc
 
 
 def finish(rgb: torch.Tensor, short: torch.Tensor, gen: torch.Generator, noise: torch.Tensor | None = None):
-    """Sensor-like noise and, for some, a JPEG round trip of float [B, 3, S, S]; uint8 out.
+    """Sensor-like noise and, for some, a JPEG round trip of float [B, 3, S, S] (overwritten);
+    uint8 out.
     `noise`: unit-std fields [B, 3, S, S] to scale, else drawn here."""
     batch, size, dev = len(rgb), rgb.shape[-1], rgb.device
     u = lambda *shape: torch.rand(*shape, generator=gen, device=dev)  # noqa: E731
     if noise is None:  # uniform, unit std (a Gaussian's costs ~3x more to draw on a CPU, and looks alike here)
         noise = (torch.rand(rgb.shape, generator=gen, device=dev) - 0.5) * math.sqrt(12)
-    rgb = rgb + noise * (u(batch) * 2.0)[:, None, None, None]
-    pixels = rgb.round().clamp(0, 255).to(torch.uint8)
+    rgb = rgb.addcmul_(noise, (u(batch) * 2.0)[:, None, None, None])  # in place: rgb is ours
+    pixels = rgb.clamp_(0, 255).add_(0.5).to(torch.uint8)  # the cast truncates: round half up
 
     # JPEG blocks and chroma subsampling survive the resize only when the original is small
     jpeg = u(batch) < torch.where(short < 2 * size, 0.5, 0.15)
@@ -224,8 +243,8 @@ def gaussian_blur(images: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
 def jpeg_round_trip(pixels: torch.Tensor, quality: int) -> torch.Tensor:
     out = io.BytesIO()
     Image.fromarray(pixels.permute(1, 2, 0).numpy()).save(out, format="JPEG", quality=quality)
-    back = np.asarray(Image.open(out).convert("RGB"))
-    return torch.from_numpy(back.copy()).permute(2, 0, 1)
+    back = np.array(Image.open(out))  # [S, S, 3]: baseline JPEG of RGB decodes as RGB
+    return torch.from_numpy(back).permute(2, 0, 1)
 
 
 # Inside tests in the shape's own frame (circumradius 1); arguments [N, H, W] and per-item [N].
