@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from wicore.ops.transfer import upload
 
@@ -102,9 +103,18 @@ def padded_attention(q, k, v, mask, scale: float, softcap: float | None) -> torc
     groups = q.shape[1] // k.shape[1]
     if groups > 1:
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    if softcap is None:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
-    return _softcapped_attention(q, k, v, mask, scale, softcap)
+    if softcap is not None:
+        return _softcapped_attention(q, k, v, mask, scale, softcap)
+    if q.is_cuda:
+        with sdpa_kernel(MASKED_CUDA_BACKENDS):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+
+
+# Masked attention on CUDA: not cuDNN, which PyTorch picks first but which builds a graph for every
+# new (B, Lq, Lk), tens of ms of host time; prefill batches rarely repeat a shape (bench/NOTES.md,
+# issue 5 runs: the 4B VQA benchmark 5-6% faster, cached and uncached alike).
+MASKED_CUDA_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 def _softcapped_attention(q, k, v, mask, scale: float, softcap: float) -> torch.Tensor:

@@ -1,0 +1,221 @@
+"""Where the cached VQA run of `wicore bench cache` spends its time (issue 5, bench/NOTES.md).
+
+    python bench/gpu_cache_timeline.py [--configs off,gpu,gpu-nohold] [--images 256]
+
+The benchmark's VQA flow (4B-shaped model, question-major requests, its warm-up) through the fast
+engine, step by step: every prefill (sequences, new tokens, how many read a cached prefix) and
+decode launch is bracketed by CUDA events on its stream, and every step's host time is taken, so
+a run splits into device time per kind of work and host time. Printed per config, and written to
+$OUT/cache_timeline.json when $OUT is set:
+- wall, the engine's phase seconds, steps, and the host time of steps that launched nothing;
+- prefill launches by kind (first questions vs follow-ups with a cached prefix): count, mean
+  sequences and new tokens, device ms each;
+- when the last first question finished (the first 256 requests) and what the rest took.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from wicore.bench.cache import WARM_IMAGES, CacheBench, make_engine, release, vqa_requests
+from wicore.bench.images import make_images
+from wicore.models.gemma3 import make_gemma3_4b
+
+CONFIGS = {
+    "off": dict(cache=False),
+    "gpu": dict(cache=True, host_cache_bytes=0, prefix_split_images=True),
+}
+
+
+class Trace:
+    """Wraps an engine's runner so each launch records (kind, sizes, start event, end event)."""
+
+    def __init__(self, engine, profile_nth: int = 0):
+        self.launches: list[dict] = []
+        self.step = 0
+        self.profiles: dict[str, str] = {}  # kind -> op table of its `profile_nth` launch
+        runner = engine.runner
+        prefill, decode = runner.prefill, runner.decode
+
+        def traced_prefill(seqs):
+            cached = sum(1 for s in seqs if s.prefix_len)
+            kind = "prefill follow-up" if cached else "prefill first"
+            if profile_nth and sum(1 for x in self.launches if x.get("label") == kind) == profile_nth - 1:
+                return self._profiled(kind, prefill, seqs)
+            start, host = self._open()
+            with torch.profiler.record_function(kind):
+                out = prefill(seqs)
+            self._close(start, host, "prefill", seqs=len(seqs), new=sum(s.prompt_len - s.prefix_len for s in seqs),
+                        cached=cached, label=kind)  # fmt: skip
+            return out
+
+        def traced_decode(seqs):
+            start, host = self._open()
+            with torch.profiler.record_function("decode"):
+                out = decode(seqs)
+            self._close(start, host, "decode", seqs=len(seqs))
+            return out
+
+        runner.prefill, runner.decode = traced_prefill, traced_decode
+
+    def _profiled(self, kind: str, prefill, seqs):
+        """One launch alone under the profiler (the device drained before and after)."""
+        from torch.profiler import ProfilerActivity, profile
+
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            out = prefill(seqs)
+            torch.cuda.synchronize()
+        table = prof.key_averages().table(sort_by="device_time_total", row_limit=30, max_name_column_width=60)
+        new = sum(s.prompt_len - s.prefix_len for s in seqs)
+        self.profiles[kind] = f"{kind}: {len(seqs)} sequences, {new} new tokens\n{table}"
+        self.launches.append({"label": kind, "kind": "profiled"})
+        return out
+
+    @staticmethod
+    def _open():
+        start = torch.cuda.Event(enable_timing=True)
+        start.record()
+        return start, time.perf_counter()
+
+    def _close(self, start, host: float, kind: str, **sizes) -> None:
+        host_ms = (time.perf_counter() - host) * 1e3  # the launch's host time (enqueueing)
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        self.launches.append({"kind": kind, "step": self.step, "start": start, "end": end, "host_ms": host_ms, **sizes})
+
+    def device_ms(self) -> list[dict]:
+        torch.cuda.synchronize()
+        out = []
+        for launch in self.launches:
+            if launch["kind"] == "profiled":
+                continue
+            row = {k: v for k, v in launch.items() if k not in ("start", "end")}
+            row["ms"] = launch["start"].elapsed_time(launch["end"])
+            out.append(row)
+        return out
+
+
+def run(
+    name: str, model_dir: Path, bench: CacheBench, requests, warm, profiler=None, profile_nth: int = 0, host=None
+) -> dict:
+    options = dict(CONFIGS[name])
+    engine = make_engine(model_dir, bench, options.pop("cache"), **options)
+    engine.generate(warm)
+    trace = Trace(engine, profile_nth)
+    firsts = {r.id for r in requests[: bench.images]}
+    torch.cuda.synchronize()
+    if profiler is not None:
+        profiler.start()
+    if host is not None:
+        host.enable()
+    start = time.perf_counter()
+    engine.add(requests)
+    step_s, idle_s, first_done = [], 0.0, None
+    remaining = set(firsts)
+    while engine.num_unfinished():
+        trace.step += 1
+        t = time.perf_counter()
+        launches = len(trace.launches)
+        done = engine.step()
+        step_s.append(time.perf_counter() - t)
+        if len(trace.launches) == launches:
+            idle_s += step_s[-1]
+        remaining -= {c.id for c in done}
+        if first_done is None and not remaining:
+            first_done = time.perf_counter() - start
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - start
+    if host is not None:
+        host.disable()
+    if profiler is not None:
+        profiler.stop()
+    stats = engine.stats()
+    launches = trace.device_ms()
+    release(engine)
+    for table in trace.profiles.values():
+        print(table, flush=True)
+    groups = defaultdict(list)
+    for row in launches:
+        kind = row["kind"] if row["kind"] == "decode" else ("prefill follow-up" if row["cached"] else "prefill first")
+        groups[kind].append(row)
+    by_kind = {
+        kind: {
+            "launches": len(rows),
+            "device_s": round(sum(r["ms"] for r in rows) / 1e3, 3),
+            "mean_seqs": round(sum(r["seqs"] for r in rows) / len(rows), 1),
+            "mean_new_tokens": round(sum(r.get("new", 0) for r in rows) / len(rows), 1),
+            "mean_ms": round(sum(r["ms"] for r in rows) / len(rows), 2),
+            "mean_host_ms": round(sum(r["host_ms"] for r in rows) / len(rows), 2),
+        }
+        for kind, rows in groups.items()
+    }
+    summary = {
+        "name": name,
+        "wall_s": round(wall, 3),
+        "first_questions_done_s": round(first_done or wall, 3),
+        "steps": len(step_s),
+        "host_s_of_idle_steps": round(idle_s, 3),
+        "host_s_all_steps": round(sum(step_s), 3),
+        "phases": {k: round(stats.get(k, 0.0), 3) for k in ("vision_s", "prefill_s", "decode_s")},
+        "images_encoded": stats.get("images_encoded"),
+        "cached_prompt_tokens": stats.get("cached_prompt_tokens"),
+        "by_kind": by_kind,
+    }
+    print(json.dumps(summary, indent=1), flush=True)
+    return {**summary, "launches": launches}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--configs", default="off,gpu")
+    parser.add_argument("--profile", action="store_true", help="also run the last config under torch.profiler")
+    parser.add_argument("--cprofile", action="store_true", help="also run the last config under cProfile (host time)")
+    parser.add_argument("--profile-nth", type=int, default=0, help="profile the n-th prefill of each kind alone")
+    parser.add_argument("--images", type=int, default=256)
+    parser.add_argument("--workdir", default="/tmp/wicore-cache-timeline")
+    args = parser.parse_args()
+    bench = CacheBench(workdir=Path(args.workdir), images=args.images)
+    bench.workdir.mkdir(parents=True, exist_ok=True)
+    model_dir = make_gemma3_4b(bench.workdir / "gemma3-4b")
+    paths = make_images(bench.workdir / "images", bench.images + WARM_IMAGES, processes=16)
+    warm = vqa_requests(paths[-WARM_IMAGES:], 1, 4)
+    requests = vqa_requests(paths[: bench.images], bench.questions, bench.new_tokens)
+    names = args.configs.split(",")
+    results = [run(name, model_dir, bench, requests, warm, profile_nth=args.profile_nth) for name in names]
+    if args.cprofile:
+        import cProfile
+        import io
+        import pstats
+
+        host = cProfile.Profile()
+        run(names[-1], model_dir, bench, requests, warm, host=host)
+        text = io.StringIO()
+        stats = pstats.Stats(host, stream=text)
+        stats.sort_stats("tottime").print_stats(45)
+        stats.sort_stats("cumulative").print_stats(60)
+        print(text.getvalue()[:12000], flush=True)
+        if os.environ.get("OUT"):
+            Path(os.environ["OUT"], "cprofile.txt").write_text(text.getvalue())
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+        run(names[-1], model_dir, bench, requests, warm, profiler=prof)
+        table = prof.key_averages().table(sort_by="device_time_total", row_limit=40, max_name_column_width=70)
+        print(table, flush=True)
+        if os.environ.get("OUT"):
+            Path(os.environ["OUT"], "profile.txt").write_text(table)
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], "cache_timeline.json").write_text(json.dumps(results) + "\n")
+
+
+if __name__ == "__main__":
+    main()
