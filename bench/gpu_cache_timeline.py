@@ -32,6 +32,7 @@ CONFIGS = {
     "off": dict(cache=False),
     "gpu": dict(cache=True, host_cache_bytes=0, prefix_split_images=True),
 }
+CONFIGS |= {f"{name}-overlap": dict(config, overlap_vision=True) for name, config in CONFIGS.items()}
 
 
 class Trace:
