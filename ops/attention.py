@@ -17,6 +17,7 @@ j > i - window (the window is exclusive: `window` keys including the query itsel
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -105,10 +106,8 @@ def padded_attention(q, k, v, mask, scale: float, softcap: float | None) -> torc
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     if softcap is not None:
         return _softcapped_attention(q, k, v, mask, scale, softcap)
-    if q.is_cuda:
-        with sdpa_kernel(MASKED_CUDA_BACKENDS):
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    with sdpa_kernel(MASKED_CUDA_BACKENDS) if q.is_cuda else nullcontext():
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 
 
 # Masked attention on CUDA: not cuDNN, which PyTorch picks first but which builds a graph for every

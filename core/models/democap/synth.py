@@ -140,8 +140,8 @@ class MaskPool:
         flips = torch.randint(0, 2, (3, batch), generator=gen, device=dev).bool()
         soft = symmetric(self.soft[rows], flips).float() / 255  # turned while still 1 byte a pixel
         cover = symmetric(self.coverage[rows], flips).float() / 255
-        start = int(torch.randint(0, max(1, len(self.noise) - batch + 1), (), generator=gen, device=dev))
         if batch <= len(self.noise):  # consecutive fields: a view, not a [B, 3, S, S] copy
+            start = int(torch.randint(0, len(self.noise) - batch + 1, (), generator=gen, device=dev))
             noise = self.noise[start : start + batch]
         else:
             noise = self.noise[torch.randint(0, len(self.noise), (batch,), generator=gen, device=dev)]

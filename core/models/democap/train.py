@@ -11,8 +11,9 @@ painted, turned and compressed anew every step, so no two steps see the same ima
 are dropped and the checkpoint is a plain Gemma-3. A held-out set drawn by the user's path
 (`data.py` files through the processor's resize) is checked every `--eval-every` steps.
 
-Fixed seeds, `torch.use_deterministic_algorithms(True)` and a fixed thread count: the same
-command on the same machine writes the same weights.
+Where the CPU has bf16 matrix units, the tower stage runs a bf16 copy of the tower against fp32
+master weights (`Bf16Shadow`, `--precision`). Fixed seeds, `torch.use_deterministic_algorithms(True)`
+and a fixed thread count: the same command on the same machine writes the same weights.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ VALID_SEED = 2  # the held-out set checked during training; evaluation seeds are
 @dataclass(frozen=True)
 class TrainConfig:
     out: str
-    vision_steps: int = 4800  # stage 1: the tower alone on the probes
+    vision_steps: int = 4000  # stage 1: the tower alone on the probes
     vision_batch_size: int = 128
     vision_lr: float = 3e-3
     steps: int = 600  # stage 2: the caption, tower frozen
@@ -312,11 +313,11 @@ class Bf16Shadow:
     plain matmul attention."""
 
     def __init__(self, tower: torch.nn.Module):
-        self.master = [p for p in tower.parameters()]
+        self.master = list(tower.parameters())
         self.copy = copy.deepcopy(tower).to(torch.bfloat16)
         self.copy.set_attn_implementation("eager")
         self.copy.train()
-        self.shadow = [p for p in self.copy.parameters()]
+        self.shadow = list(self.copy.parameters())
 
     def __call__(self, pixels: torch.Tensor) -> torch.Tensor:
         """float [B, 3, S, S] -> fp32 patch tokens [B, N, Dv] from this step's master weights."""
