@@ -1,6 +1,8 @@
 """Where the cached VQA run of `wicore bench cache` spends its time (issue 5, bench/NOTES.md).
 
-    python bench/gpu_cache_timeline.py [--configs off,gpu,gpu-nohold] [--images 256]
+    python bench/gpu_cache_timeline.py [--configs off,gpu,off-overlap,gpu-overlap] [--images 256]
+    python bench/gpu_cache_timeline.py --configs gpu --profile-nth 5   # one launch of each kind, alone
+    python bench/gpu_cache_timeline.py --configs gpu --cprofile        # host time of a whole run
 
 The benchmark's VQA flow (4B-shaped model, question-major requests, its warm-up) through the fast
 engine, step by step: every prefill (sequences, new tokens, how many read a cached prefix) and
@@ -9,7 +11,8 @@ a run splits into device time per kind of work and host time. Printed per config
 $OUT/cache_timeline.json when $OUT is set:
 - wall, the engine's phase seconds, steps, and the host time of steps that launched nothing;
 - prefill launches by kind (first questions vs follow-ups with a cached prefix): count, mean
-  sequences and new tokens, device ms each;
+  sequences and new tokens, device ms (between the events: includes the device waiting for the
+  host) and host ms each;
 - when the last first question finished (the first 256 requests) and what the rest took.
 """
 
