@@ -252,12 +252,10 @@ def pretrain_tower(model, images: Images, config: TrainConfig, arch: Arch, devic
         patch_tokens = tower(pixel_values=pixels).last_hidden_state if runner is None else runner(pixels)  # [B, N, Dv]
         pooled_loss, shape_logits = probes.loss(patch_tokens, batch)
         loss = pooled_loss + probes.dense_loss(patch_tokens, batch) * config.dense_weight
-        if runner is None:
-            update(loss, params, optimizer, schedule)
-        else:
-            loss.backward()
+        loss.backward()
+        if runner is not None:
             runner.grads_to_master()
-            update(None, params, optimizer, schedule)
+        optimizer_step(params, optimizer, schedule)
         right.append((shape_logits.argmax(-1) == batch.shape).float().mean().item())
         if step % 200 == 0 or step == total:
             accuracy = round(sum(right[-200:]) / len(right[-200:]), 3)
@@ -333,10 +331,14 @@ class Bf16Shadow:
                 shadow.grad = None
 
 
-def update(loss: torch.Tensor | None, params: list, optimizer, schedule) -> None:
-    """One optimizer step on `loss` (None: the gradients are already in place), clipped to norm 1."""
-    if loss is not None:
-        loss.backward()
+def update(loss: torch.Tensor, params: list, optimizer, schedule) -> None:
+    """One optimizer step on `loss`."""
+    loss.backward()
+    optimizer_step(params, optimizer, schedule)
+
+
+def optimizer_step(params: list, optimizer, schedule) -> None:
+    """Apply the gradients in place, clipped to norm 1, and advance the schedule."""
     torch.nn.utils.clip_grad_norm_(params, 1.0)
     optimizer.step()
     schedule.step()
