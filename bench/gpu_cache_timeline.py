@@ -22,7 +22,8 @@ import argparse
 import json
 import os
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -44,6 +45,7 @@ class Trace:
     def __init__(self, engine, profile_nth: int = 0):
         self.launches: list[dict] = []
         self.step = 0
+        self.seen: Counter = Counter()  # prefill launches so far, by kind
         self.profiles: dict[str, str] = {}  # kind -> op table of its `profile_nth` launch
         runner = engine.runner
         prefill, decode = runner.prefill, runner.decode
@@ -51,13 +53,14 @@ class Trace:
         def traced_prefill(seqs):
             cached = sum(1 for s in seqs if s.prefix_len)
             kind = "prefill follow-up" if cached else "prefill first"
-            if profile_nth and sum(1 for x in self.launches if x.get("label") == kind) == profile_nth - 1:
-                return self._profiled(kind, prefill, seqs)
+            new = sum(s.prompt_len - s.prefix_len for s in seqs)
+            self.seen[kind] += 1
+            if self.seen[kind] == profile_nth:
+                return self._profiled(f"{kind}: {len(seqs)} sequences, {new} new tokens", prefill, seqs)
             start, host = self._open()
             with torch.profiler.record_function(kind):
                 out = prefill(seqs)
-            self._close(start, host, "prefill", seqs=len(seqs), new=sum(s.prompt_len - s.prefix_len for s in seqs),
-                        cached=cached, label=kind)  # fmt: skip
+            self._close(start, host, kind, seqs=len(seqs), new=new, cached=cached)
             return out
 
         def traced_decode(seqs):
@@ -69,8 +72,8 @@ class Trace:
 
         runner.prefill, runner.decode = traced_prefill, traced_decode
 
-    def _profiled(self, kind: str, prefill, seqs):
-        """One launch alone under the profiler (the device drained before and after)."""
+    def _profiled(self, title: str, prefill, seqs):
+        """One launch alone under the profiler (the device drained before and after); not timed."""
         from torch.profiler import ProfilerActivity, profile
 
         torch.cuda.synchronize()
@@ -78,9 +81,7 @@ class Trace:
             out = prefill(seqs)
             torch.cuda.synchronize()
         table = prof.key_averages().table(sort_by="device_time_total", row_limit=30, max_name_column_width=60)
-        new = sum(s.prompt_len - s.prefix_len for s in seqs)
-        self.profiles[kind] = f"{kind}: {len(seqs)} sequences, {new} new tokens\n{table}"
-        self.launches.append({"label": kind, "kind": "profiled"})
+        self.profiles[title] = f"{title}\n{table}"
         return out
 
     @staticmethod
@@ -99,68 +100,42 @@ class Trace:
         torch.cuda.synchronize()
         out = []
         for launch in self.launches:
-            if launch["kind"] == "profiled":
-                continue
             row = {k: v for k, v in launch.items() if k not in ("start", "end")}
             row["ms"] = launch["start"].elapsed_time(launch["end"])
             out.append(row)
         return out
 
 
-def run(
-    name: str, model_dir: Path, bench: CacheBench, requests, warm, profiler=None, profile_nth: int = 0, host=None
-) -> dict:
+def run(name: str, model_dir: Path, bench: CacheBench, requests, warm, measured=None, profile_nth: int = 0) -> dict:
+    """One config's timed run; `measured`: a profiler (torch or cProfile) around the timed part."""
     options = dict(CONFIGS[name])
     engine = make_engine(model_dir, bench, options.pop("cache"), **options)
     engine.generate(warm)
     trace = Trace(engine, profile_nth)
-    firsts = {r.id for r in requests[: bench.images]}
+    firsts = {r.id for r in requests[: bench.images]}  # first questions not yet finished
     torch.cuda.synchronize()
-    if profiler is not None:
-        profiler.start()
-    if host is not None:
-        host.enable()
-    start = time.perf_counter()
-    engine.add(requests)
     step_s, idle_s, first_done = [], 0.0, None
-    remaining = set(firsts)
-    while engine.num_unfinished():
-        trace.step += 1
-        t = time.perf_counter()
-        launches = len(trace.launches)
-        done = engine.step()
-        step_s.append(time.perf_counter() - t)
-        if len(trace.launches) == launches:
-            idle_s += step_s[-1]
-        remaining -= {c.id for c in done}
-        if first_done is None and not remaining:
-            first_done = time.perf_counter() - start
-    torch.cuda.synchronize()
-    wall = time.perf_counter() - start
-    if host is not None:
-        host.disable()
-    if profiler is not None:
-        profiler.stop()
+    with measured or nullcontext():
+        start = time.perf_counter()
+        engine.add(requests)
+        while engine.num_unfinished():
+            trace.step += 1
+            t = time.perf_counter()
+            launches = len(trace.launches)
+            done = engine.step()
+            step_s.append(time.perf_counter() - t)
+            if len(trace.launches) == launches:
+                idle_s += step_s[-1]
+            firsts -= {c.id for c in done}
+            if first_done is None and not firsts:
+                first_done = time.perf_counter() - start
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - start
     stats = engine.stats()
     launches = trace.device_ms()
     release(engine)
     for table in trace.profiles.values():
         print(table, flush=True)
-    groups = defaultdict(list)
-    for row in launches:
-        kind = row["kind"] if row["kind"] == "decode" else ("prefill follow-up" if row["cached"] else "prefill first")
-        groups[kind].append(row)
-    by_kind = {
-        kind: {
-            "launches": len(rows),
-            "device_s": round(sum(r["ms"] for r in rows) / 1e3, 3),
-            "mean_seqs": round(sum(r["seqs"] for r in rows) / len(rows), 1),
-            "mean_new_tokens": round(sum(r.get("new", 0) for r in rows) / len(rows), 1),
-            "mean_ms": round(sum(r["ms"] for r in rows) / len(rows), 2),
-            "mean_host_ms": round(sum(r["host_ms"] for r in rows) / len(rows), 2),
-        }
-        for kind, rows in groups.items()
-    }
     summary = {
         "name": name,
         "wall_s": round(wall, 3),
@@ -171,10 +146,29 @@ def run(
         "phases": {k: round(stats.get(k, 0.0), 3) for k in ("vision_s", "prefill_s", "decode_s")},
         "images_encoded": stats.get("images_encoded"),
         "cached_prompt_tokens": stats.get("cached_prompt_tokens"),
-        "by_kind": by_kind,
+        "by_kind": by_kind(launches),
     }
     print(json.dumps(summary, indent=1), flush=True)
     return {**summary, "launches": launches}
+
+
+def by_kind(launches: list[dict]) -> dict:
+    """Per kind of launch: count, device seconds, mean sequences / new tokens / device ms / host ms."""
+    groups = defaultdict(list)
+    for row in launches:
+        groups[row["kind"]].append(row)
+    mean = lambda rows, key: sum(r.get(key, 0) for r in rows) / len(rows)  # noqa: E731
+    return {
+        kind: {
+            "launches": len(rows),
+            "device_s": round(sum(r["ms"] for r in rows) / 1e3, 3),
+            "mean_seqs": round(mean(rows, "seqs"), 1),
+            "mean_new_tokens": round(mean(rows, "new"), 1),
+            "mean_ms": round(mean(rows, "ms"), 2),
+            "mean_host_ms": round(mean(rows, "host_ms"), 2),
+        }
+        for kind, rows in groups.items()
+    }
 
 
 def main() -> None:
@@ -200,7 +194,7 @@ def main() -> None:
         import pstats
 
         host = cProfile.Profile()
-        run(names[-1], model_dir, bench, requests, warm, host=host)
+        run(names[-1], model_dir, bench, requests, warm, measured=host)
         text = io.StringIO()
         stats = pstats.Stats(host, stream=text)
         stats.sort_stats("tottime").print_stats(45)
@@ -212,7 +206,7 @@ def main() -> None:
         from torch.profiler import ProfilerActivity, profile
 
         prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
-        run(names[-1], model_dir, bench, requests, warm, profiler=prof)
+        run(names[-1], model_dir, bench, requests, warm, measured=prof)
         table = prof.key_averages().table(sort_by="device_time_total", row_limit=40, max_name_column_width=70)
         print(table, flush=True)
         if os.environ.get("OUT"):
