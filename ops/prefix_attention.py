@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from wicore.ops.attention import PackedBatch, pack_layout, padded_attention
+from wicore.ops.attention import GroupedBatch, PackedBatch, group_batch, pack_layout
 from wicore.ops.transfer import upload
 
 
@@ -90,11 +90,12 @@ def prefix_prefill_attention(
     softcap: float | None = None,
 ) -> torch.Tensor:
     """q: [N, Hq, D], k/v: [N, Hkv, D] suffix rows; k_prefix/v_prefix: [M, Hkv, D] prefix rows;
-    mask: [B, 1, Lq, Lk] bool -> [N, Hq, D]."""
-    n, heads, dim = q.shape
-    keys, values = torch.cat([k_prefix, k]), torch.cat([v_prefix, v])  # [M + N, Hkv, D]
-    qp = q[batch.queries.gather].transpose(1, 2)  # [B, Hq, Lq, D]
-    kp, vp = (x[batch.key_gather].transpose(1, 2) for x in (keys, values))  # [B, Hkv, Lk, D]
-    out = padded_attention(qp, kp, vp, mask, scale, softcap)
-    out = out.transpose(1, 2).reshape(-1, heads, dim)  # [B * Lq, Hq, D]
-    return out[batch.queries.scatter]
+    mask: [B, 1, Lq, Lk] bool -> [N, Hq, D]. One call; a step builds `group_prefix` once."""
+    grouped = group_prefix(batch, (mask, None), q.shape[1], k.shape[1], q.dtype)
+    return grouped(q, torch.cat([k_prefix, k]), torch.cat([v_prefix, v]), False, scale, softcap)
+
+
+def group_prefix(batch: PrefixBatch, masks, heads: int, kv_heads: int, dtype: torch.dtype) -> GroupedBatch:
+    """The step's grouped layout: queries are the suffix rows, keys the rows of
+    cat(prefix rows, suffix rows) ([M + N, Hkv, D])."""
+    return group_batch(batch.queries, batch.key_gather, masks, heads, kv_heads, dtype)

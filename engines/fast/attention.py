@@ -1,9 +1,9 @@
 """Attention backends for one forward pass: they hold the step's metadata, write each layer's
 K/V into the paged cache and run the right kernel. The decoder calls `backend(layer, q, k, v)`.
 
-- `PrefillAttention`: packed prompts, fresh K/V, Gemma-3's image-bidirectional causal masks;
-  prompts that start with cached positions also attend over the prefix K/V, gathered from the
-  pages (`ops.prefix_attention`).
+- `PrefillAttention`: packed prompts, fresh K/V, Gemma-3's image-bidirectional causal masks, laid
+  out once per step (`ops.attention.GroupedBatch`); prompts that start with cached positions also
+  attend over the prefix K/V, gathered from the pages (`ops.prefix_attention`).
 - `DecodeAttention`: one token per sequence, paged attention over the cache. Everything it
   derives (cache slots, context lengths) is computed on the device from `rows` / `positions`,
   so the same code runs inside a CUDA graph.
@@ -16,8 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from wicore.engines.fast.kv_cache import KVCache
-from wicore.ops.attention import PackedBatch, paged_decode_attention, prefill_attention, store_kv
-from wicore.ops.prefix_attention import prefix_prefill_attention
+from wicore.ops.attention import GroupedBatch, paged_decode_attention, store_kv
 
 
 @dataclass(frozen=True)
@@ -44,25 +43,23 @@ class PrefillAttention:
         self,
         cache: KVCache,
         specs: list[LayerSpec],
-        layout: PackedBatch,
-        masks: tuple[torch.Tensor, torch.Tensor | None],
+        grouped: GroupedBatch,  # the step's padded layout and masks, shared by every layer
         slots: torch.Tensor,  # [G, N] int64 cache slot of each packed token, per layer group
-        prefix=None,  # prefill_inputs.PrefixInputs: cached prefixes (None: none)
+        prefix_slots: torch.Tensor | None = None,  # [G, sum P] slots of cached prefix positions
     ):
-        self.cache, self.specs, self.layout, self.slots, self.prefix = cache, specs, layout, slots, prefix
-        self.full_mask, self.sliding_mask = masks
+        self.cache, self.specs, self.grouped, self.slots = cache, specs, grouped, slots
+        self.prefix_slots = prefix_slots
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         spec = self.specs[layer]
         _, k_cache, v_cache = self.cache.layer(layer)
         store_kv(k_cache, v_cache, k, v, self.slots[spec.group])
-        mask = self.sliding_mask if spec.window is not None else self.full_mask
-        if self.prefix is None:
-            return prefill_attention(q, k, v, self.layout, mask, spec.scale, spec.softcap)
-        slots = self.prefix.slots[spec.group]  # [sum P] prefix positions' slots (never the new ones)
-        k_prefix = k_cache.view(-1, *k_cache.shape[2:]).index_select(0, slots)  # [sum P, Hkv, D]
-        v_prefix = v_cache.view(-1, *v_cache.shape[2:]).index_select(0, slots)
-        return prefix_prefill_attention(q, k, v, k_prefix, v_prefix, self.prefix.batch, mask, spec.scale, spec.softcap)
+        keys, values = k, v
+        if self.prefix_slots is not None:  # rows: the prefixes' (from the pages), then the suffixes'
+            slots = self.prefix_slots[spec.group]  # never the new positions' slots
+            keys = torch.cat([k_cache.view(-1, *k_cache.shape[2:]).index_select(0, slots), k])
+            values = torch.cat([v_cache.view(-1, *v_cache.shape[2:]).index_select(0, slots), v])
+        return self.grouped(q, keys, values, spec.window is not None, spec.scale, spec.softcap)
 
 
 class DecodeAttention:

@@ -66,24 +66,27 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return (h * (1.0 + weight.float())).type_as(x)
 
 
-def attention_inputs(x, cos, sin, norm_w, q_w, k_w, v_w, q_norm_w, k_norm_w, heads: int, kv_heads: int, eps: float):
-    """x [N, hidden] -> q [N, Hq, D], k, v [N, Hkv, D]: input norm, projections, QK-norm, RoPE.
-    A free function of tensors, so one compiled graph serves every layer."""
+def attention_inputs(x, cos, sin, norm_w, qkv_w, q_norm_w, k_norm_w, heads: int, kv_heads: int, eps: float):
+    """x [N, hidden] -> q [N, Hq, D], k, v [N, Hkv, D]: input norm, one fused q/k/v projection
+    (`DecoderLayer.fuse_weights`), QK-norm, RoPE. A free function of tensors, so one compiled
+    graph serves every layer."""
     n = x.shape[0]
     h = rms_norm(x, norm_w, eps)
-    q = rms_norm(F.linear(h, q_w).view(n, heads, -1), q_norm_w, eps)
-    k = rms_norm(F.linear(h, k_w).view(n, kv_heads, -1), k_norm_w, eps)
-    v = F.linear(h, v_w).view(n, kv_heads, -1)
-    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+    dim = qkv_w.shape[0] // (heads + 2 * kv_heads)
+    q, k, v = F.linear(h, qkv_w).split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    q = rms_norm(q.reshape(n, heads, dim), q_norm_w, eps)
+    k = rms_norm(k.reshape(n, kv_heads, dim), k_norm_w, eps)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v.reshape(n, kv_heads, dim)
 
 
-def attention_outputs(x, attn, o_w, post_attn_w, pre_ffn_w, gate_w, up_w, down_w, post_ffn_w, eps: float, gelu: str):
+def attention_outputs(x, attn, o_w, post_attn_w, pre_ffn_w, gate_up_w, down_w, post_ffn_w, eps: float, gelu: str):
     """Residual stream after attention [N, Hq, D]: o_proj, post-attention norm, residual,
-    pre-FFN norm, gated MLP, post-FFN norm, residual -> [N, hidden]."""
+    pre-FFN norm, gated MLP (one fused gate/up projection), post-FFN norm, residual -> [N, hidden]."""
     n = x.shape[0]
     x = x + rms_norm(F.linear(attn.reshape(n, -1), o_w), post_attn_w, eps)
     h = rms_norm(x, pre_ffn_w, eps)
-    h = F.linear(F.gelu(F.linear(h, gate_w), approximate=gelu) * F.linear(h, up_w), down_w)
+    gate, up = F.linear(h, gate_up_w).chunk(2, dim=-1)
+    h = F.linear(F.gelu(gate, approximate=gelu) * up, down_w)
     return x + rms_norm(h, post_ffn_w, eps)
 
 
@@ -142,18 +145,36 @@ class DecoderLayer(nn.Module):
         self.pre_feedforward_layernorm = GemmaRMSNorm(hidden, self.eps)
         self.post_feedforward_layernorm = GemmaRMSNorm(hidden, self.eps)
 
+    def fuse_weights(self) -> None:
+        """Concatenate q/k/v and gate/up weights so each runs as one GEMM (fewer launches, and
+        fewer nodes in decode graphs); the separate parameters become views of the fused ones."""
+        a, m = self.self_attn, self.mlp
+        self.qkv_weight = _fuse(a.q_proj, a.k_proj, a.v_proj)
+        self.gate_up_weight = _fuse(m.gate_proj, m.up_proj)
+
     def forward(self, x, cos, sin, attention: Attention, fns: LayerFunctions) -> torch.Tensor:
         a, m = self.self_attn, self.mlp
         q, k, v = fns.inputs(
-            x, cos, sin, self.input_layernorm.weight, a.q_proj.weight, a.k_proj.weight, a.v_proj.weight,
+            x, cos, sin, self.input_layernorm.weight, self.qkv_weight,
             a.q_norm.weight, a.k_norm.weight, a.heads, a.kv_heads, self.eps,
         )  # fmt: skip
         out = attention(self.index, q, k, v)
         return fns.outputs(
             x, out, a.o_proj.weight, self.post_attention_layernorm.weight, self.pre_feedforward_layernorm.weight,
-            m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight, self.post_feedforward_layernorm.weight,
+            self.gate_up_weight, m.down_proj.weight, self.post_feedforward_layernorm.weight,
             self.eps, self.gelu,
         )  # fmt: skip
+
+
+def _fuse(*linears: nn.Linear) -> torch.Tensor:
+    """[sum out, in]: the linears' weights stacked; each keeps a view of its rows."""
+    fused = torch.cat([linear.weight for linear in linears])
+    start = 0
+    for linear in linears:
+        rows = linear.weight.shape[0]
+        linear.weight = nn.Parameter(fused[start : start + rows], requires_grad=False)
+        start += rows
+    return fused
 
 
 class TextDecoder(nn.Module):
@@ -169,6 +190,10 @@ class TextDecoder(nn.Module):
         self.inv_freq = {kind: rope_inv_freq(config, kind) for kind in sorted(set(config.layer_types))}
         self.embed_scale = torch.tensor(config.hidden_size**0.5, dtype=torch.float32, device="cpu")
         self.fns = LayerFunctions()
+
+    def fuse_weights(self) -> None:
+        for layer in self.layers:
+            layer.fuse_weights()
 
     def to_device(self, device: torch.device) -> None:
         self.inv_freq = {kind: f.to(device) for kind, f in self.inv_freq.items()}

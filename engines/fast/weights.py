@@ -72,6 +72,7 @@ def load_gemma3(model_dir: str | Path, device: torch.device, dtype: str, seed: i
             state[ours] = tensor if tensor.dtype == target else tensor.to(target)
     _assign(parts, state)
     decoder = parts["decoder"]
+    decoder.fuse_weights()  # after loading: the checkpoint names the separate projections
     decoder.to_device(device)
     return Gemma3Parts(config, parts["encoder"].eval(), decoder.eval())
 
