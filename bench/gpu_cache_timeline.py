@@ -70,7 +70,15 @@ class Trace:
             self._close(start, host, "decode", seqs=len(seqs))
             return out
 
-        runner.prefill, runner.decode = traced_prefill, traced_decode
+        encode_images = runner.encode_images
+
+        def traced_vision(images):
+            start, host = self._open(runner.side_stream)
+            out = encode_images(images)
+            self._close(start, host, "vision", runner.side_stream, seqs=len(images))
+            return out
+
+        runner.prefill, runner.decode, runner.encode_images = traced_prefill, traced_decode, traced_vision
 
     def _profiled(self, title: str, prefill, seqs):
         """One launch alone under the profiler (the device drained before and after); not timed."""
@@ -80,28 +88,34 @@ class Trace:
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             out = prefill(seqs)
             torch.cuda.synchronize()
-        table = prof.key_averages().table(sort_by="device_time_total", row_limit=30, max_name_column_width=60)
-        self.profiles[title] = f"{title}\n{table}"
+        averages = prof.key_averages()
+        by_device = averages.table(sort_by="device_time_total", row_limit=20, max_name_column_width=60)
+        by_host = averages.table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=60)
+        self.profiles[title] = f"{title}\n{by_device}\n{title}, by host time\n{by_host}"
         return out
 
     @staticmethod
-    def _open():
+    def _open(stream=None):
         start = torch.cuda.Event(enable_timing=True)
-        start.record()
+        start.record(stream)
         return start, time.perf_counter()
 
-    def _close(self, start, host: float, kind: str, **sizes) -> None:
+    def _close(self, start, host: float, kind: str, stream=None, **sizes) -> None:
         host_ms = (time.perf_counter() - host) * 1e3  # the launch's host time (enqueueing)
         end = torch.cuda.Event(enable_timing=True)
-        end.record()
+        end.record(stream)
         self.launches.append({"kind": kind, "step": self.step, "start": start, "end": end, "host_ms": host_ms, **sizes})
 
-    def device_ms(self) -> list[dict]:
+    def device_ms(self, one_stream: bool) -> list[dict]:
+        """Each launch's device ms; with `one_stream` (vision on the main stream too) also the
+        idle ms between it and the next launch (`gap_ms`: nothing of ours queued)."""
         torch.cuda.synchronize()
         out = []
-        for launch in self.launches:
+        for i, launch in enumerate(self.launches):
             row = {k: v for k, v in launch.items() if k not in ("start", "end")}
             row["ms"] = launch["start"].elapsed_time(launch["end"])
+            if one_stream and i + 1 < len(self.launches):
+                row["gap_ms"] = launch["end"].elapsed_time(self.launches[i + 1]["start"])
             out.append(row)
         return out
 
@@ -132,7 +146,7 @@ def run(name: str, model_dir: Path, bench: CacheBench, requests, warm, measured=
         torch.cuda.synchronize()
         wall = time.perf_counter() - start
     stats = engine.stats()
-    launches = trace.device_ms()
+    launches = trace.device_ms(one_stream=not options.get("overlap_vision"))
     release(engine)
     for table in trace.profiles.values():
         print(table, flush=True)
@@ -147,6 +161,7 @@ def run(name: str, model_dir: Path, bench: CacheBench, requests, warm, measured=
         "images_encoded": stats.get("images_encoded"),
         "cached_prompt_tokens": stats.get("cached_prompt_tokens"),
         "by_kind": by_kind(launches),
+        "idle_after": idle_after(launches),
     }
     print(json.dumps(summary, indent=1), flush=True)
     return {**summary, "launches": launches}
@@ -169,6 +184,15 @@ def by_kind(launches: list[dict]) -> dict:
         }
         for kind, rows in groups.items()
     }
+
+
+def idle_after(launches: list[dict]) -> dict:
+    """Device idle seconds between consecutive launches, by (kind -> next kind), largest first."""
+    gaps = Counter()
+    for row, following in zip(launches, launches[1:], strict=False):
+        if "gap_ms" in row:
+            gaps[f"{row['kind']} -> {following['kind']}"] += row["gap_ms"] / 1e3
+    return {pair: round(seconds, 3) for pair, seconds in gaps.most_common()}
 
 
 def main() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -15,7 +16,7 @@ from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImagePr
 
 from wicore.errors import ConfigError
 from wicore.ops.image import decode_image
-from wicore.ops.preprocess import PreprocessSpec, pixel_values, pixel_values_torch
+from wicore.ops.preprocess import PreprocessSpec, apply_lut, pixel_values, pixel_values_torch, resized_images
 
 RNG = np.random.default_rng(0)
 SIZES = [(1, 1), (7, 300), (300, 7), (64, 64), (1000, 700), (896, 896)]  # (width, height)
@@ -172,6 +173,45 @@ def test_torch_variant_has_the_same_numbers():
     tensor = pixel_values_torch(images, spec)
     assert tensor.dtype == torch.float32 and tensor.shape == (2, 3, 32, 32)
     assert np.array_equal(tensor.numpy(), pixel_values(images, spec))
+
+
+def lut_on_resized(images: list[Image.Image], spec: PreprocessSpec, dtype=torch.float32) -> torch.Tensor:
+    """The engine's split path: uint8 on the host, the lookup table applied by torch."""
+    return apply_lut(torch.from_numpy(resized_images(images, spec)), torch.from_numpy(spec.lut).to(dtype))
+
+
+def test_resized_images_are_uint8_height_width_channels():
+    spec = PreprocessSpec(size=(32, 48), mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5))
+    resized = resized_images([Image.new("RGB", (10, 10), (1, 2, 3)), random_image(70, 20, "L")], spec)
+    assert resized.dtype == np.uint8 and resized.shape == (2, 32, 48, 3)
+    assert resized[0, 5, 5].tolist() == [1, 2, 3]
+    assert resized_images([], spec).shape == (0, 32, 48, 3)
+
+
+@pytest.mark.parametrize("target", [48, 896])
+def test_lut_on_resized_images_has_the_same_bits(target):
+    """Larger and smaller than the target, non-RGB modes, a non-square target: as pixel_values."""
+    spec = PreprocessSpec.from_hf(gemma3_processor(target))
+    palette = random_image(30, 20).convert("P")
+    images = [random_image(1000, 700), random_image(7, 300), random_image(50, 40, "RGBA"), random_image(9, 33, "L")]
+    images.append(palette)
+    assert_same_bits(lut_on_resized(images, spec).numpy(), pixel_values(images, spec))
+    wide = replace(spec, size=(24, 40))
+    assert_same_bits(lut_on_resized(images, wide).numpy(), pixel_values(images, wide))
+
+
+def test_lut_cast_first_equals_values_cast_after():
+    """The engine casts the table once instead of every batch's pixels: the same bits."""
+    spec = PreprocessSpec.from_hf(gemma3_processor(40))
+    images = [random_image(64, 50), random_image(20, 80, "RGBA")]
+    got = lut_on_resized(images, spec, torch.bfloat16)
+    assert got.dtype == torch.bfloat16 and got.is_contiguous()
+    assert torch.equal(got, torch.from_numpy(pixel_values(images, spec)).to(torch.bfloat16))
+
+
+def test_lut_of_an_empty_batch():
+    spec = PreprocessSpec(size=(16, 8), mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5))
+    assert lut_on_resized([], spec).shape == (0, 3, 16, 8)
 
 
 def test_thread_pool_gives_the_serial_result():

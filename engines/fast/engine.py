@@ -100,7 +100,14 @@ class FastEngine(Engine):
         layout = KVLayout.build(text, opts.block_size, self.max_len)
         sampler = Sampler(text.vocab_size, self.eos_ids, device)
         runner = ModelRunner(
-            parts, layout, config.max_batch_size, sampler, device, torch_dtype(config.dtype), opts.overlap_vision
+            parts,
+            layout,
+            config.max_batch_size,
+            sampler,
+            device,
+            torch_dtype(config.dtype),
+            opts.overlap_vision,
+            pixel_lut=self.inputs.pixel_spec.lut,
         )
         vision_batch = opts.vision_batch(self.cuda)
         compile_vision, compile_text = opts.compiles(self.cuda)

@@ -2,7 +2,8 @@
 
 - At `add`: one cache lookup for every image of the call (local LRU, then the shared store the
   worker attached, e.g. Redis); a sequence whose images are all cached skips pixels and the
-  vision tower. Others get their pixels resized in the pool, one job per distinct image.
+  vision tower. Others get their images resized in the pool (uint8; the model runner applies
+  the pixel lookup table on the device), one job per distinct image.
 - At launch: a sequence whose images are already being encoded (another question about the
   same image) attaches to that vision batch; repeated images inside a batch are encoded once.
 - At completion: the new embeddings go into the cache.
@@ -56,7 +57,7 @@ class ImageStage:
             seq_keys = image_keys(seq)
             if seq.num_images and all(k in cached for k in seq_keys):
                 seq.image_embeds = torch.stack([cached[k] for k in seq_keys])  # [n, tokens, hidden]
-                seq.pixels = np.zeros((0, 3, 1, 1), dtype=np.float32)
+                seq.pixels = self.inputs.resized([])  # uint8 [0, H, W, 3]: nothing to encode
                 continue
             try:
                 seq.pixels = self._pixels(seq, seq_keys)
@@ -64,18 +65,19 @@ class ImageStage:
                 failures.append((seq, error))
         return failures
 
-    def _pixels(self, seq: Sequence, keys: list[str | None]):
+    def _pixels(self, seq: Sequence, keys: list[str | None]) -> np.ndarray | Future:
+        """The sequence's resized images, uint8 [num_images, H, W, 3] (a Future in the pool)."""
         if not seq.num_images:
-            return np.zeros((0, 3, 1, 1), dtype=np.float32)
+            return self.inputs.resized([])
         if self.pool is None:
             try:
-                return self.inputs.pixels(seq.request.images)
+                return self.inputs.resized(seq.request.images)
             except Exception as error:
                 raise JobInputError(f"image preprocessing failed: {error}") from error
         key = keys[0] if len(keys) == 1 else None
         if key is not None and key in self.pending_pixels:
             return self.pending_pixels[key]
-        future = self.pool.submit(self.inputs.pixels, seq.request.images)
+        future = self.pool.submit(self.inputs.resized, seq.request.images)
         if key is not None:
             self.pending_pixels[key] = future
         return future

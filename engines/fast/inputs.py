@@ -3,8 +3,9 @@
 Token ids: the checkpoint's chat template, then every `<start_of_image>` expanded to the
 processor's full image sequence ("\\n\\n<boi>" + soft tokens + "<eoi>\\n\\n") and tokenized
 without special tokens: the same text `Gemma3Processor` tokenizes, without processing the
-images a second time. Pixels: `pixel_values` below, the one place to swap in
-`wicore.ops.preprocess` once it lands.
+images a second time. Pixels: `resized` gives the uint8 images (host threads); the model runner
+maps them through `pixel_spec.lut` on the device (`wicore.ops.preprocess.apply_lut`), which
+gives the processor's float32 pixel values bit for bit.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from wicore.errors import JobInputError
-from wicore.ops.preprocess import PreprocessSpec, pixel_values
+from wicore.ops.preprocess import PreprocessSpec, resized_images
 
 PROMPT_CACHE_SIZE = 1024
 
@@ -70,8 +71,7 @@ class InputProcessor:
             raise JobInputError("the prompt's image placeholders do not match the images")
         return starts
 
-    def pixels(self, images: list) -> np.ndarray:
-        """float32 [N, 3, H, W], identical to the HF image processor's output."""
-        if not images:
-            return np.zeros((0, 3, 1, 1), dtype=np.float32)
-        return pixel_values(images, self.pixel_spec)
+    def resized(self, images: list) -> np.ndarray:
+        """uint8 [N, H, W, 3] (N may be 0): the images as the HF image processor resizes them;
+        `pixel_spec.lut` turns them into its float32 pixel values."""
+        return resized_images(images, self.pixel_spec)

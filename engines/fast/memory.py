@@ -73,8 +73,8 @@ def _peak(run) -> int:
 
 def _vision(runner: ModelRunner, batch: int) -> None:
     size = runner.parts.config.vision_config.image_size
-    pixels = torch.zeros(batch, 3, size, size, device=runner.device)  # float32, as uploaded
-    runner.encode(pixels.to(runner.dtype))
+    resized = torch.zeros(batch, size, size, 3, dtype=torch.uint8, device=runner.device)  # as uploaded
+    runner.encode(runner.pixel_values(resized))
 
 
 def _prefill(runner: ModelRunner, tokens: int) -> None:

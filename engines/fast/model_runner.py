@@ -7,10 +7,10 @@ for padding): `tables` [groups, rows + 1, width] int32 (uploaded once, at admiss
 `last_token` on the device, so a decode step needs only rows and positions from the host and
 never waits for the previous step's tokens to reach Python; those are read back one step late.
 
-Streams (CUDA): vision (pixel upload from pinned memory + tower + projector) runs on a side
-stream and records an event; the prefill that consumes its embeddings waits on that event on
-the main (high-priority) stream, where prefill, decode, sampling and readbacks run. Decode steps
-replay CUDA graphs per batch bucket.
+Streams (CUDA): vision (uint8 image upload from pinned memory + pixel lookup table + tower +
+projector) runs on a side stream and records an event; the prefill that consumes its embeddings
+waits on that event on the main (high-priority) stream, where prefill, decode, sampling and
+readbacks run. Decode steps replay CUDA graphs per batch bucket.
 """
 
 from __future__ import annotations
@@ -28,17 +28,29 @@ from wicore.engines.fast.prefill_inputs import prefill_inputs, suffix_image_embe
 from wicore.engines.fast.sampler import Sampler, SamplingBatch
 from wicore.engines.fast.sequence import Sequence
 from wicore.engines.fast.weights import Gemma3Parts
-from wicore.ops.attention import gemma3_prefill_masks
-from wicore.ops.prefix_attention import gemma3_prefix_masks
+from wicore.ops.attention import gemma3_prefill_masks, group_batch
+from wicore.ops.prefix_attention import gemma3_prefix_masks, group_prefix
+from wicore.ops.preprocess import apply_lut
 from wicore.ops.transfer import upload
 
 
 class ModelRunner:
     def __init__(
-        self, parts: Gemma3Parts, layout: KVLayout, max_rows: int, sampler: Sampler, device, dtype, overlap: bool = True
+        self,
+        parts: Gemma3Parts,
+        layout: KVLayout,
+        max_rows: int,
+        sampler: Sampler,
+        device,
+        dtype,
+        overlap: bool = True,
+        pixel_lut: np.ndarray | None = None,
     ):
+        """pixel_lut: [3, 256] float32, `InputProcessor.pixel_spec.lut`; images need it."""
         self.parts, self.layout, self.sampler = parts, layout, sampler
         self.device, self.dtype = torch.device(device), dtype
+        # Cast once: looking up the cast table gives the same bits as casting looked-up float32.
+        self.pixel_lut = None if pixel_lut is None else torch.from_numpy(pixel_lut).to(self.device, dtype)
         self.cuda = self.device.type == "cuda"
         self.text_config = parts.config.text_config
         self.null_row = max_rows
@@ -98,13 +110,14 @@ class ModelRunner:
     # -- vision (side stream) ---------------------------------------------------------------
 
     def encode_images(self, images: list[np.ndarray]) -> tuple[torch.Tensor, torch.cuda.Event | None]:
-        """N images [3, S, S] float32 -> embeddings [N, tokens, hidden] on the vision stream,
-        and the event recorded after them (None on CPU)."""
+        """N resized images uint8 [S, S, 3] -> embeddings [N, tokens, hidden] on the vision
+        stream, and the event recorded after them (None on CPU). The upload, the lookup table
+        and the tower all run on that stream, in order."""
         staged = self._stage(images)
         stream = self.side_stream
         with torch.cuda.stream(stream) if stream is not None else nullcontext():
             mark = self.clock.start(stream)
-            embeds = self.encode(staged.to(self.device, non_blocking=True).to(self.dtype))
+            embeds = self.encode(self.pixel_values(staged.to(self.device, non_blocking=True)))
             self.clock.stop("vision", mark, stream)
             event = None
             if stream is not None:
@@ -121,12 +134,17 @@ class ModelRunner:
             return embeds[torch.tensor(rows, device=embeds.device)]
 
     def _stage(self, images: list[np.ndarray]) -> torch.Tensor:
-        """One host copy into (pinned) memory [N, 3, S, S]; the host allocator keeps the buffer
-        alive until the asynchronous upload has read it."""
-        staging = torch.empty((len(images), *images[0].shape), dtype=torch.float32, pin_memory=self.cuda)
+        """One host copy into (pinned) memory uint8 [N, S, S, 3]; the host allocator keeps the
+        buffer alive until the asynchronous upload has read it."""
+        staging = torch.empty((len(images), *images[0].shape), dtype=torch.uint8, pin_memory=self.cuda)
         for row, image in zip(staging, images, strict=True):
             row.copy_(torch.from_numpy(image))
         return staging
+
+    def pixel_values(self, resized: torch.Tensor) -> torch.Tensor:
+        """uint8 [N, S, S, 3] on the device -> [N, 3, S, S] in the model's dtype: the HF
+        processor's float32 pixel values, cast."""
+        return apply_lut(resized, self.pixel_lut)
 
     @torch.inference_mode()
     def encode(self, pixels: torch.Tensor) -> torch.Tensor:
@@ -171,12 +189,15 @@ class ModelRunner:
         x = decoder.embed(ids)
         if image_embeds is not None:
             x = x.index_copy(0, image_rows, image_embeds.to(x.dtype))
-        window = self.text_config.sliding_window
+        c = self.text_config
+        heads = (c.num_attention_heads, c.num_key_value_heads, x.dtype)
         if prefix is None:
-            masks = gemma3_prefill_masks(layout, image_groups, window)
+            masks = gemma3_prefill_masks(layout, image_groups, c.sliding_window)
+            grouped = group_batch(layout, layout.gather, masks, *heads)
         else:
-            masks = gemma3_prefix_masks(prefix.batch, image_groups, window)
-        attention = PrefillAttention(self.cache, self.specs, layout, masks, slots, prefix)
+            masks = gemma3_prefix_masks(prefix.batch, image_groups, c.sliding_window)
+            grouped = group_prefix(prefix.batch, masks, *heads)
+        attention = PrefillAttention(self.cache, self.specs, grouped, slots, None if prefix is None else prefix.slots)
         hidden = decoder(x, positions, attention)
         return decoder.logits(hidden[last])
 

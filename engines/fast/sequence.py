@@ -31,7 +31,7 @@ class SeqStatus(str, Enum):
 class Sequence:
     request: EngineRequest
     prompt: Prompt
-    pixels: Future | np.ndarray | None  # [num_images, 3, H, W] float32 (a Future while resized)
+    pixels: Future | np.ndarray | None  # resized images uint8 [num_images, H, W, 3] (a Future while resized)
     seed: int
     status: SeqStatus = SeqStatus.WAITING
     row: int = -1  # row of the device block tables / last-token buffer while admitted
