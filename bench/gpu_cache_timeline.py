@@ -1,6 +1,6 @@
 """Where the cached VQA run of `wicore bench cache` spends its time (issue 5, bench/NOTES.md).
 
-    python bench/gpu_cache_timeline.py [--configs off,gpu,off-overlap,gpu-overlap] [--images 256]
+    python bench/gpu_cache_timeline.py [--configs off,gpu,off-1stream,gpu-1stream] [--images 256]
     python bench/gpu_cache_timeline.py --configs gpu --profile-nth 5   # one launch of each kind, alone
     python bench/gpu_cache_timeline.py --configs gpu --cprofile        # host time of a whole run
 
@@ -36,7 +36,7 @@ CONFIGS = {
     "off": dict(cache=False),
     "gpu": dict(cache=True, host_cache_bytes=0, prefix_split_images=True),
 }
-CONFIGS |= {f"{name}-overlap": dict(config, overlap_vision=True) for name, config in CONFIGS.items()}
+CONFIGS |= {f"{name}-1stream": dict(config, overlap_vision=False) for name, config in CONFIGS.items()}
 
 
 class Trace:
@@ -146,7 +146,7 @@ def run(name: str, model_dir: Path, bench: CacheBench, requests, warm, measured=
         torch.cuda.synchronize()
         wall = time.perf_counter() - start
     stats = engine.stats()
-    launches = trace.device_ms(one_stream=not options.get("overlap_vision"))
+    launches = trace.device_ms(one_stream=options.get("overlap_vision") is False)
     release(engine)
     for table in trace.profiles.values():
         print(table, flush=True)

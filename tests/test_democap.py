@@ -109,7 +109,7 @@ def test_mask_pool_paints_new_images_from_the_same_masks():
             if covered.sum() < 4 or clear.sum() < 4:
                 continue
             pixels = batch.pixels[row].float()  # [3, S, S]
-            nearest = lambda rgb: int((palette - rgb).norm(dim=1).argmin())  # noqa: E731
+            nearest = lambda rgb, palette=palette: int((palette - rgb).norm(dim=1).argmin())  # noqa: E731
             right += nearest(pixels[:, covered].mean(1)) == batch.color[row]
             right += nearest(pixels[:, clear].mean(1)) == batch.background[row]
             total += 2

@@ -3,6 +3,8 @@
 - VQA: 256 images x 4 questions through the fast engine with caching off, with the GPU tiers
   only (vision-embedding cache + prefix KV blocks in the GPU pool), and with GPU + pinned CPU +
   disk tiers while the GPU pool is deliberately small. Key `vqa_speedup` (best tiered / off).
+  Each config is timed `repeats` times on new images (runs of one config vary by ~5% on the
+  H100) and reports its median run.
 - Restore bandwidth: blocks restored from the CPU tier into GPU pages, against the pinned
   host-to-device bandwidth measured in the same run. Key `restore_bw_fraction`.
 - Bulk captioning with 30% duplicate images (distinct jobs: different seeds of a sampled
@@ -16,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import random
 import shutil
+import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +46,7 @@ class CacheBench:
     questions: int = 4
     new_tokens: int = 32
     dup_images: int = 1024
+    repeats: int = 3  # timed VQA runs per config, each on its own images; the median is reported
     batch_size: int = 384
     small_gpu_pages: int = 16_384  # the deliberately small GPU pool of the tiered run (~100 sequences)
     host_cache_bytes: int = 16 * 2**30
@@ -57,11 +61,13 @@ def request(rid: str, path: Path, text: str, new_tokens: int) -> EngineRequest:
     return EngineRequest(rid, chat, [decode_image(data)], params, [hashlib.sha256(data).hexdigest()])
 
 
-def vqa_requests(paths: list[Path], questions: int, new_tokens: int) -> list[EngineRequest]:
+def vqa_requests(paths: list[Path], questions: int, new_tokens: int, tag: str = "") -> list[EngineRequest]:
     """Question-major: every image gets its first question, then every image its second, ...:
     a follow-up comes after 255 other images, so a small GPU pool must have moved the image's
     prefix blocks down a tier and bring them back."""
-    return [request(f"{i}-{q}", p, QUESTIONS[q], new_tokens) for q in range(questions) for i, p in enumerate(paths)]
+    return [
+        request(f"{tag}{i}-{q}", p, QUESTIONS[q], new_tokens) for q in range(questions) for i, p in enumerate(paths)
+    ]
 
 
 def dup_requests(paths: list[Path], count: int, new_tokens: int, share: float = 0.3) -> list[EngineRequest]:
@@ -97,16 +103,22 @@ def make_engine(model_dir: Path, bench: CacheBench, cache: bool, **options):
     return FastEngine(config)
 
 
-def run_config(name: str, model_dir: Path, bench: CacheBench, requests, warm, cache: bool, **options) -> dict:
+def run_config(name: str, model_dir: Path, bench: CacheBench, request_sets, warm, cache: bool, **options) -> dict:
+    """One engine, warmed up, timed on each request set in turn (sets share no image, so a
+    cache starts cold on each); reports the median run. Counters cover all runs."""
     engine = make_engine(model_dir, bench, cache, **options)
-    engine.generate(warm)  # compile, graphs and kernels warm; its images are not in `requests`
-    seconds, stats = timed_generate(engine, requests)
+    engine.generate(warm)  # compile, graphs and kernels warm; its images are not in `request_sets`
+    samples = []
+    for requests in request_sets:
+        seconds, stats = timed_generate(engine, requests)
+        samples.append(round(seconds, 3))
     release(engine)
-    print(f"{name}: {len(requests) / seconds:.1f} requests/s", flush=True)
+    count, seconds = len(request_sets[0]), statistics.median(samples)
+    print(f"{name}: {count / seconds:.1f} requests/s (median of {samples} s)", flush=True)
     keep = ("vision_s", "prefill_s", "decode_s", "images_encoded", "prompt_tokens", "cached_prompt_tokens",
             "vision_cache", "cache", "kv_blocks_demoted", "kv_blocks_dropped", "kv_restores_queued",
             "kv_pages", "kv_pages_free", "kv_pages_cached", "mean_decode_batch")  # fmt: skip
-    return {"name": name, "seconds": seconds, "requests_per_s": len(requests) / seconds,
+    return {"name": name, "seconds": seconds, "seconds_runs": samples, "requests_per_s": count / seconds,
             **{k: stats[k] for k in keep if k in stats}}  # fmt: skip
 
 
@@ -118,9 +130,13 @@ def run_cache_bench(bench: CacheBench) -> dict:
     bench.workdir.mkdir(parents=True, exist_ok=True)
     ceilings = measure_ceilings(bench.device)
     model_dir = make_gemma3_4b(bench.workdir / "gemma3-4b")
-    paths = make_images(bench.workdir / "images", bench.images + bench.dup_images + WARM_IMAGES, processes=16)
+    vqa_images = bench.images * bench.repeats
+    paths = make_images(bench.workdir / "images", vqa_images + bench.dup_images + WARM_IMAGES, processes=16)
     warm = vqa_requests(paths[-WARM_IMAGES:], 1, 4)
-    vqa = vqa_requests(paths[: bench.images], bench.questions, bench.new_tokens)
+    vqa = [
+        vqa_requests(paths[r * bench.images : (r + 1) * bench.images], bench.questions, bench.new_tokens, f"r{r}-")
+        for r in range(bench.repeats)
+    ]
     disk = bench.workdir / "kv-disk"
     shutil.rmtree(disk, ignore_errors=True)
     split = {"prefix_split_images": True}  # a follow-up shares the image's blocks, not just the ones before it
@@ -132,7 +148,7 @@ def run_cache_bench(bench: CacheBench) -> dict:
                    disk_cache_dir=str(disk), disk_cache_bytes=bench.disk_cache_bytes, **split),
     ]  # fmt: skip
     restore = measure_restore(model_dir, bench)
-    dups = dup_requests(paths[bench.images : bench.images + bench.dup_images], bench.dup_images, 64)
+    dups = [dup_requests(paths[vqa_images : vqa_images + bench.dup_images], bench.dup_images, 64)]
     dup_off = run_config("dup30 off", model_dir, bench, dups, warm, cache=False)
     dup_on = run_config("dup30 cached", model_dir, bench, dups, warm, cache=True)
     off = runs[0]["requests_per_s"]

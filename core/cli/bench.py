@@ -88,6 +88,7 @@ def cache_bench(
     images: int = typer.Option(256, help="VQA images (each asked several questions)."),
     questions: int = typer.Option(4, help="Questions per image (at most 4)."),
     dup_images: int = typer.Option(1024, help="Captions in the 30%-duplicates run."),
+    repeats: int = typer.Option(3, min=1, help="Timed VQA runs per config, each on new images (median)."),
     workdir: Path = typer.Option(Path("/tmp/wicore-cache-bench"), help="Scratch folder."),
     out: Path = typer.Option(Path("bench/results"), help="Folder for the JSON and the plots."),
     as_json: bool = typer.Option(False, "--json", help="End with one JSON line."),
@@ -96,7 +97,8 @@ def cache_bench(
     from wicore.bench.cache import CacheBench, run_cache_bench
     from wicore.bench.cache_report import write_cache_report
 
-    report = run_cache_bench(CacheBench(workdir=workdir, images=images, questions=questions, dup_images=dup_images))
+    bench = CacheBench(workdir=workdir, images=images, questions=questions, dup_images=dup_images, repeats=repeats)
+    report = run_cache_bench(bench)
     for path in write_cache_report(report, out):
         console.print(f"wrote {path}")
     summary = {k: report[k] for k in ("gpu", "vqa_speedup", "restore_bw_fraction", "dup30_speedup")}

@@ -219,16 +219,18 @@ class FastEngine(Engine):
             self.images.collect()  # on CPU it is done already
         self.tiers.land()
         prefill, decode = self.scheduler.schedule_model()
+        # Decode first: the device runs it while the host launches the prefill (a short
+        # prefix-cached prefill costs more host time than device time).
         launched = 0
-        if prefill:
-            self.readbacks.append(self.runner.prefill(prefill))
-            self.counters.record_prefill(prefill)
-            self.scheduler.prefilled(prefill)
-            launched += 1
         if decode:
             readback, graphed = self.runner.decode(decode)
             self.readbacks.append(readback)
             self.counters.record_decode(len(decode), graphed)
+            launched += 1
+        if prefill:  # its sequences decode from the next step on
+            self.readbacks.append(self.runner.prefill(prefill))
+            self.counters.record_prefill(prefill)
+            self.scheduler.prefilled(prefill)
             launched += 1
         finished = self._read_tokens(keep=launched, done=done)
         if not launched and not finished:

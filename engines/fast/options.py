@@ -25,9 +25,10 @@ class FastOptions:
     vision_batch_size: int | None = None  # images per vision-tower call; default 32 CUDA, 8 CPU
     compile_vision: bool | None = None  # inductor for the vision tower's full batches; default: on CUDA
     compile_text: bool | None = None  # inductor for the decoder layers' dense parts; default: on CUDA
-    # Vision on a side stream beside prefill/decode. Off by default: measured on an H200, the
-    # tower's GEMMs starve decode steps (40 ms instead of 11) and one stream was as fast (bench/NOTES.md).
-    overlap_vision: bool = False
+    # Vision on a side stream beside prefill/decode. The tower's GEMMs slow the decode steps that
+    # overlap them (11 -> ~33 ms on an H100), but the device idles less: the cached VQA benchmark
+    # ran ~5% faster, uncached and bulk captioning as fast (bench/NOTES.md). Off: one stream.
+    overlap_vision: bool = True
     max_prefill_tokens: int | None = None  # prefill batch x longest prompt; default max(16384, max_model_len)
     vision_cache_bytes: int | None = None  # device memory for cached image embeddings; 0 = off
     preprocess_threads: int | None = None  # threads resizing images; default 4 CUDA, 0 (inline) CPU
