@@ -202,6 +202,7 @@ def main() -> None:
     parser.add_argument("--cprofile", action="store_true", help="also run the last config under cProfile (host time)")
     parser.add_argument("--profile-nth", type=int, default=0, help="profile the n-th prefill of each kind alone")
     parser.add_argument("--images", type=int, default=256)
+    parser.add_argument("--batch-sizes", default="384", help="engine max_batch_size per config, comma-separated")
     parser.add_argument("--workdir", default="/tmp/wicore-cache-timeline")
     args = parser.parse_args()
     bench = CacheBench(workdir=Path(args.workdir), images=args.images)
@@ -211,7 +212,14 @@ def main() -> None:
     warm = vqa_requests(paths[-WARM_IMAGES:], 1, 4)
     requests = vqa_requests(paths[: bench.images], bench.questions, bench.new_tokens)
     names = args.configs.split(",")
-    results = [run(name, model_dir, bench, requests, warm, profile_nth=args.profile_nth) for name in names]
+    sizes = [int(b) for b in args.batch_sizes.split(",")]
+    sizes += sizes[-1:] * (len(names) - len(sizes))
+    results = []
+    for name, size in zip(names, sizes, strict=False):
+        bench.batch_size = size
+        results.append(
+            {**run(name, model_dir, bench, requests, warm, profile_nth=args.profile_nth), "batch_size": size}
+        )
     if args.cprofile:
         import cProfile
         import io

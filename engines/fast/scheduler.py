@@ -24,6 +24,12 @@ from wicore.engines.fast.kv_cache import KVLayout
 from wicore.engines.fast.prefix_admission import LowerTiers, place_cached
 from wicore.engines.fast.sequence import SeqStatus, Sequence
 
+# Key cells a prefill may gather per layer ([batch, longest prompt]), per token of its budget: a
+# batch of short suffixes over cached prefixes reads many more keys than it computes tokens. The
+# warm-up measures a plain prefill (keys = tokens); the extra transient K/V copies (2 x 4 KiB a
+# cell on the 4B) fit in the memory the pool leaves free (`gpu_memory_utilization`).
+KEY_CELLS = 2
+
 
 def _no_lower_tier(seq: Sequence, key: bytes) -> bool:
     return False
@@ -42,6 +48,7 @@ class Scheduler:
     ):
         self.layout, self.blocks, self.lower, self.split_images = layout, blocks, lower, split_images
         self.vision_batch, self.prefill_tokens = vision_batch, prefill_tokens
+        self.key_cells = KEY_CELLS * prefill_tokens
         self.free_rows = deque(range(max_rows))
         self.waiting: deque[Sequence] = deque()
         self.admitted: list[Sequence] = []  # ENCODING, READY and RUNNING, in admission order
@@ -124,16 +131,19 @@ class Scheduler:
         return batch
 
     def _take_prefill(self) -> list[Sequence]:
-        """Ready sequences, oldest first, while the batch padded to its longest prompt stays
-        within `prefill_tokens` (attention runs padded: its masks grow with batch x longest^2)."""
-        batch, longest = [], 0
+        """Ready sequences, oldest first, while the batch padded to its longest uncached suffix
+        (the tokens it computes) stays within `prefill_tokens`, and padded to its longest
+        prompt (the keys each layer gathers for attention) within KEY_CELLS x that."""
+        batch, suffix, prompt = [], 0, 0
         for seq in self.admitted:
             if seq.status == SeqStatus.READY and seq.prefix_ready:
-                longest_next = max(longest, seq.prompt_len)
-                if batch and (len(batch) + 1) * longest_next > self.prefill_tokens:
+                suffix_next = max(suffix, seq.prompt_len - seq.prefix_len)
+                prompt_next = max(prompt, seq.prompt_len)
+                size = len(batch) + 1
+                if batch and (size * suffix_next > self.prefill_tokens or size * prompt_next > self.key_cells):
                     break
                 batch.append(seq)
-                longest = longest_next
+                suffix, prompt = suffix_next, prompt_next
         return batch
 
     def prefilled(self, seqs: list[Sequence]) -> None:
