@@ -47,10 +47,9 @@ class CacheBench:
     new_tokens: int = 32
     dup_images: int = 1024
     repeats: int = 3  # timed VQA runs per config, each on its own images; the median is reported
-    # Every VQA request of a run in flight at once: decode batches of ~470 instead of ~280 at 384
-    # (68 decode steps instead of 112); the uncached run is ~1% faster with it, the cached ~9%
-    # (bench/NOTES.md, issue 5).
-    batch_size: int = 1024
+    # Sequences in flight. 1,024 (every request of a run) made decode batches larger but the
+    # cached run no faster over three runs, and left the restore probe no memory (bench/NOTES.md).
+    batch_size: int = 384
     small_gpu_pages: int = 16_384  # the deliberately small GPU pool of the tiered run (~100 sequences)
     host_cache_bytes: int = 16 * 2**30
     disk_cache_bytes: int = 32 * 2**30
