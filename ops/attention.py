@@ -129,14 +129,14 @@ def group_batch(
         ((hq % groups) * lq + i[:, None]).reshape(-1),
     )
     pad = (-key_rows.shape[1]) % 8
-    key_rows = torch.nn.functional.pad(key_rows, (0, pad))
+    key_rows = F.pad(key_rows, (0, pad))
     folded = tuple(None if m is None else _additive(m, pad, groups, dtype) for m in masks)
     return GroupedBatch(q_token, q_head, key_rows, out_cell, folded)
 
 
 def _additive(mask: torch.Tensor, pad: int, groups: int, dtype: torch.dtype) -> torch.Tensor:
     """bool [B, 1, Lq, Lk] -> [B, 1, G * Lq, Lk + pad] of 0 (attend) / -inf, row g * Lq + i = row i."""
-    mask = torch.nn.functional.pad(mask, (0, pad), value=False)
+    mask = F.pad(mask, (0, pad), value=False)
     additive = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
     return additive.repeat(1, 1, groups, 1)
 
