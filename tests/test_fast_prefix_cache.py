@@ -1,7 +1,8 @@
 """The prefix cache's rules on CPU, without a model: hits take shared pages, blocks in use are
 never evicted, finished blocks stay cached until allocation needs their pages, sequences that
 wrap a sliding ring are never cached, a match never ends inside an image, a sequence whose
-prefix is being computed waits for it, and the counters."""
+prefix is being computed waits for it, a prefill's budget counts what it computes, and the
+counters."""
 
 from __future__ import annotations
 
@@ -175,6 +176,27 @@ def test_same_image_questions_admitted_together_share_and_wait():
     sched.prefilled([first])
     assert sched.schedule_model()[0] == rest
     assert blocks.cache.stats.hits == 6
+
+
+def test_prefill_budget_counts_the_uncached_suffix():
+    """Four follow-ups of a cached 40-token prefix compute 4 tokens each: one prefill takes all
+    of them, where four uncached 44-token prompts fit two to a 100-token budget."""
+
+    def budget_100():
+        return Scheduler(layout(), BlockManager(200, PrefixCache(LRU())), 8, vision_batch=8, prefill_tokens=100)
+
+    sched = budget_100()
+    first = sequence("first", range(40))
+    admit(sched, first)
+    run(sched, [first])
+    follow_ups = [sequence(f"f{k}", [*range(40), 100 + k, 101, 102, 103]) for k in range(4)]
+    admit(sched, *follow_ups)
+    assert [s.prefix_len for s in follow_ups] == [40] * 4
+    assert sched.schedule_model()[0] == follow_ups
+    fresh = budget_100()
+    uncached = [sequence(f"u{k}", [200 + k, *range(43)]) for k in range(4)]
+    admit(fresh, *uncached)
+    assert fresh.schedule_model()[0] == uncached[:2]
 
 
 def test_restores_from_a_lower_tier_are_registered_and_awaited():

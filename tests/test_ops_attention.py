@@ -101,14 +101,15 @@ def test_prefill_masks_match_transformers():
         assert full[b, 0, n:].all()  # padding rows see everything (no NaN rows)
 
 
-def test_packed_prefill_matches_per_sequence_attention():
+@pytest.mark.parametrize("kv_heads", [1, 2, 4])  # 4, 2 and 1 query heads per KV head
+def test_packed_prefill_matches_per_sequence_attention(kv_heads):
     lengths = [5, 9, 2]
     layout = pack_layout(lengths, "cpu")
     groups = torch.full((3, 9), -1)
     groups[1, 2:6] = 0
     full, _ = gemma3_prefill_masks(layout, groups, window=None)
     n = sum(lengths)
-    q, k, v = torch.randn(n, 4, 8), torch.randn(n, 2, 8), torch.randn(n, 2, 8)
+    q, k, v = torch.randn(n, 4, 8), torch.randn(n, kv_heads, 8), torch.randn(n, kv_heads, 8)
     out = prefill_attention(q, k, v, layout, full, scale=0.25)
     start = 0
     for b, length in enumerate(lengths):
