@@ -5,15 +5,18 @@
     python bench/gpu_cache_timeline.py --configs gpu --cprofile        # host time of a whole run
 
 The benchmark's VQA flow (4B-shaped model, question-major requests, its warm-up) through the fast
-engine, step by step: every prefill (sequences, new tokens, how many read a cached prefix) and
-decode launch is bracketed by CUDA events on its stream, and every step's host time is taken, so
-a run splits into device time per kind of work and host time. Printed per config, and written to
+engine, step by step: every vision, prefill (sequences, new tokens, how many read a cached
+prefix) and decode launch is bracketed by CUDA events on its stream, and every step's host time
+is taken, so a run splits into device time per kind of work and host time. `--batch-sizes` gives
+each config its sequences in flight. Printed per config, and written to
 $OUT/cache_timeline.json when $OUT is set:
 - wall, the engine's phase seconds, steps, and the host time of steps that launched nothing;
 - prefill launches by kind (first questions vs follow-ups with a cached prefix): count, mean
   sequences and new tokens, device ms (between the events: includes the device waiting for the
   host) and host ms each;
-- when the last first question finished (the first 256 requests) and what the rest took.
+- when the last first question finished (the first 256 requests) and what the rest took;
+- with one stream (the "-1stream" configs), the device's idle time between consecutive launches,
+  by the kinds of the launches around it (`idle_after`).
 """
 
 from __future__ import annotations

@@ -92,7 +92,13 @@ class GroupedBatch:
     masks: tuple[torch.Tensor, torch.Tensor | None]  # additive [B, 1, G * Lq, Lk]: full, sliding
 
     def __call__(
-        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sliding: bool, scale: float, softcap=None
+        self,
+        q: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        sliding: bool,
+        scale: float,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         """q: [N, Hq, D] packed queries; keys/values: [R, Hkv, D], the rows `key_rows` indexes
         -> [N, Hq, D]."""
