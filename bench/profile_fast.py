@@ -88,9 +88,9 @@ def isolated(runner) -> dict:
     with torch.inference_mode():
         result["vision_b32_ms_per_image"] = 1e3 * timed(lambda: runner.encode(pixels)) / 32
         result["prefill_32x281_ms_per_image"] = 1e3 * timed(lambda: prefill(runner, 32, 281)) / 32
-        graphs = runner.graphs
-        graphs.rows.copy_(torch.arange(graphs.rows.numel(), device="cuda") % runner.null_row)
-        graphs.positions.fill_(320)
+        graphs = runner.decode_graphs
+        graphs.columns[0].copy_(torch.arange(graphs.columns.shape[1], device="cuda") % runner.null_row)  # rows
+        graphs.columns[1].fill_(320)  # positions
         for batch in (384, 256, 64):
             result[f"decode_b{batch}_step_ms"] = 1e3 * timed(graphs.graphs[batch].replay, 20)
     return result

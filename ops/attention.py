@@ -1,5 +1,5 @@
 """Attention for serving Gemma-style decoders: packed prefill with the exact Gemma-3 mask, and
-paged decode over a block-table KV cache.
+paged attention over a block-table KV cache.
 
 Paged KV layout (one layer): `k_cache`, `v_cache`: [num_pages, block_size, kv_heads, head_dim].
 A sequence's `block_tables[row]` lists its pages; the token at position `t` lives in page
@@ -12,7 +12,8 @@ Masks follow transformers' Gemma-3 (`create_masks_for_vision_model`): a query at
 when (j <= i or both are in the same image's run of soft tokens), and on sliding layers also
 j > i - window (the window is exclusive: `window` keys including the query itself).
 
-`paged_decode_attention` picks the Triton kernel on CUDA and the plain-torch reference elsewhere.
+`paged_attention` (decode tokens, or prefill tokens whose keys are all paged) picks the Triton
+kernel on CUDA and the plain-torch reference elsewhere.
 """
 
 from __future__ import annotations
@@ -195,7 +196,7 @@ def store_kv(
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v)
 
 
-def paged_decode_attention(
+def paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
@@ -206,31 +207,41 @@ def paged_decode_attention(
     ring: int,
     window: int | None = None,
     softcap: float | None = None,
+    tiles: tuple[torch.Tensor, torch.Tensor, int] | None = None,
+    ends: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """One query token per sequence. q: [B, Hq, D]; block_tables: [R, T] int32; rows: [B] the
-    table row of each sequence; context_lens: [B] int32 (keys 0 .. len-1, the query is the
-    last). Returns [B, Hq, D]."""
+    """Packed query tokens over their pages. q: [N, Hq, D]; block_tables: [R, T] int32; rows:
+    [N] the table row of each token's sequence; context_lens: [N] int32, the keys 0 .. len-1 a
+    token sees (its position + 1: the token's own K/V are in the pages already). Decode passes
+    one token per sequence. A prefill passes its new tokens (their K/V stored first), with
+    `ends` [N] int32 >= context_lens where a token sees further (an image's soft tokens see the
+    whole image: Gemma-3's bidirectional image attention; a sliding window still starts from
+    context_lens) and `tiles` = (first token [T], token count [T] (0: padding), tokens per tile):
+    consecutive tokens of one sequence that the Triton kernel attends together (one K/V read per
+    tile). Returns [N, Hq, D]."""
     if q.is_cuda:
-        from wicore.ops.paged_attention_triton import paged_decode_attention_triton
+        from wicore.ops.paged_attention_triton import paged_attention_triton
 
-        return paged_decode_attention_triton(
-            q, k_cache, v_cache, block_tables, rows, context_lens, scale, ring, window, softcap
+        return paged_attention_triton(
+            q, k_cache, v_cache, block_tables, rows, context_lens, scale, ring, window, softcap, tiles, ends
         )
-    return paged_decode_attention_reference(
-        q, k_cache, v_cache, block_tables, rows, context_lens, scale, ring, window, softcap
+    return paged_attention_reference(
+        q, k_cache, v_cache, block_tables, rows, context_lens, scale, ring, window, softcap, ends
     )
 
 
-def paged_decode_attention_reference(
-    q, k_cache, v_cache, block_tables, rows, context_lens, scale, ring, window=None, softcap=None
+def paged_attention_reference(
+    q, k_cache, v_cache, block_tables, rows, context_lens, scale, ring, window=None, softcap=None, ends=None
 ) -> torch.Tensor:
-    """Plain torch: gather each sequence's visible keys from its pages, then dense attention."""
+    """Plain torch, one token at a time: gather its visible keys from its pages, then dense
+    attention (`tiles` only group work for the kernel)."""
     block_size = k_cache.shape[1]
     groups = q.shape[1] // k_cache.shape[2]
     out = torch.empty_like(q)
-    for b, (row, length) in enumerate(zip(rows.tolist(), context_lens.tolist(), strict=True)):
+    ends = context_lens if ends is None else ends
+    for b, (row, length, end) in enumerate(zip(rows.tolist(), context_lens.tolist(), ends.tolist(), strict=True)):
         first = max(0, length - window) if window is not None else 0
-        positions = torch.arange(first, length, device=q.device)
+        positions = torch.arange(first, end, device=q.device)
         pages = block_tables[row, (positions // block_size) % ring].long()
         offsets = positions % block_size
         k = k_cache[pages, offsets].transpose(0, 1).repeat_interleave(groups, dim=0)  # [Hq, n, D]

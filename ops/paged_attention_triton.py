@@ -1,9 +1,14 @@
-"""Triton paged decode attention (imported lazily: only CUDA needs triton).
+"""Triton paged attention (imported lazily: only CUDA needs triton).
 
-One program per (sequence, kv head): it loads the `QPK` query heads that share the kv head
-(GQA), walks the sequence's visible keys `BLOCK_N` at a time through its block table, and keeps
-an online softmax in float32. Decode is memory-bound, so the kernel's job is to stream K/V
-once; the query tile is padded to 16 rows only to satisfy `tl.dot`.
+Queries are packed tokens ([N, Hq, D]), each with the table row of its sequence and its context
+length (position + 1): a decode step's tokens, or the tokens of a prefill whose keys all sit in
+the pages (its own K/V stored before the call). A program handles one *tile* of up to `TOKENS`
+consecutive tokens of one sequence and one kv head: its query tile is those tokens' `QPK` query
+heads ([TOKENS * QPK, D], GQA), it walks the keys the tile can see `BLOCK_N` at a time through the
+block table, masks each row to its own range (causal; to the end of its image for an image's
+soft tokens, whose attention is bidirectional; a sliding window starts from the position) and
+keeps an online softmax in float32. Decode uses tiles of one token (the tile is then the token); the query tile
+is padded to 16 rows only to satisfy `tl.dot`.
 """
 
 from __future__ import annotations
@@ -14,14 +19,17 @@ import triton.language as tl
 
 
 @triton.jit
-def _paged_decode_kernel(
-    q_ptr,  # [B, Hq, D]
+def _paged_attention_kernel(
+    q_ptr,  # [N, Hq, D]
     k_ptr,  # [P, BS, Hkv, D] (strided view)
     v_ptr,
-    out_ptr,  # [B, Hq, D]
+    out_ptr,  # [N, Hq, D]
     tables_ptr,  # [R, T] int32
-    rows_ptr,  # [B]
-    lens_ptr,  # [B] int32
+    rows_ptr,  # [N] table row of each token
+    lens_ptr,  # [N] int32 position + 1 of each token (its causal end; the window ends there)
+    ends_ptr,  # [N] int32 end of the keys each token sees (>= lens: image tokens see their image)
+    tile_first_ptr,  # [tiles] first token of each tile (TOKENS > 1 only)
+    tile_count_ptr,  # [tiles] tokens in each tile, 0 for a padding tile (TOKENS > 1 only)
     scale,
     softcap,
     window,
@@ -40,6 +48,7 @@ def _paged_decode_kernel(
     HEAD_DIM: tl.constexpr,
     DIM_PAD: tl.constexpr,
     QPK: tl.constexpr,
+    TOKENS: tl.constexpr,
     BLOCK_Q: tl.constexpr,
     PAGE: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -47,31 +56,51 @@ def _paged_decode_kernel(
     USE_SOFTCAP: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    seq = tl.program_id(0)
+    tile_id = tl.program_id(0)
     kv_head = tl.program_id(1)
-    row = tl.load(rows_ptr + seq).to(tl.int64)
-    length = tl.load(lens_ptr + seq)
+    # The tile's tokens are consecutive positions, whose ends never decrease: it reads keys
+    # [first, length), from the first token's window start to the last token's end.
+    if TOKENS == 1:
+        first_token = tile_id
+        count = 1
+        length = tl.load(ends_ptr + tile_id)
+    else:
+        first_token = tl.load(tile_first_ptr + tile_id).to(tl.int32)
+        count = tl.load(tile_count_ptr + tile_id).to(tl.int32)
+        last_end = tl.load(ends_ptr + first_token + tl.maximum(count - 1, 0))
+        length = tl.where(count > 0, last_end, 0)
     first = 0
     if USE_WINDOW:
-        first = tl.maximum(length - window, 0)
+        first = tl.maximum(tl.load(lens_ptr + first_token) - window, 0)
+    table_row = tl.load(rows_ptr + first_token).to(tl.int64)
 
-    offs_q = tl.arange(0, BLOCK_Q)
+    # Row r of the query tile: token r // QPK of the tile, query head kv_head * QPK + r % QPK.
+    offs_r = tl.arange(0, BLOCK_Q)
     offs_d = tl.arange(0, DIM_PAD)
-    q_mask = (offs_q[:, None] < QPK) & (offs_d[None, :] < HEAD_DIM)
-    heads = kv_head * QPK + offs_q
-    q = tl.load(q_ptr + seq * stride_qb + heads[:, None] * stride_qh + offs_d[None, :], mask=q_mask, other=0.0)
+    token = first_token + offs_r // QPK
+    row_valid = offs_r < count * QPK
+    q_mask = row_valid[:, None] & (offs_d[None, :] < HEAD_DIM)
+    heads = kv_head * QPK + offs_r % QPK
+    q = tl.load(
+        q_ptr + token[:, None] * stride_qb + heads[:, None] * stride_qh + offs_d[None, :], mask=q_mask, other=0.0
+    )
+    row_end = tl.load(ends_ptr + token, mask=row_valid, other=0)  # [BLOCK_Q]
+    row_first = tl.zeros([BLOCK_Q], tl.int32)
+    if USE_WINDOW:
+        row_first = tl.maximum(tl.load(lens_ptr + token, mask=row_valid, other=0) - window, 0)
 
     m_i = tl.full([BLOCK_Q], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_Q], tl.float32)
     acc = tl.zeros([BLOCK_Q, DIM_PAD], tl.float32)
     offs_n = tl.arange(0, BLOCK_N)
-    start = (first // BLOCK_N) * BLOCK_N  # the first tile holds `first`, so no tile is empty
+    start = (first // BLOCK_N) * BLOCK_N
     for tile in range(start, length, BLOCK_N):
         pos = tile + offs_n
-        valid = (pos >= first) & (pos < length)
-        pages = tl.load(tables_ptr + row * stride_tr + (pos // PAGE) % ring, mask=valid, other=0).to(tl.int64)
+        in_range = (pos >= first) & (pos < length)
+        pages = tl.load(tables_ptr + table_row * stride_tr + (pos // PAGE) % ring, mask=in_range, other=0)
+        pages = pages.to(tl.int64)
         slot = pos % PAGE
-        kv_mask = valid[:, None] & (offs_d[None, :] < HEAD_DIM)
+        kv_mask = in_range[:, None] & (offs_d[None, :] < HEAD_DIM)
         k = tl.load(
             k_ptr + pages[:, None] * stride_kp + slot[:, None] * stride_ks + kv_head * stride_kh + offs_d[None, :],
             mask=kv_mask,
@@ -80,10 +109,13 @@ def _paged_decode_kernel(
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [BLOCK_Q, BLOCK_N]
         if USE_SOFTCAP:
             s = softcap * (2.0 * tl.sigmoid(2.0 * s / softcap) - 1.0)  # softcap * tanh(s / softcap)
-        s = tl.where(valid[None, :], s, float("-inf"))
+        visible = (pos[None, :] >= row_first[:, None]) & (pos[None, :] < row_end[:, None])
+        s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        p = tl.exp(s - m_new[:, None])
-        alpha = tl.exp(m_i - m_new)
+        # A row may see nothing in a tile (before its window starts): keep it at exp(-inf) = 0.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
         v = tl.load(
             v_ptr + pages[:, None] * stride_vp + slot[:, None] * stride_vs + kv_head * stride_vh + offs_d[None, :],
             mask=kv_mask,
@@ -93,15 +125,15 @@ def _paged_decode_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
 
-    out = acc / l_i[:, None]
+    out = acc / tl.where(row_valid, l_i, 1.0)[:, None]
     tl.store(
-        out_ptr + seq * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+        out_ptr + token[:, None] * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
         out.to(out_ptr.dtype.element_ty),
         mask=q_mask,
     )
 
 
-def paged_decode_attention_triton(
+def paged_attention_triton(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
@@ -112,19 +144,23 @@ def paged_decode_attention_triton(
     ring: int,
     window: int | None = None,
     softcap: float | None = None,
+    tiles: tuple[torch.Tensor, torch.Tensor, int] | None = None,
+    ends: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Same contract as `wicore.ops.attention.paged_decode_attention`. Launch-only (no host
-    sync), so it can be captured in a CUDA graph."""
+    """Same contract as `wicore.ops.attention.paged_attention`. Launch-only (no host sync), so
+    it can be captured in a CUDA graph."""
     batch, q_heads, dim = q.shape
     page, kv_heads = k_cache.shape[1], k_cache.shape[2]
     qpk = q_heads // kv_heads
     if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("paged attention needs the head dimension contiguous")
     out = torch.empty_like(q)
+    tile_first, tile_count, tokens = tiles if tiles is not None else (rows, rows, 1)
+    grid = (tile_first.shape[0] if tiles is not None else batch, kv_heads)
     # Keys per tile (any power of two >= 16; tokens map to pages one by one). 32 at head_dim 256
     # keeps the pipelined K/V tiles (3 stages x 2 x 16 KiB in bf16) well inside shared memory.
     block_n = 64 if dim <= 128 else 32
-    _paged_decode_kernel[(batch, kv_heads)](
+    _paged_attention_kernel[grid](
         q,
         k_cache,
         v_cache,
@@ -132,6 +168,9 @@ def paged_decode_attention_triton(
         block_tables,
         rows,
         context_lens,
+        ends if ends is not None else context_lens,
+        tile_first,
+        tile_count,
         scale,
         softcap or 1.0,
         window or 0,
@@ -150,7 +189,8 @@ def paged_decode_attention_triton(
         HEAD_DIM=dim,
         DIM_PAD=triton.next_power_of_2(dim),
         QPK=qpk,
-        BLOCK_Q=max(16, triton.next_power_of_2(qpk)),
+        TOKENS=tokens,
+        BLOCK_Q=max(16, triton.next_power_of_2(qpk * tokens)),
         PAGE=page,
         BLOCK_N=block_n,
         USE_WINDOW=window is not None,

@@ -37,15 +37,20 @@ def engine(model_dir, **options):
     return FastEngine(EngineConfig(str(model_dir), device="cuda", max_batch_size=4, options=options))
 
 
-def test_cuda_hits_from_gpu_host_and_disk_match_reference(model_dir, expected, tmp_path):
-    fast = engine(model_dir, host_cache_bytes=16 * 2048, disk_cache_dir=str(tmp_path))
+@pytest.mark.parametrize("paged", [None, 0])
+def test_cuda_hits_from_gpu_host_and_disk_match_reference(model_dir, expected, tmp_path, paged):
+    # Short prefills over their pages in CUDA graphs (the default), or all through the dense prefill.
+    options = {"host_cache_bytes": 16 * 2048, "disk_cache_dir": str(tmp_path), "paged_prefill_tokens": paged}
+    fast = engine(model_dir, **options)
     for _ in range(3):
         out = fast.generate(requests())
         assert mismatches(out, [expected[c.id] for c in out]) == []
         fast.tiers.disk.flush()
-    cache = fast.stats()["cache"]
+    stats = fast.stats()
+    cache = stats["cache"]
     assert cache["gpu"]["hits"] > 0 and cache["host"]["hits"] > 0 and cache["gpu"]["bytes_in"] > 0
     assert cache["disk"]["bytes_in"] > 0
+    assert (stats["prefill_graph_replays"] > 0) == (paged is None)
     fast.close()
 
 

@@ -53,7 +53,9 @@ def expected(model_dir):
 
 
 def engine(model_dir, **options):
-    return FastEngine(EngineConfig(str(model_dir), max_batch_size=4, options={"block_size": 4, **options}))
+    """Short prefills attend over their pages (as on CUDA) unless the options say otherwise."""
+    options = {"block_size": 4, "paged_prefill_tokens": 128, **options}
+    return FastEngine(EngineConfig(str(model_dir), max_batch_size=4, options=options))
 
 
 def check(out, expected):
@@ -61,10 +63,14 @@ def check(out, expected):
     assert mismatches(out, [expected[c.id] for c in out]) == []
 
 
-def test_caching_off_matches_reference(model_dir, expected):
-    fast = engine(model_dir, prefix_cache=False)
+@pytest.mark.parametrize("paged", [0, 128])
+def test_caching_off_matches_reference(model_dir, expected, paged):
+    # Dense prefills, or every prompt (36-83 tokens, images included) over its pages.
+    fast = engine(model_dir, prefix_cache=False, paged_prefill_tokens=paged)
     check(fast.generate(all_requests()), expected)
-    assert "gpu" not in fast.stats()["cache"]
+    stats = fast.stats()
+    assert "gpu" not in stats["cache"]
+    assert stats["paged_prefilled"] == (len(all_requests()) if paged else 0)
 
 
 def test_repeated_requests_hit_the_gpu_pool(model_dir, expected):
@@ -78,13 +84,17 @@ def test_repeated_requests_hit_the_gpu_pool(model_dir, expected):
     assert stats["kv_pages_used"] == 0 and stats["kv_pages_cached"] > 0
 
 
-def test_same_image_questions_admitted_together(model_dir, expected):
-    fast = engine(model_dir)
+@pytest.mark.parametrize("paged", [0, 128])
+def test_same_image_questions_admitted_together(model_dir, expected, paged):
+    # The follow-ups attend over the cached prefix gathered from the pages (dense), or over
+    # their pages alone (paged).
+    fast = engine(model_dir, paged_prefill_tokens=paged)
     check(fast.generate(vqa()), expected)
     stats = fast.stats()
     assert stats["images"] == 1  # the tower ran for the first question only
     assert stats["cache"]["gpu"]["hits"] == 3 * 7  # 28 shared tokens: image + template
     assert stats["cached_prompt_tokens"] == 3 * 28
+    assert stats["paged_prefilled"] == (4 if paged else 0)
 
 
 def test_requests_join_mid_decode(model_dir, expected):

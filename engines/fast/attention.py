@@ -4,9 +4,10 @@ K/V into the paged cache and run the right kernel. The decoder calls `backend(la
 - `PrefillAttention`: packed prompts, fresh K/V, Gemma-3's image-bidirectional causal masks, laid
   out once per step (`ops.attention.GroupedBatch`); prompts that start with cached positions also
   attend over the prefix K/V, gathered from the pages (`ops.prefix_attention`).
-- `DecodeAttention`: one token per sequence, paged attention over the cache. Everything it
-  derives (cache slots, context lengths) is computed on the device from `rows` / `positions`,
-  so the same code runs inside a CUDA graph.
+- `PagedAttention`: tokens that attend over the cache alone: decode (one token per sequence)
+  and short prefill suffixes. Everything it derives (context lengths, decode's
+  cache slots) is computed on the device from its inputs, so the same code runs inside a CUDA
+  graph.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from wicore.engines.fast.kv_cache import KVCache
-from wicore.ops.attention import GroupedBatch, paged_decode_attention, store_kv
+from wicore.ops.attention import GroupedBatch, paged_attention, store_kv
 
 
 @dataclass(frozen=True)
@@ -62,30 +63,41 @@ class PrefillAttention:
         return self.grouped(q, keys, values, spec.window is not None, spec.scale, spec.softcap)
 
 
-class DecodeAttention:
+class PagedAttention:
+    """Query tokens whose keys all sit in the pages: a decode step's tokens, or a short prefill
+    suffix's (`prefill_inputs.pages_only`). The tokens store their K/V, then each attends over
+    positions 0 .. its own (its image's last, for an image's soft token) through its sequence's
+    block table."""
+
     def __init__(
         self,
         cache: KVCache,
         specs: list[LayerSpec],
         tables: torch.Tensor,  # [G, rows, width] int32, persistent on the device
-        rows: torch.Tensor,  # [B] int64 table row of each sequence
-        positions: torch.Tensor,  # [B] int64 position of the token being decoded
+        rows: torch.Tensor,  # [N] int64 table row of each token's sequence
+        positions: torch.Tensor,  # [N] int64 position of each token
+        slots: torch.Tensor | None = None,  # [G, N] cache slots (prefill: some go to the null page)
+        tiles: tuple[torch.Tensor, torch.Tensor, int] | None = None,  # see `ops.attention.paged_attention`
+        ends: torch.Tensor | None = None,  # [N] int64 end of each token's visible keys (prefill)
     ):
-        self.cache, self.specs, self.tables, self.rows = cache, specs, tables, rows
+        self.cache, self.specs, self.tables, self.rows, self.tiles = cache, specs, tables, rows, tiles
         layout = cache.layout
         self.context_lens = (positions + 1).to(torch.int32)
-        self.slots = []  # per group: [B] cache slot of the new token
-        for g, group in enumerate(layout.groups):
-            entry = (positions // layout.block_size) % group.ring
-            pages = tables[g, rows, entry].long()
-            self.slots.append(pages * layout.block_size + positions % layout.block_size)
+        self.ends = None if ends is None else ends.to(torch.int32)
+        if slots is None:  # decode: the new token's slot in every group, computed on the device
+            slots = []
+            for g, group in enumerate(layout.groups):
+                entry = (positions // layout.block_size) % group.ring
+                pages = tables[g, rows, entry].long()
+                slots.append(pages * layout.block_size + positions % layout.block_size)
+        self.slots = slots
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         spec = self.specs[layer]
         group, k_cache, v_cache = self.cache.layer(layer)
         store_kv(k_cache, v_cache, k, v, self.slots[group])
         ring = self.cache.layout.groups[group].ring
-        return paged_decode_attention(
+        return paged_attention(
             q,
             k_cache,
             v_cache,
@@ -96,4 +108,6 @@ class DecodeAttention:
             ring,
             spec.window,
             spec.softcap,
+            self.tiles,
+            self.ends,
         )

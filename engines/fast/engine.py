@@ -94,7 +94,7 @@ class FastEngine(Engine):
         self.counters = EngineStats()
 
     def _device_state(self, parts, device) -> tuple[ModelRunner, BlockManager]:
-        """The model runner with its KV cache sized and (CUDA) its decode graphs captured."""
+        """The model runner with its KV cache sized and (CUDA) its graphs captured."""
         opts, config = self.options, self.config
         text = parts.config.text_config
         layout = KVLayout.build(text, opts.block_size, self.max_len)
@@ -108,6 +108,7 @@ class FastEngine(Engine):
             torch_dtype(config.dtype),
             opts.overlap_vision,
             pixel_lut=self.inputs.pixel_spec.lut,
+            paged_suffix=opts.paged_suffix(self.cuda),
         )
         vision_batch = opts.vision_batch(self.cuda)
         compile_vision, compile_text = opts.compiles(self.cuda)
@@ -127,7 +128,9 @@ class FastEngine(Engine):
         )
         runner.allocate_cache(num_pages)
         if self.cuda and opts.cuda_graphs:
-            runner.capture_graphs(opts.graph_sizes(config.max_batch_size))
+            runner.capture_graphs(
+                opts.graph_sizes(config.max_batch_size), opts.prefill_graph_sizes(self.prefill_tokens)
+            )
         if self.cuda:
             torch.cuda.synchronize()  # setup ran on the default stream; steps run on others
         return runner, BlockManager(num_pages, build_prefix_cache(opts, num_pages, layout))

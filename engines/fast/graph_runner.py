@@ -1,68 +1,76 @@
-"""CUDA graphs for decode, one per batch-size bucket.
+"""CUDA graphs of one forward function at bucketed sizes (decode: batch sizes; text-only
+prefills: token counts).
 
-A decode step's inputs are two small int64 vectors (table rows and positions); everything else
-(token ids from `last_token`, cache slots, context lengths, block tables) is read on the device
-by the captured code. A batch of B sequences replays the smallest bucket >= B, the extra rows
-pointing at the null row (page 0, position 0), whose results are ignored. Buckets are captured
-largest first and share one memory pool.
+A graph's inputs are a few int64 columns ([K, size]: table rows, positions, ...) and, for
+prefill, the input embeddings ([size, hidden]), copied into persistent buffers before a replay;
+everything else (decode's token ids from `last_token`, cache slots, context lengths, block
+tables) is read on the device by the captured code. A call with n entries replays the smallest
+bucket >= n, padded with each column's inert value (the null row, position 0, ...); the padding's
+results are ignored. Buckets are captured largest first into
+one memory pool, which the next `GraphRunner` may share: graphs replay one at a time on one
+stream, so decode and prefill graphs can use the same memory.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
 import torch
-
-from wicore.ops.transfer import upload
 
 
 class GraphRunner:
     def __init__(
         self,
-        forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        forward: Callable,  # (columns [K, size], embeds [size, hidden] | None) -> output [size, ...]
         sizes: list[int],
-        null_row: int,
+        fills: list[int],  # K: the padding value of each input column
         device: torch.device,
+        pool=None,  # a memory pool to share (`GraphRunner.pool` of another runner)
+        embeds: tuple[int, torch.dtype] | None = None,  # (hidden, dtype) of an embeddings input
     ):
         self.sizes = sorted(sizes)
-        self.null_row = null_row
-        largest = self.sizes[-1]
-        self.rows = torch.full((largest,), null_row, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(largest, dtype=torch.int64, device=device)
+        self.fills = np.asarray(fills, dtype=np.int64)[:, None]
+        self.columns = torch.tensor(self.fills, device=device).repeat(1, self.sizes[-1])
+        self.embeds = None if embeds is None else torch.zeros(self.sizes[-1], embeds[0], dtype=embeds[1], device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}  # bucket -> logits [bucket, vocab]
+        self.outputs: dict[int, torch.Tensor] = {}  # bucket -> output [bucket, ...]
         self.replays = 0
+        self.pool = pool
         self._capture(forward)
 
     @torch.inference_mode()
     def _capture(self, forward) -> None:
-        pool = None
         for size in reversed(self.sizes):
-            rows, positions = self.rows[:size], self.positions[:size]
-            forward(rows, positions)  # warm up: kernel selection, Triton compilation
+            columns = self.columns[:, :size]
+            embeds = None if self.embeds is None else self.embeds[:size]
+            forward(columns, embeds)  # warm up: kernel selection, Triton compilation
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.outputs[size] = forward(rows, positions)
-            pool = graph.pool()
+            with torch.cuda.graph(graph, pool=self.pool):
+                self.outputs[size] = forward(columns, embeds)
+            self.pool = graph.pool()
             self.graphs[size] = graph
         torch.cuda.synchronize()
 
-    def fits(self, batch: int) -> bool:
-        return batch <= self.sizes[-1]
+    def fits(self, n: int) -> bool:
+        return n <= self.sizes[-1]
 
-    def bucket(self, batch: int) -> int:
-        return next(size for size in self.sizes if size >= batch)
+    def bucket(self, n: int) -> int:
+        return next(size for size in self.sizes if size >= n)
 
-    def run(self, rows: list[int], positions: list[int]) -> torch.Tensor:
-        """Replay for len(rows) sequences; returns logits [len(rows), vocab] (a view of the
-        graph's output, valid until the next replay of the same bucket)."""
-        batch = len(rows)
-        size = self.bucket(batch)
-        pad = size - batch
-        inputs = upload([rows + [self.null_row] * pad, positions + [0] * pad], self.rows.device, torch.int64)
-        self.rows[:size].copy_(inputs[0])
-        self.positions[:size].copy_(inputs[1])
+    def pad(self, columns: np.ndarray) -> np.ndarray:
+        """columns [K, n] -> [K, bucket(n)], padded with the fills."""
+        n = columns.shape[1]
+        return np.concatenate([columns, np.repeat(self.fills, self.bucket(n) - n, axis=1)], axis=1)
+
+    def replay(self, columns: torch.Tensor, embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """Replay the bucket of padded columns [K, size] on the device (embeds: [size, hidden]);
+        returns the graph's output [size, ...], valid until the bucket's next replay."""
+        size = columns.shape[1]
+        self.columns[:, :size].copy_(columns)
+        if embeds is not None:
+            self.embeds[:size].copy_(embeds)
         self.graphs[size].replay()
         self.replays += 1
-        return self.outputs[size][:batch]
+        return self.outputs[size]

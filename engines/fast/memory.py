@@ -48,7 +48,12 @@ def plan_pages(
     gib = {phase: round(peak / 2**30, 2) for phase, peak in peaks.items()}
     log.info("KV budget %.2f GiB -> %d pages; activation peaks (GiB): %s", budget / 2**30, pages, gib)
     if pages < runner.layout.pages_for(max_len) + 1:
-        raise ConfigError(f"only {max(pages, 0)} KV pages fit in GPU memory: not one {max_len}-token sequence")
+        raise ConfigError(
+            f"only {max(pages, 0)} KV pages fit in GPU memory: not one {max_len}-token sequence "
+            f"(budget {budget / 2**30:.2f} GiB = {total / 2**30:.1f} GiB x utilization {utilization} "
+            f"- {(total - free) / 2**30:.2f} GiB in use - {headroom / 2**30:.2f} GiB activation headroom "
+            f"- {reserve / 2**30:.2f} GiB vision cache)"
+        )
     return pages
 
 

@@ -10,7 +10,9 @@ never waits for the previous step's tokens to reach Python; those are read back 
 Streams (CUDA): vision (uint8 image upload from pinned memory + pixel lookup table + tower +
 projector) runs on a side stream and records an event; the prefill that consumes its embeddings
 waits on that event on the main (high-priority) stream, where prefill, decode, sampling and
-readbacks run. Decode steps replay CUDA graphs per batch bucket.
+readbacks run. Decode steps replay CUDA graphs per batch bucket; prefills whose new tokens are
+all text (follow-up questions over a cached image) replay CUDA graphs per token-count bucket,
+attending over the pages alone, since their launch would cost more host time than device time.
 """
 
 from __future__ import annotations
@@ -19,12 +21,26 @@ from contextlib import nullcontext
 
 import numpy as np
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from wicore.engines.fast.attention import DecodeAttention, PrefillAttention, layer_specs
+from wicore.engines.fast.attention import PagedAttention, PrefillAttention, layer_specs
 from wicore.engines.fast.graph_runner import GraphRunner
 from wicore.engines.fast.handles import PhaseClock, Readback
 from wicore.engines.fast.kv_cache import KVCache, KVLayout
-from wicore.engines.fast.prefill_inputs import prefill_inputs, suffix_image_embeds
+from wicore.engines.fast.prefill_inputs import (
+    ENDS,
+    IDS,
+    POSITIONS,
+    ROWS,
+    SLOTS,
+    TILE_COUNT,
+    TILE_FIRST,
+    paged_columns,
+    paged_fills,
+    pages_only,
+    prefill_inputs,
+    suffix_image_embeds,
+)
 from wicore.engines.fast.sampler import Sampler, SamplingBatch
 from wicore.engines.fast.sequence import Sequence
 from wicore.engines.fast.weights import Gemma3Parts
@@ -45,8 +61,10 @@ class ModelRunner:
         dtype,
         overlap: bool = True,
         pixel_lut: np.ndarray | None = None,
+        paged_suffix: int = 0,
     ):
-        """pixel_lut: [3, 256] float32, `InputProcessor.pixel_spec.lut`; images need it."""
+        """pixel_lut: [3, 256] float32, `InputProcessor.pixel_spec.lut`; images need it.
+        paged_suffix: prefills of at most this many new tokens attend over their pages alone."""
         self.parts, self.layout, self.sampler = parts, layout, sampler
         self.device, self.dtype = torch.device(device), dtype
         # Cast once: looking up the cast table gives the same bits as casting looked-up float32.
@@ -65,7 +83,12 @@ class ModelRunner:
         self.side_stream = torch.cuda.Stream(self.device) if self.cuda and overlap else self.main_stream
         self.clock = PhaseClock(self.cuda)
         self.encode_full = None  # optional compiled tower for full vision batches
-        self.graphs: GraphRunner | None = None
+        self.decode_graphs: GraphRunner | None = None
+        self.prefill_graphs: GraphRunner | None = None
+        # Paged prefill: tokens per attention tile, so a tile's query heads fill 16 rows.
+        self.paged_suffix = paged_suffix
+        self.paged_prefilled = 0  # sequences prefilled over their pages alone
+        self.tile_tokens = max(1, 16 // (self.text_config.num_attention_heads // self.text_config.num_key_value_heads))
         self.cache: KVCache | None = None
         self.specs = []
 
@@ -92,13 +115,29 @@ class ModelRunner:
     def release(self) -> None:
         """Drop the KV cache, the graphs (and their memory pool) and the weights."""
         self.cache = None
-        self.graphs = None
+        self.decode_graphs = self.prefill_graphs = None
         self.encode_full = None
         self.tables = None
         self.parts = None
 
-    def capture_graphs(self, sizes: list[int]) -> None:
-        self.graphs = GraphRunner(self.decode_logits, sizes, self.null_row, self.device)
+    def capture_graphs(self, decode_sizes: list[int], prefill_sizes: list[int]) -> None:
+        """Decode graphs per batch bucket and paged-prefill graphs per token bucket, in one
+        memory pool (the prefill's largest first: it needs the most)."""
+        pool = None
+        if prefill_sizes and self.paged_suffix:
+            fills = paged_fills(self.null_row, len(self.layout.groups))
+            embeds = (self.text_config.hidden_size, self.dtype)
+            self.prefill_graphs = GraphRunner(
+                self.paged_prefill_hidden, prefill_sizes, fills, self.device, None, embeds
+            )
+            pool = self.prefill_graphs.pool
+        self.decode_graphs = GraphRunner(
+            lambda columns, _: self.decode_logits(columns[0], columns[1]),
+            decode_sizes,
+            [self.null_row, 0],
+            self.device,
+            pool,
+        )
 
     def on_main_stream(self):
         """Context for everything a step runs outside the vision tower."""
@@ -149,34 +188,85 @@ class ModelRunner:
     @torch.inference_mode()
     def encode(self, pixels: torch.Tensor) -> torch.Tensor:
         """[N, 3, S, S] -> [N, tokens, hidden]: full batches through the compiled tower, short
-        ones eager (padding them would spend compute on nothing when inputs arrive slowly)."""
+        ones eager (padding them would spend compute on nothing when inputs arrive slowly).
+        Short batches come in any size, and SDPA's cuDNN attention builds a plan for each new
+        shape (~0.1-0.25 s of host time on an H100, bench/NOTES.md run 50): they ask for the
+        flash / memory-efficient kernels, which need none."""
         if self.encode_full is not None and pixels.shape[0] == self.encode_full[0]:
             return self.encode_full[1](pixels)
-        return self.parts.encoder(pixels)
+        if not self.cuda:
+            return self.parts.encoder(pixels)
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
+            return self.parts.encoder(pixels)
 
     # -- prefill ----------------------------------------------------------------------------
 
     @torch.inference_mode()
     def prefill(self, seqs: list[Sequence]) -> Readback:
-        for event in {id(s.vision_event): s.vision_event for s in seqs if s.vision_event is not None}.values():
-            torch.cuda.current_stream().wait_event(event)  # normally complete already
+        """One launch for the prompts that attend over their pages alone (short suffixes), one
+        for the others (the dense prefill); one readback for both."""
         mark = self.clock.start()
+        paged = [s for s in seqs if pages_only(s, self.layout, self.paged_suffix)]
+        dense = [s for s in seqs if not pages_only(s, self.layout, self.paged_suffix)]
+        logits = []
+        if dense:
+            logits.append(self._dense_prefill(dense))
+        if paged:
+            logits.append(self._paged_prefill(paged))
+        readback = self._sample(dense + paged, torch.cat(logits) if len(logits) > 1 else logits[0], [0] * len(seqs))
+        self.clock.stop("prefill", mark)
+        return readback
+
+    def _dense_prefill(self, seqs: list[Sequence]) -> torch.Tensor:
         inputs = prefill_inputs(
             seqs, self.layout, self.parts.tokens_per_image, self.text_config.vocab_size, self.device
         )
+        embeds = self._image_embeds(seqs)
+        if embeds is not None:
+            inputs["image_embeds"] = embeds
+        return self.prefill_logits(**inputs)
+
+    def _paged_prefill(self, seqs: list[Sequence]) -> torch.Tensor:
+        """Logits [B, vocab] of short suffixes: a graph replay when a bucket fits them."""
+        self.paged_prefilled += len(seqs)
+        c = self.text_config
+        columns, last, image_rows = paged_columns(
+            seqs, self.layout, self.tile_tokens, c.vocab_size, self.parts.tokens_per_image
+        )
+        graphs = (
+            self.prefill_graphs if self.prefill_graphs is not None and self.prefill_graphs.fits(last[-1] + 1) else None
+        )
+        columns = upload(graphs.pad(columns) if graphs is not None else columns, self.device)
+        x = self.parts.decoder.embed(columns[IDS])
+        embeds = self._image_embeds(seqs)
+        if embeds is not None:
+            x = x.index_copy(0, upload(image_rows, self.device), embeds.to(x.dtype))
+        hidden = graphs.replay(columns, x) if graphs is not None else self.paged_prefill_hidden(columns, x)
+        return self.parts.decoder.logits(hidden[upload(last, self.device)])
+
+    def _image_embeds(self, seqs: list[Sequence]) -> torch.Tensor | None:
+        """The suffixes' image embeddings [image tokens, hidden] (`suffix_image_embeds` order),
+        made on the vision stream: this stream waits for them and the sequences let go."""
+        for event in {id(s.vision_event): s.vision_event for s in seqs if s.vision_event is not None}.values():
+            torch.cuda.current_stream().wait_event(event)  # normally complete already
         embeds = suffix_image_embeds(seqs)  # images whose tokens are cached need none
-        if embeds:
-            inputs["image_embeds"] = torch.cat(embeds)  # [image tokens, hidden]
-            if self.cuda:
-                for s in seqs:  # made on the side stream, read here on the main one
-                    if s.images_in_suffix:
-                        s.image_embeds.record_stream(torch.cuda.current_stream())
-        logits = self.prefill_logits(**inputs)
+        if self.cuda:
+            for s in seqs:  # made on the side stream, read here on the main one
+                if s.images_in_suffix:
+                    s.image_embeds.record_stream(torch.cuda.current_stream())
         for seq in seqs:
             seq.image_embeds, seq.vision_event = None, None
-        readback = self._sample(seqs, logits, [0] * len(seqs))
-        self.clock.stop("prefill", mark)
-        return readback
+        return torch.cat(embeds) if embeds else None
+
+    def paged_prefill_hidden(self, columns: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """columns [SLOTS + groups, N] int64 on the device (`prefill_inputs.paged_columns`), x
+        [N, hidden] input embeddings -> final-normed hidden states [N, hidden]. Graph-capturable."""
+        positions = columns[POSITIONS]
+        tiles = (columns[TILE_FIRST], columns[TILE_COUNT], self.tile_tokens)
+        attention = PagedAttention(
+            self.cache, self.specs, self.tables, columns[ROWS], positions, columns[SLOTS:], tiles, columns[ENDS]
+        )
+        return self.parts.decoder(x, positions, attention)
 
     def prefill_logits(
         self, ids, positions, slots, image_rows, image_groups, last, layout, image_embeds=None, prefix=None
@@ -209,9 +299,10 @@ class ModelRunner:
         mark = self.clock.start()
         rows = [s.row for s in seqs]
         positions = [s.next_position for s in seqs]
-        graphed = self.graphs is not None and self.graphs.fits(len(seqs))
+        graphed = self.decode_graphs is not None and self.decode_graphs.fits(len(seqs))
         if graphed:
-            logits = self.graphs.run(rows, positions)
+            columns = self.decode_graphs.pad(np.array([rows, positions], dtype=np.int64))
+            logits = self.decode_graphs.replay(upload(columns, self.device))[: len(seqs)]
         else:
             logits = self.decode_logits(_tensor(rows, self.device), _tensor(positions, self.device))
         readback = self._sample(seqs, logits, [s.launched for s in seqs])
@@ -222,7 +313,7 @@ class ModelRunner:
         """rows, positions: [B] int64 on the device -> logits [B, vocab]. Graph-capturable."""
         decoder = self.parts.decoder
         x = decoder.embed(self.last_token[rows])
-        attention = DecodeAttention(self.cache, self.specs, self.tables, rows, positions)
+        attention = PagedAttention(self.cache, self.specs, self.tables, rows, positions)
         return decoder.logits(decoder(x, positions, attention))
 
     # -- sampling ---------------------------------------------------------------------------

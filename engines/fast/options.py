@@ -22,6 +22,16 @@ class FastOptions:
     num_kv_blocks: int | None = None  # KV pages in the pool; default: sized from free memory (CUDA)
     cuda_graphs: bool = True  # capture decode per batch-size bucket (CUDA only)
     graph_batch_sizes: tuple[int, ...] | None = None  # default [1, 2, 4, 8] + multiples of 16
+    # Token-count buckets of the graphs for text-only prefills (follow-up questions over a cached
+    # image); () captures none. Default: 64, then multiples of 128 up to 2048 (capped by
+    # max_prefill_tokens).
+    graph_prefill_tokens: tuple[int, ...] | None = None
+    # A sequence whose prefill computes at most this many tokens (a follow-up question over a
+    # cached image, a short prompt) attends over its pages alone (paged attention, CUDA graphs
+    # per token bucket: its launch costs far less host time); longer ones take the dense
+    # prefill's larger attention tiles. 0: always dense. Default: 128 on CUDA, 0 on CPU (the CPU
+    # paged attention is a per-token reference loop).
+    paged_prefill_tokens: int | None = None
     vision_batch_size: int | None = None  # images per vision-tower call; default 32 CUDA, 8 CPU
     compile_vision: bool | None = None  # inductor for the vision tower's full batches; default: on CUDA
     compile_text: bool | None = None  # inductor for the decoder layers' dense parts; default: on CUDA
@@ -55,8 +65,9 @@ class FastOptions:
         if unknown:
             raise ConfigError(f"unknown fast engine option(s) {unknown}; known: {sorted(known)}")
         values = dict(options)
-        if values.get("graph_batch_sizes") is not None:
-            values["graph_batch_sizes"] = tuple(values["graph_batch_sizes"])
+        for name in ("graph_batch_sizes", "graph_prefill_tokens"):
+            if values.get(name) is not None:
+                values[name] = tuple(values[name])
         parsed = cls(**values)
         parsed._check()
         return parsed
@@ -70,6 +81,8 @@ class FastOptions:
         for name in ("max_model_len", "num_kv_blocks", "vision_batch_size", "max_prefill_tokens"):
             if getattr(self, name) is not None:
                 _positive_int(name, getattr(self, name))
+        if self.paged_prefill_tokens is not None:
+            _int_at_least("paged_prefill_tokens", self.paged_prefill_tokens, 0)
         if self.preprocess_threads is not None:
             _int_at_least("preprocess_threads", self.preprocess_threads, 0)
         if isinstance(self.gpu_memory_utilization, bool) or not isinstance(self.gpu_memory_utilization, int | float):
@@ -88,6 +101,8 @@ class FastOptions:
                 raise ConfigError("graph_batch_sizes must not be empty")
             for size in self.graph_batch_sizes:
                 _positive_int("graph_batch_sizes entry", size)
+        for size in self.graph_prefill_tokens or ():
+            _positive_int("graph_prefill_tokens entry", size)
 
     def _check_cache(self) -> None:
         if self.host_cache_bytes is not None:
@@ -129,6 +144,17 @@ class FastOptions:
             return sorted(set(self.graph_batch_sizes))
         sizes = [s for s in [1, 2, 4, 8] if s < max_batch_size] + list(range(16, max_batch_size + 1, 16))
         return sorted(set(sizes) | {max_batch_size})
+
+    def prefill_graph_sizes(self, prefill_tokens: int) -> list[int]:
+        """Token-count buckets of the paged-prefill graphs, ascending (empty: none)."""
+        if self.graph_prefill_tokens is not None:
+            return sorted(set(self.graph_prefill_tokens))
+        return [t for t in [64, *range(128, 2049, 128)] if t <= prefill_tokens]  # padding <= 128 tokens
+
+    def paged_suffix(self, cuda: bool) -> int:
+        if self.paged_prefill_tokens is not None:
+            return self.paged_prefill_tokens
+        return 128 if cuda else 0
 
     def compiles(self, cuda: bool) -> tuple[bool, bool]:
         """(compile the vision tower, compile the decoder layers): by default on CUDA only,

@@ -65,6 +65,11 @@ class EngineStats:
             "decode_batch_sizes": dict(sorted(self.decode_batch_sizes.items())),
             "graph_replays": self.graph_replays,
             "eager_decodes": self.eager_decodes,
+            # Prefills over the pages alone (text-only suffixes) and how many replayed a graph.
+            "paged_prefilled": runner.paged_prefilled if runner is not None else 0,
+            "prefill_graph_replays": runner.prefill_graphs.replays
+            if runner is not None and runner.prefill_graphs is not None
+            else 0,
             "kv_pages": blocks.num_pages - 1,  # the pool (without the null page): sized from memory on CUDA
             "kv_pages_used": blocks.num_used,
             "kv_pages_free": blocks.num_free,
