@@ -1,6 +1,6 @@
 """Host and device time of the eager vision tower (4B shape, bf16) at batch sizes it has not
 seen, with SDPA free to pick cuDNN attention (the default) and with flash / memory-efficient
-attention forced, as `ModelRunner.encode` does for short batches (bench/NOTES.md run 50).
+attention forced (tried for short batches and dropped: bench/NOTES.md run 51).
 
     python bench/gpu_vision_shapes.py     # on the GPU machine
 """

@@ -21,7 +21,6 @@ from contextlib import nullcontext
 
 import numpy as np
 import torch
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from wicore.engines.fast.attention import PagedAttention, PrefillAttention, layer_specs
 from wicore.engines.fast.graph_runner import GraphRunner
@@ -188,16 +187,10 @@ class ModelRunner:
     @torch.inference_mode()
     def encode(self, pixels: torch.Tensor) -> torch.Tensor:
         """[N, 3, S, S] -> [N, tokens, hidden]: full batches through the compiled tower, short
-        ones eager (padding them would spend compute on nothing when inputs arrive slowly).
-        Short batches come in any size, and SDPA's cuDNN attention builds a plan for each new
-        shape (~0.1-0.25 s of host time on an H100, bench/NOTES.md run 50): they ask for the
-        flash / memory-efficient kernels, which need none."""
+        ones eager (padding them would spend compute on nothing when inputs arrive slowly)."""
         if self.encode_full is not None and pixels.shape[0] == self.encode_full[0]:
             return self.encode_full[1](pixels)
-        if not self.cuda:
-            return self.parts.encoder(pixels)
-        with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
-            return self.parts.encoder(pixels)
+        return self.parts.encoder(pixels)
 
     # -- prefill ----------------------------------------------------------------------------
 
