@@ -10,9 +10,10 @@ never waits for the previous step's tokens to reach Python; those are read back 
 Streams (CUDA): vision (uint8 image upload from pinned memory + pixel lookup table + tower +
 projector) runs on a side stream and records an event; the prefill that consumes its embeddings
 waits on that event on the main (high-priority) stream, where prefill, decode, sampling and
-readbacks run. Decode steps replay CUDA graphs per batch bucket; prefills whose new tokens are
-all text (follow-up questions over a cached image) replay CUDA graphs per token-count bucket,
-attending over the pages alone, since their launch would cost more host time than device time.
+readbacks run. Decode steps replay CUDA graphs per batch bucket. Short prefill suffixes (a
+follow-up question over a cached image, the tail of an image the cached prefix splits, a short
+prompt) attend over their pages alone and replay CUDA graphs per token-count bucket: launched
+eagerly, they cost more host time than device time.
 """
 
 from __future__ import annotations
@@ -226,9 +227,9 @@ class ModelRunner:
         columns, last, image_rows = paged_columns(
             seqs, self.layout, self.tile_tokens, c.vocab_size, self.parts.tokens_per_image
         )
-        graphs = (
-            self.prefill_graphs if self.prefill_graphs is not None and self.prefill_graphs.fits(last[-1] + 1) else None
-        )
+        graphs = self.prefill_graphs
+        if graphs is not None and not graphs.fits(columns.shape[1]):
+            graphs = None  # more tokens than the largest bucket: the same forward, eager
         columns = upload(graphs.pad(columns) if graphs is not None else columns, self.device)
         x = self.parts.decoder.embed(columns[IDS])
         embeds = self._image_embeds(seqs)
