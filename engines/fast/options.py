@@ -22,9 +22,8 @@ class FastOptions:
     num_kv_blocks: int | None = None  # KV pages in the pool; default: sized from free memory (CUDA)
     cuda_graphs: bool = True  # capture decode per batch-size bucket (CUDA only)
     graph_batch_sizes: tuple[int, ...] | None = None  # default [1, 2, 4, 8] + multiples of 16
-    # Token-count buckets of the graphs for text-only prefills (follow-up questions over a cached
-    # image); () captures none. Default: 64, then multiples of 128 up to 2048 (capped by
-    # max_prefill_tokens).
+    # Token-count buckets of the graphs for short prefills (`paged_prefill_tokens`); () captures
+    # none. Default: 64, then multiples of 128 up to 2048 (capped by max_prefill_tokens).
     graph_prefill_tokens: tuple[int, ...] | None = None
     # A sequence whose prefill computes at most this many tokens (a follow-up question over a
     # cached image, a short prompt) attends over its pages alone (paged attention, CUDA graphs
