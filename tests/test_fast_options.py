@@ -16,11 +16,16 @@ def test_defaults():
     assert options.graph_sizes(64) == [1, 2, 4, 8, 16, 32, 48, 64]
     assert options.graph_sizes(40) == [1, 2, 4, 8, 16, 32, 40]
     assert options.vision_batch(cuda=True) == 32 and options.vision_batch(cuda=False) == 8
+    assert options.paged_suffix(cuda=True) == 128 and options.paged_suffix(cuda=False) == 0
+    assert options.prefill_graph_sizes(16384)[:3] == [64, 128, 256] and options.prefill_graph_sizes(16384)[-1] == 2048
+    assert options.prefill_graph_sizes(1000)[-1] == 896  # none above the prefill budget
 
 
 def test_explicit_values():
     options = FastOptions.parse({"block_size": 32, "graph_batch_sizes": [8, 1, 4], "num_kv_blocks": 100})
     assert options.graph_sizes(256) == [1, 4, 8] and options.num_kv_blocks == 100
+    options = FastOptions.parse({"graph_prefill_tokens": [512, 64], "paged_prefill_tokens": 0})
+    assert options.prefill_graph_sizes(16384) == [64, 512] and options.paged_suffix(cuda=True) == 0
 
 
 @pytest.mark.parametrize(
@@ -33,6 +38,8 @@ def test_explicit_values():
         {"cuda_graphs": "yes"},
         {"graph_batch_sizes": []},
         {"graph_batch_sizes": [0, 4]},
+        {"graph_prefill_tokens": [0]},
+        {"paged_prefill_tokens": -1},
         {"vision_batch_size": 0},
         {"preprocess_threads": -1},
         {"prefix_cache": 1},
