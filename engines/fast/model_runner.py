@@ -200,8 +200,9 @@ class ModelRunner:
         """One launch for the prompts that attend over their pages alone (short suffixes), one
         for the others (the dense prefill); one readback for both."""
         mark = self.clock.start()
-        paged = [s for s in seqs if pages_only(s, self.layout, self.paged_suffix)]
-        dense = [s for s in seqs if not pages_only(s, self.layout, self.paged_suffix)]
+        paged, dense = [], []
+        for seq in seqs:
+            (paged if pages_only(seq, self.layout, self.paged_suffix) else dense).append(seq)
         logits = []
         if dense:
             logits.append(self._dense_prefill(dense))

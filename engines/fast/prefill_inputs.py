@@ -123,7 +123,7 @@ def paged_columns(
         columns[IDS, offset:end] = seq.prompt.ids[p:]
         columns[POSITIONS, offset:end] = np.arange(p, seq.prompt_len)
         columns[ROWS, offset:end] = seq.row
-        columns[ENDS, offset:end] = np.arange(p, seq.prompt_len) + 1
+        columns[ENDS, offset:end] = columns[POSITIONS, offset:end] + 1
         for rows in suffix_image_rows(seq, offset, tokens_per_image):  # an image's tokens see it all
             columns[ENDS, rows] = columns[POSITIONS, rows[-1]] + 1
             image_rows.append(rows)
