@@ -38,6 +38,7 @@ from wicore.models.gemma3 import make_gemma3_4b
 CONFIGS = {
     "off": dict(cache=False),
     "gpu": dict(cache=True, host_cache_bytes=0, prefix_split_images=True),
+    "gpu-group": dict(cache=True, host_cache_bytes=0, prefix_split_images=True, group_images=True),
 }
 CONFIGS |= {f"{name}-1stream": dict(config, overlap_vision=False) for name, config in CONFIGS.items()}
 
@@ -223,6 +224,8 @@ def main() -> None:
         results.append(
             {**run(name, model_dir, bench, requests, warm, profile_nth=args.profile_nth), "batch_size": size}
         )
+        if os.environ.get("OUT"):  # after each config: a run cut short by its time limit keeps the rest
+            Path(os.environ["OUT"], "cache_timeline.json").write_text(json.dumps(results) + "\n")
     if args.cprofile:
         import cProfile
         import io
@@ -246,8 +249,6 @@ def main() -> None:
         print(table, flush=True)
         if os.environ.get("OUT"):
             Path(os.environ["OUT"], "profile.txt").write_text(table)
-    if os.environ.get("OUT"):
-        Path(os.environ["OUT"], "cache_timeline.json").write_text(json.dumps(results) + "\n")
 
 
 if __name__ == "__main__":

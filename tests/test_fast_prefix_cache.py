@@ -37,13 +37,15 @@ def layout(window=64):
     return KVLayout.build(config, block_size=4, max_model_len=128)
 
 
-def sequence(rid, ids, max_new=4, images=(), lay=None):
-    """A sequence of prompt `ids` with images starting at `images`, keyed like the engine."""
-    request = EngineRequest(rid, [], [object()] * len(images), GenerationParams(max_new_tokens=max_new))
+def sequence(rid, ids, max_new=4, images=(), lay=None, image=IMAGE, hashed=False):
+    """A sequence of prompt `ids` with images (all `image`) starting at `images`, keyed like the
+    engine; `hashed`: the request carries the images' sha256 (what `group_images` groups by)."""
+    hashes = [image] * len(images) if hashed else []
+    request = EngineRequest(rid, [], [object()] * len(images), GenerationParams(max_new_tokens=max_new), hashes)
     seq = Sequence(request, Prompt(list(ids), list(images)), np.zeros((len(images), 3, 1, 1)), seed=0)
     lay = lay or layout()
     if not lay.wraps(seq.max_len):
-        seq.prefix_keys = prompt_keys(list(ids), list(images), [IMAGE] * len(images), TPI, 4, "model")
+        seq.prefix_keys = prompt_keys(list(ids), list(images), [image] * len(images), TPI, 4, "model")
     return seq
 
 
@@ -232,3 +234,80 @@ def test_a_failed_key_job_leaves_the_sequence_uncached(caplog):
     assert not seq.keys_ready
     seq.prefix_keys.set_exception(ValueError("bad image"))
     assert seq.keys_ready and seq.keys() is None and "not cached" in caplog.text
+
+
+def questions(image: str, count: int, first: int = 0) -> list[Sequence]:
+    """Questions `first`.. about one image: a shared 12-token prefix (image at 2..5), then their own."""
+    prefix = [9, 9, 0, 1, 2, 3, 9, 9, 9, 9, 9, 9]
+    return [
+        sequence(f"{image[:2]}{q}", [*prefix, 40 + q, 41], images=[2], image=image, hashed=True)
+        for q in range(first, first + count)
+    ]
+
+
+def test_group_images_admits_the_questions_about_one_image_together():
+    a, b = "aa" * 32, "bb" * 32
+    (a0, a1), (b0, b1) = questions(a, 2), questions(b, 2)
+    for grouped, expected in [(False, [a0, b0, a1, b1]), (True, [a0, a1, b0, b1])]:
+        for seq in (a0, a1, b0, b1):
+            seq.status = SeqStatus.WAITING
+        sched, _ = scheduler()
+        sched.group_images = grouped
+        admit(sched, a0, b0, a1, b1)  # question-major, as a client enqueues them
+        assert sched.admitted == expected
+        assert not sched.waiting and not sched.by_images
+
+
+def test_group_images_stops_at_the_rows_and_keeps_the_rest_in_order():
+    a = "aa" * 32
+    seqs = questions(a, 3) + questions("bb" * 32, 1)
+    sched, _ = scheduler(rows=2)
+    sched.group_images = True
+    admit(sched, seqs[3], *seqs[:3])
+    assert sched.admitted == [seqs[3], seqs[0]] and list(sched.waiting) == seqs[1:3]
+    run(sched, [seqs[3]])
+    sched.schedule_vision(1)  # a freed row: the next waiting sharer, in order
+    assert sched.admitted == [seqs[0], seqs[1]] and list(sched.waiting) == [seqs[2]]
+
+
+def test_dropped_or_cleared_waiting_sequences_are_never_pulled_in():
+    a = "aa" * 32
+    first, dropped, cleared, late = questions(a, 4)
+    sched, _ = scheduler()
+    sched.group_images = True
+    sched.add(dropped)
+    assert sched.drop_head() is dropped
+    sched.add(cleared)
+    sched.clear_waiting()
+    admit(sched, first)
+    assert sched.admitted == [first]  # neither the dropped nor the cleared sharer came along
+    admit(sched, late)
+    assert sched.admitted == [first, late]
+
+
+def test_decode_batch_puts_the_sharers_of_a_prefix_side_by_side():
+    a, b = "aa" * 32, "bb" * 32
+    (a0, a1), (b0, b1) = questions(a, 2), questions(b, 2)
+    sched, _ = scheduler()
+    admit(sched, a0, b0, a1, b1)
+    assert sched.admitted == [a0, b0, a1, b1]
+    for seq in sched.admitted:
+        seq.status, seq.launched = SeqStatus.RUNNING, 1
+    decode = sched.schedule_model()[1]
+    assert {frozenset(map(id, decode[:2])), frozenset(map(id, decode[2:]))} == {
+        frozenset(map(id, (a0, a1))),
+        frozenset(map(id, (b0, b1))),
+    }
+
+
+def test_an_image_asked_about_twice_counts_once_in_a_vision_batch():
+    """Without the prefix cache every question needs the tower; the batch takes 2 distinct
+    images, so both questions about `a` and the one about `b` go together."""
+    a, b = "aa" * 32, "bb" * 32
+    seqs = questions(a, 2) + questions(b, 1) + questions("cc" * 32, 1)
+    sched = Scheduler(layout(), BlockManager(200), max_rows=8, vision_batch=2, prefill_tokens=512)
+    for seq in seqs:
+        sched.add(seq)
+    assert sched.schedule_vision(1) == seqs[:3]
+    assert sched.schedule_vision(1, allow_partial=False) == []  # one image left: partial
+    assert sched.schedule_vision(1) == seqs[3:]
