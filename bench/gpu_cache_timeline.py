@@ -38,7 +38,6 @@ from wicore.models.gemma3 import make_gemma3_4b
 CONFIGS = {
     "off": dict(cache=False),
     "gpu": dict(cache=True, host_cache_bytes=0, prefix_split_images=True),
-    "gpu-group": dict(cache=True, host_cache_bytes=0, prefix_split_images=True, group_images=True),
 }
 CONFIGS |= {f"{name}-1stream": dict(config, overlap_vision=False) for name, config in CONFIGS.items()}
 

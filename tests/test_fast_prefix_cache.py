@@ -39,7 +39,7 @@ def layout(window=64):
 
 def sequence(rid, ids, max_new=4, images=(), lay=None, image=IMAGE, hashed=False):
     """A sequence of prompt `ids` with images (all `image`) starting at `images`, keyed like the
-    engine; `hashed`: the request carries the images' sha256 (what `group_images` groups by)."""
+    engine; `hashed`: the request carries the images' sha256 (a vision batch counts each once)."""
     hashes = [image] * len(images) if hashed else []
     request = EngineRequest(rid, [], [object()] * len(images), GenerationParams(max_new_tokens=max_new), hashes)
     seq = Sequence(request, Prompt(list(ids), list(images)), np.zeros((len(images), 3, 1, 1)), seed=0)
@@ -243,46 +243,6 @@ def questions(image: str, count: int, first: int = 0) -> list[Sequence]:
         sequence(f"{image[:2]}{q}", [*prefix, 40 + q, 41], images=[2], image=image, hashed=True)
         for q in range(first, first + count)
     ]
-
-
-def test_group_images_admits_the_questions_about_one_image_together():
-    a, b = "aa" * 32, "bb" * 32
-    (a0, a1), (b0, b1) = questions(a, 2), questions(b, 2)
-    for grouped, expected in [(False, [a0, b0, a1, b1]), (True, [a0, a1, b0, b1])]:
-        for seq in (a0, a1, b0, b1):
-            seq.status = SeqStatus.WAITING
-        sched, _ = scheduler()
-        sched.group_images = grouped
-        admit(sched, a0, b0, a1, b1)  # question-major, as a client enqueues them
-        assert sched.admitted == expected
-        assert not sched.waiting and not sched.by_images
-
-
-def test_group_images_stops_at_the_rows_and_keeps_the_rest_in_order():
-    a = "aa" * 32
-    seqs = questions(a, 3) + questions("bb" * 32, 1)
-    sched, _ = scheduler(rows=2)
-    sched.group_images = True
-    admit(sched, seqs[3], *seqs[:3])
-    assert sched.admitted == [seqs[3], seqs[0]] and list(sched.waiting) == seqs[1:3]
-    run(sched, [seqs[3]])
-    sched.schedule_vision(1)  # a freed row: the next waiting sharer, in order
-    assert sched.admitted == [seqs[0], seqs[1]] and list(sched.waiting) == [seqs[2]]
-
-
-def test_dropped_or_cleared_waiting_sequences_are_never_pulled_in():
-    a = "aa" * 32
-    first, dropped, cleared, late = questions(a, 4)
-    sched, _ = scheduler()
-    sched.group_images = True
-    sched.add(dropped)
-    assert sched.drop_head() is dropped
-    sched.add(cleared)
-    sched.clear_waiting()
-    admit(sched, first)
-    assert sched.admitted == [first]  # neither the dropped nor the cleared sharer came along
-    admit(sched, late)
-    assert sched.admitted == [first, late]
 
 
 def test_decode_batch_puts_the_sharers_of_a_prefix_side_by_side():

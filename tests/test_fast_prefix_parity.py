@@ -8,8 +8,6 @@ are cached: questions about one image share 7 blocks (28 tokens).
 
 from __future__ import annotations
 
-import hashlib
-
 import pytest
 
 from tests.fast_requests import image, mismatches, mixed_requests, one_torch_thread, request  # noqa: F401
@@ -97,23 +95,6 @@ def test_same_image_questions_admitted_together(model_dir, expected, paged):
     assert stats["cache"]["gpu"]["hits"] == 3 * 7  # 28 shared tokens: image + template
     assert stats["cached_prompt_tokens"] == 3 * 28
     assert stats["paged_prefilled"] == (4 if paged else 0)
-
-
-def hashed(requests):
-    """The callers' sha256 of each image (what the worker sends): `group_images` groups by it."""
-    for req in requests:
-        req.image_hashes = [hashlib.sha256(im.tobytes()).hexdigest() for im in req.images]
-    return requests
-
-
-def test_grouped_questions_match_the_reference(model_dir, expected):
-    # Question-major over two images: each image's questions are admitted together (4 rows).
-    question_major = [r for pair in zip(vqa(), vqa("r", variant=2), strict=True) for r in pair]
-    fast = engine(model_dir, group_images=True)
-    assert fast.scheduler.group_images
-    check(fast.generate(hashed(question_major)), expected)
-    stats = fast.stats()
-    assert stats["images"] == 2 and stats["cached_prompt_tokens"] == 8 + 2 * 3 * 28  # r0: the template
 
 
 def test_requests_join_mid_decode(model_dir, expected):
@@ -207,11 +188,9 @@ def test_prefix_ending_inside_an_image(model_dir, expected, block_size, split, s
     assert stats["cached_prompt_tokens"] == 3 * shared and stats["images"] == 4
 
 
-@pytest.mark.parametrize("grouped", [False, True])
-def test_random_arrivals_through_every_tier_match_caching_off(model_dir, tmp_path, grouped):
+def test_random_arrivals_through_every_tier_match_caching_off(model_dir, tmp_path):
     # 60 requests over 4 images, mixed image counts and lengths, arriving in random chunks while
-    # the engine steps; a GPU pool of 80 pages, a host tier of 8 blocks, a disk tier; grouped:
-    # the questions about one set of images are admitted together.
+    # the engine steps; a GPU pool of 80 pages, a host tier of 8 blocks, a disk tier.
     import random
 
     rng = random.Random(0)
@@ -222,11 +201,7 @@ def test_random_arrivals_through_every_tier_match_caching_off(model_dir, tmp_pat
         for i in range(60)
     ]  # fmt: skip
     want = {c.id: c for c in engine(model_dir, prefix_cache=False).generate(requests)}
-    if grouped:
-        hashed(requests)
-    fast = engine(
-        model_dir, num_kv_blocks=80, host_cache_bytes=8 * 2048, disk_cache_dir=str(tmp_path), group_images=grouped
-    )
+    fast = engine(model_dir, num_kv_blocks=80, host_cache_bytes=8 * 2048, disk_cache_dir=str(tmp_path))
     done, pending = [], list(requests)
     while pending or fast.num_unfinished():
         if pending and rng.random() < 0.5:

@@ -82,7 +82,6 @@ class FastEngine(Engine):
             self.prefill_tokens,
             self.tiers.holds,
             self.options.prefix_split_images,
-            self.options.group_images,
         )
         threads = self.options.threads(self.cuda)
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="wicore-pixels") if threads else None
@@ -315,7 +314,7 @@ class FastEngine(Engine):
         """Images that failed to preprocess, at the head of the queue (admission stops there)."""
         waiting = self.scheduler.waiting
         while waiting and waiting[0].pixels_failed:
-            seq = self.scheduler.drop_head()
+            seq = waiting.popleft()
             self.unfinished.discard(seq)
             done.append(failed(seq.id, f"image preprocessing failed: {seq.pixels.exception()}", input_error=True))
 
@@ -324,7 +323,7 @@ class FastEngine(Engine):
             self.scheduler.finish(seq)
         self.tiers.reset()
         self.blocks.drop_cache()  # blocks being written when the step failed are suspect
-        self.scheduler.clear_waiting()
+        self.scheduler.waiting.clear()
         self.images.jobs.clear()
         self.images.in_flight.clear()
         self.readbacks.clear()

@@ -56,11 +56,6 @@ class FastOptions:
     # start (issue 5), so questions about one image share its blocks only when the image ends
     # on a block boundary shared by their prompts.
     prefix_split_images: bool = False
-    # Admit the waiting requests about an admitted request's images (same sha256s) right after
-    # it, ahead of FIFO order: questions about one image then run together, so their decode
-    # steps read the shared prefix's pages once (the batch is ordered by pages; L2 serves the
-    # other reads). Prefix cache only.
-    group_images: bool = False
 
     @classmethod
     def parse(cls, options: dict[str, Any]) -> FastOptions:
@@ -94,7 +89,7 @@ class FastOptions:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         self._check_cache()
-        for name in ("cuda_graphs", "overlap_vision", "prefix_cache", "prefix_split_images", "group_images"):
+        for name in ("cuda_graphs", "overlap_vision", "prefix_cache", "prefix_split_images"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
         for name in ("compile_vision", "compile_text"):

@@ -12,9 +12,7 @@ its suffix is prefilled, and it needs the vision tower only for images in that s
 prefill waits until the blocks it reads are `ready` (computed by an earlier sequence's prefill,
 or restored from a lower tier). The decode batch is ordered by shared pages, so the sharers of
 a prefix sit side by side: the attention kernel's neighbouring programs read those pages at
-about the same time, and L2 serves all but the first read. With `group_images`, the waiting
-requests about the same images are admitted right after the first of them (ahead of FIFO
-order), so they run together and share their prefix's reads.
+about the same time, and L2 serves all but the first read.
 """
 
 from __future__ import annotations
@@ -49,33 +47,17 @@ class Scheduler:
         prefill_tokens: int,
         lower: LowerTiers = _no_lower_tier,  # whether the host / disk tier holds a block
         split_images: bool = False,  # a cached prefix may end inside an image (`usable_prefix`)
-        group_images: bool = False,  # admit the waiting sharers of an admitted request's images
     ):
         self.layout, self.blocks, self.lower, self.split_images = layout, blocks, lower, split_images
-        self.group_images = group_images and blocks.cache is not None
         self.vision_batch, self.prefill_tokens = vision_batch, prefill_tokens
         self.key_cells = KEY_CELLS * prefill_tokens
         self.free_rows = deque(range(max_rows))
         self.waiting: deque[Sequence] = deque()
-        self.by_images: dict[tuple[str, ...], list[Sequence]] = {}  # waiting sequences per image set
         self.admitted: list[Sequence] = []  # ENCODING, READY and RUNNING, in admission order
         self.newly_admitted: list[Sequence] = []
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
-        key = self._group_key(seq)
-        if key:
-            self.by_images.setdefault(key, []).append(seq)
-
-    def drop_head(self) -> Sequence:
-        """Take the oldest waiting sequence out without admitting it (it failed)."""
-        seq = self.waiting.popleft()
-        self._ungroup(seq)
-        return seq
-
-    def clear_waiting(self) -> None:
-        self.waiting.clear()
-        self.by_images.clear()
 
     def fits_ever(self, num_tokens: int) -> bool:
         """Whether a sequence of `num_tokens` positions fits in the pool at all."""
@@ -110,38 +92,13 @@ class Scheduler:
     def _admit(self) -> None:
         while self.waiting and self.free_rows:
             seq = self.waiting[0]
-            if not self._placed(seq):
+            if not (seq.pixels_ready and seq.keys_ready and seq.prefetch_ready) or not self._place(seq):
                 return
             self.waiting.popleft()
-            self._admitted(seq)
-            for sharer in list(self.by_images.get(self._group_key(seq), ())):
-                if not self.free_rows or not self._placed(sharer):
-                    break
-                self.waiting.remove(sharer)
-                self._admitted(sharer)
-
-    def _placed(self, seq: Sequence) -> bool:
-        """Whether `seq` can be admitted now; if so its pages and table are taken."""
-        return seq.pixels_ready and seq.keys_ready and seq.prefetch_ready and self._place(seq)
-
-    def _admitted(self, seq: Sequence) -> None:
-        self._ungroup(seq)
-        seq.row = self.free_rows.popleft()
-        seq.status = SeqStatus.ENCODING if seq.needs_vision else SeqStatus.READY
-        self.admitted.append(seq)
-        self.newly_admitted.append(seq)
-
-    def _group_key(self, seq: Sequence) -> tuple[str, ...]:
-        """The images (sha256) whose waiting sharers follow `seq` in; () groups nothing."""
-        return tuple(seq.request.image_hashes) if self.group_images else ()
-
-    def _ungroup(self, seq: Sequence) -> None:
-        key = self._group_key(seq)
-        group = self.by_images.get(key)
-        if group is not None:
-            group.remove(seq)
-            if not group:
-                del self.by_images[key]
+            seq.row = self.free_rows.popleft()
+            seq.status = SeqStatus.ENCODING if seq.needs_vision else SeqStatus.READY
+            self.admitted.append(seq)
+            self.newly_admitted.append(seq)
 
     def _place(self, seq: Sequence) -> bool:
         """Pages and table for `seq`; False when they do not fit yet."""
