@@ -48,6 +48,7 @@ class Trace:
     def __init__(self, engine, profile_nth: int = 0):
         self.launches: list[dict] = []
         self.step = 0
+        self.origin = time.perf_counter()  # the timed run's start (`at_s` of each launch)
         self.seen: Counter = Counter()  # prefill launches so far, by kind
         self.profiles: dict[str, str] = {}  # kind -> op table of its `profile_nth` launch
         runner = engine.runner
@@ -107,7 +108,10 @@ class Trace:
         host_ms = (time.perf_counter() - host) * 1e3  # the launch's host time (enqueueing)
         end = torch.cuda.Event(enable_timing=True)
         end.record(stream)
-        self.launches.append({"kind": kind, "step": self.step, "start": start, "end": end, "host_ms": host_ms, **sizes})
+        at_s = host - self.origin  # when the launch began, on the host
+        self.launches.append(
+            {"kind": kind, "step": self.step, "at_s": at_s, "start": start, "end": end, "host_ms": host_ms, **sizes}
+        )
 
     def device_ms(self, one_stream: bool) -> list[dict]:
         """Each launch's device ms; with `one_stream` (vision on the main stream too) also the
@@ -133,8 +137,9 @@ def run(name: str, model_dir: Path, bench: CacheBench, requests, warm, measured=
     torch.cuda.synchronize()
     step_s, idle_s, first_done = [], 0.0, None
     with measured or nullcontext():
-        start = time.perf_counter()
+        start = trace.origin = time.perf_counter()
         engine.add(requests)
+        add_s = time.perf_counter() - start
         while engine.num_unfinished():
             trace.step += 1
             t = time.perf_counter()
@@ -157,6 +162,8 @@ def run(name: str, model_dir: Path, bench: CacheBench, requests, warm, measured=
         "name": name,
         "wall_s": round(wall, 3),
         "first_questions_done_s": round(first_done or wall, 3),
+        "add_s": round(add_s, 3),  # engine.add of every request (prompts, keys, pixel jobs)
+        "first_launch_s": round(launches[0]["at_s"], 3) if launches else None,
         "steps": len(step_s),
         "host_s_of_idle_steps": round(idle_s, 3),
         "host_s_all_steps": round(sum(step_s), 3),

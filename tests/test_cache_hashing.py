@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from wicore.engines.cache.hashing import ImageSpan, block_hashes, hash_block, root_hash
+from wicore.engines.cache.hashing import BlockSegment, ImageSpan, block_hashes, hash_block, root_hash
 
 IMG_A = hashlib.sha256(b"image a").hexdigest()
 IMG_B = hashlib.sha256(b"image b").hexdigest()
@@ -31,6 +31,23 @@ def test_encoding_is_the_documented_one():
     expected = hashlib.sha256(root + b"B" + struct.pack("<5I", 4, *tokens) + struct.pack("<I", 0)).digest()
     assert root_hash("m") == root
     assert block_hashes(tokens, 4, model_id="m") == [expected]
+
+
+def test_fixed_value_with_images_equals_the_chain_of_hash_block():
+    ids = list(range(1, 11)) + [PLACEHOLDER] * 20 + [7, 8] + [PLACEHOLDER] * 6 + list(range(500, 530))
+    spans = [(10, 30, IMG_A), (32, 38, IMG_B)]  # the first spans three 8-token blocks
+    hashes = block_hashes(ids, 8, spans, model_id="m")
+    assert hashes[-1].hex() == "1d0cf0b6d6d78a010c95f6e9728c022e2e78b87f126f6e6cc5b0db80b54b3bc9"
+    parent, chain = root_hash("m"), []
+    for start in range(0, 64, 8):
+        segments = [
+            BlockSegment(max(s, start) - start, min(e, start + 8) - start, d, max(s, start) - s)
+            for s, e, d in spans
+            if max(s, start) < min(e, start + 8)
+        ]
+        parent = hash_block(parent, ids[start : start + 8], segments)
+        chain.append(parent)
+    assert hashes == chain
 
 
 def test_stable_across_processes():

@@ -97,10 +97,10 @@ def prompt_keys(
     except ValueError as error:
         raise JobInputError(f"bad image hash: {error}") from error
     keys = block_hashes(ids, block_size, image_spans, model_id)
-    costs = [
-        IMAGE_BLOCK_COST if any(s < (i + 1) * block_size and e > i * block_size for s, e in spans) else 1.0
-        for i in range(len(keys))
-    ]
+    costs = [1.0] * len(keys)
+    for start, end in spans:  # blocks holding any of an image's soft tokens
+        for i in range(start // block_size, min(len(keys), -(-end // block_size))):
+            costs[i] = IMAGE_BLOCK_COST
     return PromptKeys(keys, costs, spans)
 
 
