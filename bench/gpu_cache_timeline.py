@@ -135,6 +135,7 @@ def run(name: str, model_dir: Path, bench: CacheBench, requests, warm, measured=
     trace = Trace(engine, profile_nth)
     firsts = {r.id for r in requests[: bench.images]}  # first questions not yet finished
     torch.cuda.synchronize()
+    memory_before = torch.cuda.memory_stats()
     step_s, idle_s, first_done = [], 0.0, None
     with measured or nullcontext():
         start = trace.origin = time.perf_counter()
@@ -153,6 +154,7 @@ def run(name: str, model_dir: Path, bench: CacheBench, requests, warm, measured=
                 first_done = time.perf_counter() - start
         torch.cuda.synchronize()
         wall = time.perf_counter() - start
+    memory_after = torch.cuda.memory_stats()
     stats = engine.stats()
     launches = trace.device_ms(one_stream=options.get("overlap_vision") is False)
     release(engine)
@@ -170,6 +172,13 @@ def run(name: str, model_dir: Path, bench: CacheBench, requests, warm, measured=
         "phases": {k: round(stats.get(k, 0.0), 3) for k in ("vision_s", "prefill_s", "decode_s")},
         "images_encoded": stats.get("images_encoded"),
         "cached_prompt_tokens": stats.get("cached_prompt_tokens"),
+        # The caching allocator during the run: cudaMalloc / cudaFree calls, and retries after a
+        # failed cudaMalloc (each frees the cached blocks first: a device-wide synchronization).
+        "allocator": {
+            key: memory_after.get(key, 0) - memory_before.get(key, 0)
+            for key in ("num_device_alloc", "num_device_free", "num_alloc_retries", "num_sync_all_streams")
+        },
+        "reserved_gib": round(memory_after.get("reserved_bytes.all.current", 0) / 2**30, 2),
         "by_kind": by_kind(launches),
         "idle_after": idle_after(launches),
     }
