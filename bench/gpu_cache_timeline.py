@@ -3,6 +3,7 @@
     python bench/gpu_cache_timeline.py [--configs off,gpu,off-1stream,gpu-1stream] [--images 256]
     python bench/gpu_cache_timeline.py --configs gpu --profile-nth 5   # one launch of each kind, alone
     python bench/gpu_cache_timeline.py --configs gpu --cprofile        # host time of a whole run
+    python bench/gpu_cache_timeline.py --configs gpu --syncs           # PyTorch's synchronizing calls
 
 The benchmark's VQA flow (4B-shaped model, question-major requests, its warm-up) through the fast
 engine, step by step: every vision, prefill (sequences, new tokens, how many read a cached
@@ -25,6 +26,8 @@ import argparse
 import json
 import os
 import time
+import traceback
+import warnings
 from collections import Counter, defaultdict
 from contextlib import nullcontext
 from pathlib import Path
@@ -40,6 +43,36 @@ CONFIGS = {
     "gpu": dict(cache=True, host_cache_bytes=0, prefix_split_images=True),
 }
 CONFIGS |= {f"{name}-1stream": dict(config, overlap_vision=False) for name, config in CONFIGS.items()}
+
+
+class SyncLog:
+    """Synchronizing CUDA calls PyTorch makes during a run (`torch.cuda.set_sync_debug_mode`),
+    counted by the Python stack that made them."""
+
+    def __init__(self):
+        self.stacks: Counter = Counter()
+
+    def __enter__(self):
+        self.saved = warnings.showwarning
+        self.filters = warnings.catch_warnings()
+        self.filters.__enter__()
+        warnings.simplefilter("always")
+        warnings.showwarning = self._record
+        torch.cuda.set_sync_debug_mode("warn")
+        return self
+
+    def __exit__(self, *exc):
+        torch.cuda.set_sync_debug_mode("default")
+        warnings.showwarning = self.saved
+        self.filters.__exit__(*exc)
+
+    def _record(self, message, category, filename, lineno, file=None, line=None):
+        frames = [f for f in traceback.extract_stack()[:-1] if "warnings" not in f.filename]
+        where = " <- ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in reversed(frames[-8:]))
+        self.stacks[f"{str(message)[:60]} | {where}"] += 1
+
+    def report(self) -> str:
+        return "\n".join(f"{count:6d}  {stack}" for stack, count in self.stacks.most_common(20))
 
 
 class Trace:
@@ -127,7 +160,9 @@ class Trace:
         return out
 
 
-def run(name: str, model_dir: Path, bench: CacheBench, requests, warm, measured=None, profile_nth: int = 0) -> dict:
+def run(
+    name: str, model_dir: Path, bench: CacheBench, requests, warm, measured=None, profile_nth: int = 0, syncs=False
+) -> dict:
     """One config's timed run; `measured`: a profiler (torch or cProfile) around the timed part."""
     options = dict(CONFIGS[name])
     engine = make_engine(model_dir, bench, options.pop("cache"), **options)
@@ -137,7 +172,8 @@ def run(name: str, model_dir: Path, bench: CacheBench, requests, warm, measured=
     torch.cuda.synchronize()
     memory_before = torch.cuda.memory_stats()
     step_s, idle_s, first_done = [], 0.0, None
-    with measured or nullcontext():
+    sync_log = SyncLog() if syncs else None
+    with measured or nullcontext(), sync_log or nullcontext():
         start = trace.origin = time.perf_counter()
         engine.add(requests)
         add_s = time.perf_counter() - start
@@ -160,6 +196,10 @@ def run(name: str, model_dir: Path, bench: CacheBench, requests, warm, measured=
     release(engine)
     for table in trace.profiles.values():
         print(table, flush=True)
+    if sync_log is not None:
+        print(f"synchronizing calls in {name}:\n{sync_log.report()}", flush=True)
+        if os.environ.get("OUT"):
+            Path(os.environ["OUT"], f"syncs-{name}.txt").write_text(sync_log.report() + "\n")
     summary = {
         "name": name,
         "wall_s": round(wall, 3),
@@ -220,6 +260,7 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="also run the last config under torch.profiler")
     parser.add_argument("--cprofile", action="store_true", help="also run the last config under cProfile (host time)")
     parser.add_argument("--profile-nth", type=int, default=0, help="profile the n-th prefill of each kind alone")
+    parser.add_argument("--syncs", action="store_true", help="log PyTorch's synchronizing calls (sync debug mode)")
     parser.add_argument("--images", type=int, default=256)
     parser.add_argument("--batch-sizes", default="384", help="engine max_batch_size per config, comma-separated")
     parser.add_argument("--workdir", default="/tmp/wicore-cache-timeline")
@@ -237,7 +278,7 @@ def main() -> None:
     for name, size in zip(names, sizes, strict=False):
         bench.batch_size = size
         results.append(
-            {**run(name, model_dir, bench, requests, warm, profile_nth=args.profile_nth), "batch_size": size}
+            {**run(name, model_dir, bench, requests, warm, args.profile_nth, args.syncs), "batch_size": size}
         )
         if os.environ.get("OUT"):  # after each config: a run cut short by its time limit keeps the rest
             Path(os.environ["OUT"], "cache_timeline.json").write_text(json.dumps(results) + "\n")
