@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 import traceback
 import warnings
@@ -261,6 +262,7 @@ def main() -> None:
     parser.add_argument("--cprofile", action="store_true", help="also run the last config under cProfile (host time)")
     parser.add_argument("--profile-nth", type=int, default=0, help="profile the n-th prefill of each kind alone")
     parser.add_argument("--syncs", action="store_true", help="log PyTorch's synchronizing calls (sync debug mode)")
+    parser.add_argument("--switch-intervals", default="", help="sys.setswitchinterval per config (the GIL's)")
     parser.add_argument("--images", type=int, default=256)
     parser.add_argument("--batch-sizes", default="384", help="engine max_batch_size per config, comma-separated")
     parser.add_argument("--workdir", default="/tmp/wicore-cache-timeline")
@@ -275,10 +277,18 @@ def main() -> None:
     sizes = [int(b) for b in args.batch_sizes.split(",")]
     sizes += sizes[-1:] * (len(names) - len(sizes))
     results = []
-    for name, size in zip(names, sizes, strict=False):
+    intervals = [float(s) for s in args.switch_intervals.split(",")] if args.switch_intervals else []
+    intervals += intervals[-1:] * (len(names) - len(intervals))
+    for i, (name, size) in enumerate(zip(names, sizes, strict=False)):
         bench.batch_size = size
+        if intervals:
+            sys.setswitchinterval(intervals[i])
         results.append(
-            {**run(name, model_dir, bench, requests, warm, args.profile_nth, args.syncs), "batch_size": size}
+            {
+                **run(name, model_dir, bench, requests, warm, profile_nth=args.profile_nth, syncs=args.syncs),
+                "batch_size": size,
+                "switch_interval_s": sys.getswitchinterval(),
+            }
         )
         if os.environ.get("OUT"):  # after each config: a run cut short by its time limit keeps the rest
             Path(os.environ["OUT"], "cache_timeline.json").write_text(json.dumps(results) + "\n")
