@@ -76,6 +76,55 @@ class SyncLog:
         return "\n".join(f"{count:6d}  {stack}" for stack, count in self.stacks.most_common(20))
 
 
+class HostTimers:
+    """Host time of chosen functions inside the launches (per function: calls, total, the
+    longest, and the calls over 50 ms with their step), to find what holds a launch's host."""
+
+    def __init__(self, trace):
+        self.trace = trace
+        self.calls: dict[str, list[float]] = defaultdict(list)
+        self.slow: list[tuple[str, int, float]] = []
+
+    def wrap(self, owner, name: str, label: str) -> None:
+        inner = getattr(owner, name)
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                ms = (time.perf_counter() - start) * 1e3
+                self.calls[label].append(ms)
+                if ms > 50:
+                    self.slow.append((label, self.trace.step, round(ms, 1)))
+
+        setattr(owner, name, timed)
+
+    def summary(self) -> dict:
+        return {
+            "functions": {
+                k: {"calls": len(v), "total_ms": round(sum(v), 1), "max_ms": round(max(v), 1)}
+                for k, v in sorted(self.calls.items(), key=lambda kv: -sum(kv[1]))
+            },
+            "slow_calls": self.slow[:40],
+        }
+
+
+def time_host_parts(engine, trace) -> HostTimers:
+    from wicore.engines.fast import model_runner
+
+    timers = HostTimers(trace)
+    runner = engine.runner
+    for name in ("_stage", "encode", "pixel_values", "_image_embeds", "prefill_logits", "_sample", "_dense_prefill"):
+        timers.wrap(runner, name, f"runner.{name}")
+    for name in ("prefill_inputs", "upload", "paged_columns"):
+        if hasattr(model_runner, name):
+            timers.wrap(model_runner, name, name)
+    timers.wrap(engine.images, "_encode", "images._encode")
+    timers.wrap(engine.scheduler, "_admit", "scheduler._admit")
+    return timers
+
+
 class Trace:
     """Wraps an engine's runner so each launch records (kind, sizes, start event, end event)."""
 
@@ -162,13 +211,22 @@ class Trace:
 
 
 def run(
-    name: str, model_dir: Path, bench: CacheBench, requests, warm, measured=None, profile_nth: int = 0, syncs=False
+    name: str,
+    model_dir: Path,
+    bench: CacheBench,
+    requests,
+    warm,
+    measured=None,
+    profile_nth: int = 0,
+    syncs=False,
+    host_parts=False,
 ) -> dict:
     """One config's timed run; `measured`: a profiler (torch or cProfile) around the timed part."""
     options = dict(CONFIGS[name])
     engine = make_engine(model_dir, bench, options.pop("cache"), **options)
     engine.generate(warm)
     trace = Trace(engine, profile_nth)
+    timers = time_host_parts(engine, trace) if host_parts else None
     firsts = {r.id for r in requests[: bench.images]}  # first questions not yet finished
     torch.cuda.synchronize()
     memory_before = torch.cuda.memory_stats()
@@ -221,6 +279,7 @@ def run(
         },
         "reserved_gib": round(memory_after.get("reserved_bytes.all.current", 0) / 2**30, 2),
         "by_kind": by_kind(launches),
+        "host_parts": timers.summary() if timers is not None else None,
         "idle_after": idle_after(launches),
     }
     print(json.dumps(summary, indent=1), flush=True)
@@ -263,6 +322,8 @@ def main() -> None:
     parser.add_argument("--profile-nth", type=int, default=0, help="profile the n-th prefill of each kind alone")
     parser.add_argument("--syncs", action="store_true", help="log PyTorch's synchronizing calls (sync debug mode)")
     parser.add_argument("--switch-intervals", default="", help="sys.setswitchinterval per config (the GIL's)")
+    parser.add_argument("--host-parts", action="store_true", help="time chosen functions' host time")
+    parser.add_argument("--torch-threads", default="", help="torch.set_num_threads per config")
     parser.add_argument("--images", type=int, default=256)
     parser.add_argument("--batch-sizes", default="384", help="engine max_batch_size per config, comma-separated")
     parser.add_argument("--workdir", default="/tmp/wicore-cache-timeline")
@@ -279,15 +340,29 @@ def main() -> None:
     results = []
     intervals = [float(s) for s in args.switch_intervals.split(",")] if args.switch_intervals else []
     intervals += intervals[-1:] * (len(names) - len(intervals))
+    threads = [int(t) for t in args.torch_threads.split(",")] if args.torch_threads else []
+    threads += threads[-1:] * (len(names) - len(threads))
     for i, (name, size) in enumerate(zip(names, sizes, strict=False)):
         bench.batch_size = size
         if intervals:
             sys.setswitchinterval(intervals[i])
+        if threads:
+            torch.set_num_threads(threads[i])
         results.append(
             {
-                **run(name, model_dir, bench, requests, warm, profile_nth=args.profile_nth, syncs=args.syncs),
+                **run(
+                    name,
+                    model_dir,
+                    bench,
+                    requests,
+                    warm,
+                    profile_nth=args.profile_nth,
+                    syncs=args.syncs,
+                    host_parts=args.host_parts,
+                ),
                 "batch_size": size,
                 "switch_interval_s": sys.getswitchinterval(),
+                "torch_threads": torch.get_num_threads(),
             }
         )
         if os.environ.get("OUT"):  # after each config: a run cut short by its time limit keeps the rest
