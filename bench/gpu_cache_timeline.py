@@ -117,12 +117,41 @@ def time_host_parts(engine, trace) -> HostTimers:
     runner = engine.runner
     for name in ("_stage", "encode", "pixel_values", "_image_embeds", "prefill_logits", "_sample", "_dense_prefill"):
         timers.wrap(runner, name, f"runner.{name}")
-    for name in ("prefill_inputs", "upload", "paged_columns"):
+    for name in ("prefill_inputs", "upload", "paged_columns", "gemma3_prefill_masks", "group_batch"):
         if hasattr(model_runner, name):
             timers.wrap(model_runner, name, name)
+    fns, decoder = runner.parts.decoder.fns, runner.parts.decoder
+    timers.wrap(fns, "inputs", "layer.inputs")
+    timers.wrap(fns, "outputs", "layer.outputs")
+    timers.wrap(decoder, "logits", "decoder.logits")
+    from wicore.engines.fast.attention import PrefillAttention
+
+    if not hasattr(PrefillAttention, "_untimed_call"):  # class-level: wrap once per process
+        PrefillAttention._untimed_call = PrefillAttention.__call__
+    call = PrefillAttention._untimed_call
+
+    def timed_call(self, *args):
+        start = time.perf_counter()
+        try:
+            return call(self, *args)
+        finally:
+            ms = (time.perf_counter() - start) * 1e3
+            timers.calls["PrefillAttention"].append(ms)
+            if ms > 50:
+                timers.slow.append(("PrefillAttention", trace.step, round(ms, 1)))
+
+    PrefillAttention.__call__ = timed_call
     timers.wrap(engine.images, "_encode", "images._encode")
     timers.wrap(engine.scheduler, "_admit", "scheduler._admit")
     return timers
+
+
+def dynamo_counters() -> dict[str, int]:
+    """torch._dynamo's counters, flattened ("frames.ok", "stats.unique_graphs", ...): a change
+    during a run means something compiled (or recompiled) there."""
+    from torch._dynamo.utils import counters
+
+    return {f"{group}.{key}": value for group, values in counters.items() for key, value in values.items()}
 
 
 class Trace:
@@ -230,6 +259,7 @@ def run(
     firsts = {r.id for r in requests[: bench.images]}  # first questions not yet finished
     torch.cuda.synchronize()
     memory_before = torch.cuda.memory_stats()
+    dynamo_before = dynamo_counters()
     step_s, idle_s, first_done = [], 0.0, None
     sync_log = SyncLog() if syncs else None
     with measured or nullcontext(), sync_log or nullcontext():
@@ -250,6 +280,7 @@ def run(
         torch.cuda.synchronize()
         wall = time.perf_counter() - start
     memory_after = torch.cuda.memory_stats()
+    dynamo_after = dynamo_counters()
     stats = engine.stats()
     launches = trace.device_ms(one_stream=options.get("overlap_vision") is False)
     release(engine)
@@ -278,6 +309,7 @@ def run(
             for key in ("num_device_alloc", "num_device_free", "num_alloc_retries", "num_sync_all_streams")
         },
         "reserved_gib": round(memory_after.get("reserved_bytes.all.current", 0) / 2**30, 2),
+        "dynamo": {k: v - dynamo_before.get(k, 0) for k, v in dynamo_after.items() if v != dynamo_before.get(k, 0)},
         "by_kind": by_kind(launches),
         "host_parts": timers.summary() if timers is not None else None,
         "idle_after": idle_after(launches),
