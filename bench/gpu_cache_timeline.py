@@ -356,6 +356,7 @@ def main() -> None:
     parser.add_argument("--switch-intervals", default="", help="sys.setswitchinterval per config (the GIL's)")
     parser.add_argument("--host-parts", action="store_true", help="time chosen functions' host time")
     parser.add_argument("--torch-threads", default="", help="torch.set_num_threads per config")
+    parser.add_argument("--vision-in-flight", default="", help="vision batches queued at once, per config")
     parser.add_argument("--images", type=int, default=256)
     parser.add_argument("--batch-sizes", default="384", help="engine max_batch_size per config, comma-separated")
     parser.add_argument("--workdir", default="/tmp/wicore-cache-timeline")
@@ -374,12 +375,18 @@ def main() -> None:
     intervals += intervals[-1:] * (len(names) - len(intervals))
     threads = [int(t) for t in args.torch_threads.split(",")] if args.torch_threads else []
     threads += threads[-1:] * (len(names) - len(threads))
+    in_flight = [int(t) for t in args.vision_in_flight.split(",")] if args.vision_in_flight else []
+    in_flight += in_flight[-1:] * (len(names) - len(in_flight))
     for i, (name, size) in enumerate(zip(names, sizes, strict=False)):
         bench.batch_size = size
         if intervals:
             sys.setswitchinterval(intervals[i])
         if threads:
             torch.set_num_threads(threads[i])
+        if in_flight:
+            from wicore.engines.fast import engine as engine_module
+
+            engine_module.VISION_IN_FLIGHT = in_flight[i]
         results.append(
             {
                 **run(
@@ -395,6 +402,7 @@ def main() -> None:
                 "batch_size": size,
                 "switch_interval_s": sys.getswitchinterval(),
                 "torch_threads": torch.get_num_threads(),
+                "vision_in_flight": __import__("wicore.engines.fast.engine", fromlist=["x"]).VISION_IN_FLIGHT,
             }
         )
         if os.environ.get("OUT"):  # after each config: a run cut short by its time limit keeps the rest
