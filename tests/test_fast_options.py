@@ -19,6 +19,7 @@ def test_defaults():
     assert options.paged_suffix(cuda=True) == 128 and options.paged_suffix(cuda=False) == 0
     assert options.prefill_graph_sizes(16384)[:3] == [64, 128, 256] and options.prefill_graph_sizes(16384)[-1] == 2048
     assert options.prefill_graph_sizes(1000)[-1] == 896  # none above the prefill budget
+    assert options.intra_op_threads(cuda=True) == 1 and options.intra_op_threads(cuda=False) is None
 
 
 def test_explicit_values():
@@ -26,6 +27,7 @@ def test_explicit_values():
     assert options.graph_sizes(256) == [1, 4, 8] and options.num_kv_blocks == 100
     options = FastOptions.parse({"graph_prefill_tokens": [512, 64], "paged_prefill_tokens": 0})
     assert options.prefill_graph_sizes(16384) == [64, 512] and options.paged_suffix(cuda=True) == 0
+    assert FastOptions.parse({"torch_threads": 4}).intra_op_threads(cuda=True) == 4
 
 
 @pytest.mark.parametrize(
@@ -42,6 +44,7 @@ def test_explicit_values():
         {"paged_prefill_tokens": -1},
         {"vision_batch_size": 0},
         {"preprocess_threads": -1},
+        {"torch_threads": 0},
         {"prefix_cache": 1},
         {"host_cache_bytes": -1},
         {"disk_cache_bytes": 0},

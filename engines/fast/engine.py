@@ -60,6 +60,9 @@ class FastEngine(Engine):
             self.options = replace(self.options, prefix_cache=False, disk_cache_dir=None)
         device = torch.device(config.device)
         self.cuda = device.type == "cuda"
+        threads = self.options.intra_op_threads(self.cuda)
+        if threads is not None:
+            torch.set_num_threads(threads)  # process-wide: a worker process runs one engine
         processor = load_processor(config.model_dir)
         self.tokenizer = processor.tokenizer
         self.eos_ids = stop_token_ids(config.model_dir, self.tokenizer)

@@ -40,7 +40,12 @@ class FastOptions:
     overlap_vision: bool = True
     max_prefill_tokens: int | None = None  # prefill batch x longest prompt; default max(16384, max_model_len)
     vision_cache_bytes: int | None = None  # device memory for cached image embeddings; 0 = off
-    preprocess_threads: int | None = None  # threads resizing images; default 4 CUDA, 0 (inline) CPU
+    preprocess_threads: int | None = None  # threads resizing images; default 8 CUDA, 0 (inline) CPU
+    # torch's intra-op (OpenMP) threads in this process. Default on CUDA: 1, as vLLM's GPU workers
+    # do: the device does the math, and OpenMP workers spinning after each host copy take cores
+    # from the pixel threads and the thread that launches the kernels (the cached VQA benchmark:
+    # ~7.0 -> ~6.6 s; bench/NOTES.md run 57). CPU engines keep torch's default.
+    torch_threads: int | None = None
     # Prefix KV cache across requests (engines/cache/README.md): full prompt blocks stay in the
     # GPU pool after their sequence ends, move down to a pinned host tier and a disk tier under
     # pressure and come back on a hit.
@@ -84,6 +89,8 @@ class FastOptions:
             _int_at_least("paged_prefill_tokens", self.paged_prefill_tokens, 0)
         if self.preprocess_threads is not None:
             _int_at_least("preprocess_threads", self.preprocess_threads, 0)
+        if self.torch_threads is not None:
+            _positive_int("torch_threads", self.torch_threads)
         if isinstance(self.gpu_memory_utilization, bool) or not isinstance(self.gpu_memory_utilization, int | float):
             raise ConfigError("gpu_memory_utilization must be a number")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
@@ -172,6 +179,10 @@ class FastOptions:
 
     def vision_batch(self, cuda: bool) -> int:
         return self.vision_batch_size if self.vision_batch_size is not None else (32 if cuda else 8)
+
+    def intra_op_threads(self, cuda: bool) -> int | None:
+        """torch.set_num_threads for the engine's process; None: leave torch's default."""
+        return self.torch_threads if self.torch_threads is not None else (1 if cuda else None)
 
     def threads(self, cuda: bool) -> int:
         """HF-exact resizing runs in PIL (it releases the GIL): ~25 ms of CPU per 896 px image,
