@@ -433,6 +433,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--small-pages", type=int, help="pool of the small-pool runs (default: the benchmark's "
                    "16,384 4B pages scaled to as many requests per image)")  # fmt: skip
     p.add_argument("--no-compile", action="store_true", help="eager text and vision (compiled by default on CUDA)")
+    p.add_argument("--paged-prefill-tokens", type=int, help="the engines' paged_prefill_tokens (default: theirs)")
     p.add_argument("--show", type=int, default=6, help="follow-up questions shown in detail per engine")
     p.add_argument("--sizing-4b", action="store_true", help="only build the benchmark's first two engines on the "
                    "real 4B shape and print their pools (no requests; a few minutes with compiling)")  # fmt: skip
@@ -476,6 +477,8 @@ def main() -> None:
         r.id = "w" + r.id  # the warm-up's ids stay apart from the measured ones
     requests = vqa_requests(paths[: args.images], BENCH.questions, BENCH.new_tokens)
     split = {"prefix_split_images": True}
+    if args.paged_prefill_tokens is not None:  # every engine, "off" included
+        split["paged_prefill_tokens"] = args.paged_prefill_tokens
     per_request, four_b_request = request_pages(model_dir), 147
     gpu_pages = args.gpu_pages
     if gpu_pages is None and not args.device.startswith("cuda"):
@@ -487,6 +490,8 @@ def main() -> None:
     shutil.rmtree(disk, ignore_errors=True)
     gpu_options = {"host_cache_bytes": 0, **split} | ({"num_kv_blocks": gpu_pages} if gpu_pages else {})
     off_options = {"num_kv_blocks": gpu_pages} if gpu_pages and not args.device.startswith("cuda") else {}
+    if args.paged_prefill_tokens is not None:
+        off_options["paged_prefill_tokens"] = args.paged_prefill_tokens
     results = [
         run_engine("off", model_dir, args, requests, warm, cache=False, **off_options),
         run_engine("gpu", model_dir, args, requests, warm, cache=True, **gpu_options),
