@@ -9,5 +9,6 @@ for conf in "" "expandable_segments:True"; do
   PYTORCH_CUDA_ALLOC_CONF=$conf timeout 280 python3 bench/gpu_cache_timeline.py --configs gpu,off 2>&1 \
     | grep -v -i warn | tee -a $OUT/timeline.log \
     | grep -E '"(name|wall_s|add_s|first_launch_s|num_device_alloc|num_device_free|num_alloc_retries|num_sync_all_streams|reserved_gib)"|Error|error' | head -30
-  mv $OUT/cache_timeline.json "$OUT/cache_timeline${conf:+-expandable}.json"
+  label=default; [ -n "$conf" ] && label=expandable
+  mv $OUT/cache_timeline.json "$OUT/cache_timeline-$label.json"
 done

@@ -235,3 +235,17 @@ def test_compiled_decoder_matches_reference(tiny_model_dir, expected):
     engine = FastEngine(EngineConfig(str(tiny_model_dir), max_batch_size=4, options={"compile_text": True}))
     out = engine.generate(mixed_requests())
     assert mismatches(out, by_id(expected, out)) == []
+
+
+def test_torch_threads_option_sets_the_process_threads(tiny_model_dir):
+    # CUDA engines default to one intra-op thread (options test); a CPU engine keeps the
+    # process's setting unless the option names one.
+    saved = torch.get_num_threads()
+    try:
+        torch.set_num_threads(3)
+        FastEngine(EngineConfig(str(tiny_model_dir), max_batch_size=2))
+        assert torch.get_num_threads() == 3
+        FastEngine(EngineConfig(str(tiny_model_dir), max_batch_size=2, options={"torch_threads": 2}))
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(saved)
