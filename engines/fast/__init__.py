@@ -12,7 +12,7 @@ Owners, one per concern:
 - `kv_cache`: layer groups, pages, block tables, sliding-window rings.
 - `model_runner.ModelRunner`: the device: weights, cache, tables, streams, prefill, decode;
   `prefill_inputs` builds a prefill's inputs (the uncached suffix of each prompt).
-- `graph_runner.GraphRunner`: CUDA graphs per size bucket (decode batches, text-only prefills).
+- `graph_runner.GraphRunner`: CUDA graphs per size bucket (decode batches, short paged prefills).
 - `sampler.Sampler`: greedy / seeded Gumbel-max sampling with top-k / top-p on the device.
 - `vision`, `text_model`, `layers`, `weights`: our own Gemma-3 modules and their loading.
 - `inputs`: chat -> token ids and pixels, identical to the HF processor.

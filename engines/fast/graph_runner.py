@@ -1,5 +1,5 @@
-"""CUDA graphs of one forward function at bucketed sizes (decode: batch sizes; text-only
-prefills: token counts).
+"""CUDA graphs of one forward function at bucketed sizes (decode: batch sizes; short prefills
+over their pages: token counts).
 
 A graph's inputs are a few int64 columns ([K, size]: table rows, positions, ...) and, for
 prefill, the input embeddings ([size, hidden]), copied into persistent buffers before a replay;

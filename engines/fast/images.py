@@ -27,11 +27,6 @@ from wicore.engines.fast.sequence import SeqStatus, Sequence
 from wicore.errors import JobInputError
 
 
-def image_keys(seq: Sequence) -> list[str | None]:
-    hashes = list(seq.request.image_hashes)
-    return hashes if len(hashes) == seq.num_images else [None] * seq.num_images
-
-
 class ImageStage:
     def __init__(self, runner, inputs: InputProcessor, pool: ThreadPoolExecutor | None, cache_bytes: int):
         self.runner, self.inputs, self.pool = runner, inputs, pool
@@ -50,11 +45,11 @@ class ImageStage:
     def prepare(self, seqs: list[Sequence]) -> list[tuple[Sequence, JobInputError]]:
         """Cached embeddings, or pixel work (shared by repeated images), for each sequence.
         Returns the sequences whose images could not be preprocessed (inline, on CPU)."""
-        keys = [k for s in seqs for k in image_keys(s) if k is not None]
+        keys = [k for s in seqs for k in s.image_keys if k is not None]
         cached = self.cache.get_many(keys) if self.cache is not None and keys else {}
         failures = []
         for seq in seqs:
-            seq_keys = image_keys(seq)
+            seq_keys = seq.image_keys
             if seq.num_images and all(k in cached for k in seq_keys):
                 seq.image_embeds = torch.stack([cached[k] for k in seq_keys])  # [n, tokens, hidden]
                 seq.pixels = self.inputs.resized([])  # uint8 [0, H, W, 3]: nothing to encode
@@ -89,7 +84,7 @@ class ImageStage:
         Returns the number of images encoded."""
         fresh = []
         for seq in seqs:
-            keys = image_keys(seq)
+            keys = seq.image_keys
             if keys and all(k is not None and k in self.in_flight for k in keys):
                 for k in keys:
                     job, row = self.in_flight[k]
@@ -116,7 +111,7 @@ class ImageStage:
         arrays, keys, members = [], [], []
         for seq in seqs:
             pixels, indices = seq.pixel_array(), []
-            for i, key in enumerate(image_keys(seq)):
+            for i, key in enumerate(seq.image_keys):
                 if key is None or key not in rows:
                     if key is not None:
                         rows[key] = len(arrays)

@@ -20,7 +20,7 @@ class FastOptions:
     max_model_len: int | None = None  # prompt + new tokens; default min(model limit, 8192)
     gpu_memory_utilization: float = 0.9  # share of the GPU the engine may fill (weights + KV + work)
     num_kv_blocks: int | None = None  # KV pages in the pool; default: sized from free memory (CUDA)
-    cuda_graphs: bool = True  # capture decode per batch-size bucket (CUDA only)
+    cuda_graphs: bool = True  # capture decode and short prefills per size bucket (CUDA only)
     graph_batch_sizes: tuple[int, ...] | None = None  # default [1, 2, 4, 8] + multiples of 16
     # Token-count buckets of the graphs for short prefills (`paged_prefill_tokens`); () captures
     # none. Default: 64, then multiples of 128 up to 2048 (capped by max_prefill_tokens).

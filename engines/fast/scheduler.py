@@ -187,8 +187,6 @@ def _pages_key(seq: Sequence) -> bytes:
 
 
 def _image_ids(seq: Sequence) -> set:
-    """What identifies each of the sequence's images: its sha256, or (sequence, index) without."""
-    hashes = seq.request.image_hashes
-    if len(hashes) == seq.num_images:
-        return set(hashes)
-    return {(seq.id, i) for i in range(seq.num_images)}
+    """What identifies each of the sequence's images: its key (sha256), or (sequence, index)
+    for an image without one."""
+    return {(seq.id, i) if key is None else key for i, key in enumerate(seq.image_keys)}

@@ -78,6 +78,13 @@ class Sequence:
         return len(self.request.images)
 
     @property
+    def image_keys(self) -> list[str | None]:
+        """Each image's sha256 (`EngineRequest.image_hashes`), or all None when the caller gave
+        none (or not one per image): such images are never shared or cached."""
+        hashes = list(self.request.image_hashes)
+        return hashes if len(hashes) == self.num_images else [None] * self.num_images
+
+    @property
     def pixels_ready(self) -> bool:
         if not isinstance(self.pixels, Future):
             return True

@@ -65,7 +65,7 @@ class EngineStats:
             "decode_batch_sizes": dict(sorted(self.decode_batch_sizes.items())),
             "graph_replays": self.graph_replays,
             "eager_decodes": self.eager_decodes,
-            # Prefills over the pages alone (text-only suffixes) and how many replayed a graph.
+            # Prefills over the pages alone (short suffixes) and how many replayed a graph.
             "paged_prefilled": runner.paged_prefilled if runner is not None else 0,
             "prefill_graph_replays": runner.prefill_graphs.replays
             if runner is not None and runner.prefill_graphs is not None
