@@ -37,6 +37,8 @@ import torch
 
 from wicore.bench.cache import WARM_IMAGES, CacheBench, make_engine, release, vqa_requests
 from wicore.bench.images import make_images
+from wicore.engines.fast import engine as engine_module
+from wicore.engines.fast.attention import PrefillAttention
 from wicore.models.gemma3 import make_gemma3_4b
 
 CONFIGS = {
@@ -44,6 +46,7 @@ CONFIGS = {
     "gpu": dict(cache=True, host_cache_bytes=0, prefix_split_images=True),
 }
 CONFIGS |= {f"{name}-1stream": dict(config, overlap_vision=False) for name, config in CONFIGS.items()}
+CONFIGS["gpu-16threads"] = dict(CONFIGS["gpu"], torch_threads=16)  # torch's default here (run 57)
 
 
 class SyncLog:
@@ -84,9 +87,12 @@ class HostTimers:
         self.trace = trace
         self.calls: dict[str, list[float]] = defaultdict(list)
         self.slow: list[tuple[str, int, float]] = []
+        self.undo: list[tuple] = []  # (owner, name, what `owner` itself held there or None)
 
     def wrap(self, owner, name: str, label: str) -> None:
+        """Time `owner.name` (an instance's method, a module's function, a class's method)."""
         inner = getattr(owner, name)
+        self.undo.append((owner, name, vars(owner).get(name)))
 
         def timed(*args, **kwargs):
             start = time.perf_counter()
@@ -99,6 +105,15 @@ class HostTimers:
                     self.slow.append((label, self.trace.step, round(ms, 1)))
 
         setattr(owner, name, timed)
+
+    def restore(self) -> None:
+        """Unwrap everything, so the next config's timers do not nest inside these."""
+        for owner, name, own in reversed(self.undo):
+            if own is None:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, own)
+        self.undo = []
 
     def summary(self) -> dict:
         return {
@@ -124,23 +139,7 @@ def time_host_parts(engine, trace) -> HostTimers:
     timers.wrap(fns, "inputs", "layer.inputs")
     timers.wrap(fns, "outputs", "layer.outputs")
     timers.wrap(decoder, "logits", "decoder.logits")
-    from wicore.engines.fast.attention import PrefillAttention
-
-    if not hasattr(PrefillAttention, "_untimed_call"):  # class-level: wrap once per process
-        PrefillAttention._untimed_call = PrefillAttention.__call__
-    call = PrefillAttention._untimed_call
-
-    def timed_call(self, *args):
-        start = time.perf_counter()
-        try:
-            return call(self, *args)
-        finally:
-            ms = (time.perf_counter() - start) * 1e3
-            timers.calls["PrefillAttention"].append(ms)
-            if ms > 50:
-                timers.slow.append(("PrefillAttention", trace.step, round(ms, 1)))
-
-    PrefillAttention.__call__ = timed_call
+    timers.wrap(PrefillAttention, "__call__", "PrefillAttention")
     timers.wrap(engine.images, "_encode", "images._encode")
     timers.wrap(engine.scheduler, "_admit", "scheduler._admit")
     return timers
@@ -281,6 +280,8 @@ def run(
         wall = time.perf_counter() - start
     memory_after = torch.cuda.memory_stats()
     dynamo_after = dynamo_counters()
+    if timers is not None:
+        timers.restore()
     stats = engine.stats()
     launches = trace.device_ms(one_stream=options.get("overlap_vision") is False)
     release(engine)
@@ -346,6 +347,12 @@ def idle_after(launches: list[dict]) -> dict:
     return {pair: round(seconds, 3) for pair, seconds in gaps.most_common()}
 
 
+def per_config(text: str, cast, count: int) -> list:
+    """One comma-separated value per config, the last repeated for the rest ([] when empty)."""
+    values = [cast(v) for v in text.split(",")] if text else []
+    return values + values[-1:] * (count - len(values))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--configs", default="off,gpu")
@@ -355,7 +362,6 @@ def main() -> None:
     parser.add_argument("--syncs", action="store_true", help="log PyTorch's synchronizing calls (sync debug mode)")
     parser.add_argument("--switch-intervals", default="", help="sys.setswitchinterval per config (the GIL's)")
     parser.add_argument("--host-parts", action="store_true", help="time chosen functions' host time")
-    parser.add_argument("--torch-threads", default="", help="torch.set_num_threads per config")
     parser.add_argument("--vision-in-flight", default="", help="vision batches queued at once, per config")
     parser.add_argument("--images", type=int, default=256)
     parser.add_argument("--batch-sizes", default="384", help="engine max_batch_size per config, comma-separated")
@@ -368,24 +374,15 @@ def main() -> None:
     warm = vqa_requests(paths[-WARM_IMAGES:], 1, 4)
     requests = vqa_requests(paths[: bench.images], bench.questions, bench.new_tokens)
     names = args.configs.split(",")
-    sizes = [int(b) for b in args.batch_sizes.split(",")]
-    sizes += sizes[-1:] * (len(names) - len(sizes))
+    sizes = per_config(args.batch_sizes, int, len(names))
+    intervals = per_config(args.switch_intervals, float, len(names))
+    in_flight = per_config(args.vision_in_flight, int, len(names))
     results = []
-    intervals = [float(s) for s in args.switch_intervals.split(",")] if args.switch_intervals else []
-    intervals += intervals[-1:] * (len(names) - len(intervals))
-    threads = [int(t) for t in args.torch_threads.split(",")] if args.torch_threads else []
-    threads += threads[-1:] * (len(names) - len(threads))
-    in_flight = [int(t) for t in args.vision_in_flight.split(",")] if args.vision_in_flight else []
-    in_flight += in_flight[-1:] * (len(names) - len(in_flight))
-    for i, (name, size) in enumerate(zip(names, sizes, strict=False)):
+    for i, (name, size) in enumerate(zip(names, sizes, strict=True)):
         bench.batch_size = size
         if intervals:
             sys.setswitchinterval(intervals[i])
-        if threads:
-            torch.set_num_threads(threads[i])
         if in_flight:
-            from wicore.engines.fast import engine as engine_module
-
             engine_module.VISION_IN_FLIGHT = in_flight[i]
         results.append(
             {
@@ -401,8 +398,8 @@ def main() -> None:
                 ),
                 "batch_size": size,
                 "switch_interval_s": sys.getswitchinterval(),
-                "torch_threads": torch.get_num_threads(),
-                "vision_in_flight": __import__("wicore.engines.fast.engine", fromlist=["x"]).VISION_IN_FLIGHT,
+                "torch_threads": torch.get_num_threads(),  # as the engine set them
+                "vision_in_flight": engine_module.VISION_IN_FLIGHT,
             }
         )
         if os.environ.get("OUT"):  # after each config: a run cut short by its time limit keeps the rest
