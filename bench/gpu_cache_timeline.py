@@ -35,10 +35,10 @@ from pathlib import Path
 
 import torch
 
-from wicore.bench.cache import WARM_IMAGES, CacheBench, make_engine, release, vqa_requests
-from wicore.bench.images import make_images
+from wicore.bench.bench_images import make_images
+from wicore.bench.cache_bench import WARM_IMAGES, CacheBench, make_engine, release, vqa_requests
 from wicore.engines.fast import engine as engine_module
-from wicore.engines.fast.attention import PrefillAttention
+from wicore.engines.fast.attention_backends import PrefillAttention
 from wicore.models.gemma3 import make_gemma3_4b
 
 CONFIGS = {

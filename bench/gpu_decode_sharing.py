@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from wicore.ops.paged_attention_triton import paged_attention_triton
+from wicore.ops.attention.paged_triton import paged_attention_triton
 
 SEQS, CONTEXT, SHARED, PAGE, KV_HEADS, Q_HEADS, DIM = 296, 320, 272, 16, 4, 8, 256
 

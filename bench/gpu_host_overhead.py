@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from wicore.engines.fast.text_model import attention_outputs, compile_dynamic
+from wicore.engines.fast.model.text_decoder import attention_outputs, compile_dynamic
 
 
 def host_us(fn, calls: int = 200) -> float:

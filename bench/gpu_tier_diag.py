@@ -45,8 +45,8 @@ from pathlib import Path
 
 import torch
 
-from wicore.bench.cache import CacheBench, release, vqa_requests
-from wicore.bench.images import make_images
+from wicore.bench.bench_images import make_images
+from wicore.bench.cache_bench import CacheBench, release, vqa_requests
 from wicore.engines.base import EngineConfig
 from wicore.engines.checkpoint import SEED_FILE
 from wicore.engines.fast import FastEngine
@@ -450,7 +450,7 @@ def request_pages(model_dir: Path) -> int:
     """Pages one VQA request reserves (about 290 prompt tokens + 32 new), without an engine."""
     from transformers import AutoConfig
 
-    from wicore.engines.fast.kv_cache import KVLayout
+    from wicore.engines.kvcache.kv_layout import KVLayout
 
     text = AutoConfig.from_pretrained(model_dir).text_config
     return KVLayout.build(text, 16, 8192).pages_for(256 + 40 + BENCH.new_tokens)
@@ -458,8 +458,8 @@ def request_pages(model_dir: Path) -> int:
 
 def main() -> None:
     args = parse()
-    logging.getLogger("wicore.engines.fast.memory").addHandler(SayHandler())
-    logging.getLogger("wicore.engines.fast.memory").setLevel(logging.INFO)
+    logging.getLogger("wicore.engines.fast.kv_budget").addHandler(SayHandler())
+    logging.getLogger("wicore.engines.fast.kv_budget").setLevel(logging.INFO)
     if args.device == "cpu":
         torch.set_num_threads(min(torch.get_num_threads(), 2))
     name = torch.cuda.get_device_name(0) if args.device.startswith("cuda") else "CPU"

@@ -15,7 +15,7 @@ import numpy as np
 from PIL import Image
 from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
 
-from wicore.ops.preprocess import PreprocessSpec, pixel_values
+from wicore.ops.image_preprocess import PreprocessSpec, pixel_values
 
 
 def best_of(repeats: int, fn) -> float:

@@ -10,8 +10,8 @@ import json
 import sys
 from pathlib import Path
 
-from wicore.bench.caption import CaptionBench, run_product
-from wicore.bench.images import make_images
+from wicore.bench.bench_images import make_images
+from wicore.bench.caption_bench import CaptionBench, run_product
 from wicore.models.gemma3 import make_gemma3_4b
 
 if __name__ == "__main__":

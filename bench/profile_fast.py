@@ -18,12 +18,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from wicore.bench.images import make_images
+from wicore.bench.bench_images import make_images
 from wicore.engines.base import EngineConfig, EngineRequest
 from wicore.engines.fast import FastEngine
 from wicore.models.gemma3 import make_gemma3_4b
 from wicore.ops.attention import pack_layout
-from wicore.ops.image import decode_image
+from wicore.ops.image_decode import decode_image
 from wicore.schemas import DEFAULT_PROMPT, GenerationParams
 
 

@@ -10,7 +10,7 @@ from wicore.errors import ConfigError
 
 ENGINES = {
     "reference": "wicore.engines.reference:ReferenceEngine",
-    "fast": "wicore.engines.fast:FastEngine",
+    "fast": "wicore.engines.fast.engine:FastEngine",
     "null": "wicore.engines.null:NullEngine",
 }
 

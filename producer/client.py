@@ -26,7 +26,7 @@ from rq.serializers import JSONSerializer
 
 from wicore import keys
 from wicore.errors import JobFailed, ResultTimeout, UnknownJob
-from wicore.producer.images import prepare_image
+from wicore.producer.image_refs import prepare_image
 from wicore.producer.outcome import Outcome, outcome_of
 from wicore.producer.submission import ProducerConfig, Submission
 from wicore.scheduler.buckets import ShapeRules

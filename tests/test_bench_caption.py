@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from wicore.bench.caption import CaptionBench, parity, run_caption_bench
+from wicore.bench.caption_bench import CaptionBench, parity, run_caption_bench
 from wicore.bench.report import gpu_slug, write_caption_report
 from wicore.bench.roofline import Ceilings, image_work, roofline_images_per_s
 from wicore.models.gemma3 import gemma3_4b_config

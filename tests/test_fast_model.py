@@ -8,14 +8,14 @@ import torch
 
 from tests.fast_requests import image, one_torch_thread  # noqa: F401 (fixture)
 from wicore.engines.checkpoint import load_hf_model, load_processor
-from wicore.engines.fast.inputs import InputProcessor
-from wicore.engines.fast.kv_cache import KVLayout
+from wicore.engines.fast.model.weights import load_gemma3, our_name
 from wicore.engines.fast.model_runner import ModelRunner
+from wicore.engines.fast.prompt_inputs import InputProcessor
 from wicore.engines.fast.sampler import Sampler
-from wicore.engines.fast.weights import load_gemma3, our_name
+from wicore.engines.kvcache.kv_layout import KVLayout
 from wicore.errors import ConfigError, JobInputError
 from wicore.ops.attention import pack_layout
-from wicore.ops.preprocess import apply_lut
+from wicore.ops.image_preprocess import apply_lut
 
 
 @pytest.fixture(scope="module")

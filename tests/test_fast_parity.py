@@ -180,9 +180,9 @@ def test_config_only_checkpoint(tiny_model_dir, tmp_path):
 def test_padded_decode_rows_do_not_change_results(fast):
     # What a CUDA graph bucket sees: real rows followed by null rows at position 0.
     fast.add(mixed_requests()[:3])
-    while not any(s.wants_decode for s in fast.scheduler.admitted):
+    while not any(s.wants_decode for s in fast.planner.admitted):
         fast.step()
-    seqs = [s for s in fast.scheduler.admitted if s.wants_decode]
+    seqs = [s for s in fast.planner.admitted if s.wants_decode]
     rows = torch.tensor([s.row for s in seqs])
     positions = torch.tensor([s.next_position for s in seqs])
     null = torch.full((5,), fast.runner.null_row)
@@ -198,7 +198,7 @@ def test_padded_decode_rows_do_not_change_results(fast):
 
 def test_warm_up_phases_run(fast):
     # The CUDA memory profile's phases, on CPU at small sizes (shapes and arguments only).
-    from wicore.engines.fast.memory import _decode, _prefill, _vision
+    from wicore.engines.fast.kv_budget import _decode, _prefill, _vision
 
     with torch.inference_mode():
         _vision(fast.runner, 2)

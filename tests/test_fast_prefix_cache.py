@@ -14,16 +14,16 @@ import pytest
 import torch
 
 from wicore.engines.base import EngineRequest
-from wicore.engines.cache.policy import LRU
-from wicore.engines.cache.stats import CacheStats
-from wicore.engines.fast.block_manager import BlockManager, OutOfPages
-from wicore.engines.fast.inputs import Prompt
-from wicore.engines.fast.kv_cache import KVLayout
-from wicore.engines.fast.prefix_cache import PrefixCache
-from wicore.engines.fast.prefix_keys import IMAGE_BLOCK_COST, prompt_keys, usable_prefix
-from wicore.engines.fast.scheduler import Scheduler
+from wicore.engines.fast.prompt_inputs import Prompt
 from wicore.engines.fast.sequence import SeqStatus, Sequence
-from wicore.engines.fast.tiers import KVTiers
+from wicore.engines.fast.step_planner import StepPlanner
+from wicore.engines.kvcache.block_manager import BlockManager, OutOfPages
+from wicore.engines.kvcache.cache_stats import CacheStats
+from wicore.engines.kvcache.eviction import LRU
+from wicore.engines.kvcache.gpu_tier import PrefixCache
+from wicore.engines.kvcache.kv_layout import KVLayout
+from wicore.engines.kvcache.prefix_keys import IMAGE_BLOCK_COST, prompt_keys, usable_prefix
+from wicore.engines.kvcache.tiers import KVTiers
 from wicore.schemas import GenerationParams
 
 S, F = "sliding_attention", "full_attention"
@@ -51,7 +51,7 @@ def sequence(rid, ids, max_new=4, images=(), lay=None, image=IMAGE, hashed=False
 
 def scheduler(pages=200, lay=None, rows=8):
     blocks = BlockManager(pages, PrefixCache(LRU()))
-    return Scheduler(lay or layout(), blocks, max_rows=rows, vision_batch=8, prefill_tokens=512), blocks
+    return StepPlanner(lay or layout(), blocks, max_rows=rows, vision_batch=8, prefill_tokens=512), blocks
 
 
 def admit(sched, *seqs):
@@ -141,7 +141,7 @@ def test_match_never_ends_inside_an_image():
 
 
 def test_a_split_image_is_prefilled_from_its_tail():
-    from wicore.engines.fast.prefill_inputs import suffix_image_embeds
+    from wicore.engines.fast.prefill_batch import suffix_image_embeds
 
     # soft tokens at 6..9; the prompts share 11 tokens: 2 blocks, ending inside the image
     seqs = [sequence(f"q{i}", [9] * 6 + [0, 1, 2, 3] + [9, 40 + i, 41], images=[6]) for i in range(2)]
@@ -185,7 +185,7 @@ def test_prefill_budget_counts_the_uncached_suffix():
     of them, where four uncached 44-token prompts fit two to a 100-token budget."""
 
     def budget_100():
-        return Scheduler(layout(), BlockManager(200, PrefixCache(LRU())), 8, vision_batch=8, prefill_tokens=100)
+        return StepPlanner(layout(), BlockManager(200, PrefixCache(LRU())), 8, vision_batch=8, prefill_tokens=100)
 
     sched = budget_100()
     first = sequence("first", range(40))
@@ -265,7 +265,7 @@ def test_an_image_asked_about_twice_counts_once_in_a_vision_batch():
     images, so both questions about `a` and the one about `b` go together."""
     a, b = "aa" * 32, "bb" * 32
     seqs = questions(a, 2) + questions(b, 1) + questions("cc" * 32, 1)
-    sched = Scheduler(layout(), BlockManager(200), max_rows=8, vision_batch=2, prefill_tokens=512)
+    sched = StepPlanner(layout(), BlockManager(200), max_rows=8, vision_batch=2, prefill_tokens=512)
     for seq in seqs:
         sched.add(seq)
     assert sched.schedule_vision(1) == seqs[:3]

@@ -13,7 +13,7 @@ from wicore.engines.base import EngineConfig, EngineRequest
 from wicore.engines.fast import FastEngine
 from wicore.engines.reference import ReferenceEngine
 from wicore.schemas import GenerationParams
-from wicore.worker.vision_cache import RedisVisionCache
+from wicore.worker.shared_vision_cache import RedisVisionCache
 
 pytestmark = pytest.mark.slow
 QUESTIONS = ["Describe this image.", "What colour is it?", "Is there a dog?", "Count the shapes."]

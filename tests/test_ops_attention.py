@@ -191,7 +191,7 @@ INTERPRETED = """
 import torch
 from tests.test_ops_attention import paged_setup, tiled_queries
 from wicore.ops.attention import paged_attention_reference
-from wicore.ops.paged_attention_triton import paged_attention_triton
+from wicore.ops.attention.paged_triton import paged_attention_triton
 
 for dtype in (torch.float32, torch.float16):  # the interpreter mis-handles bf16 tl.dot
     for window, ring, softcap in [(None, 16, None), (6, 3, None), (9, 4, 30.0)]:

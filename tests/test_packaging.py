@@ -33,7 +33,7 @@ def test_producer_and_scheduler_import_neither_torch_nor_transformers():
 
 
 def test_engines_and_ops_import_neither_redis_nor_rq():
-    modules = imported_modules("import wicore.engines.reference, wicore.engines.null, wicore.ops.preprocess")
+    modules = imported_modules("import wicore.engines.reference, wicore.engines.null, wicore.ops.image_preprocess")
     assert not {"redis", "rq"} & modules
 
 

@@ -71,7 +71,7 @@ def test_batch_output_equals_one_by_one(redis_conn, engine):
 
 def _request(job_id, sub):
     from wicore.engines.base import EngineRequest
-    from wicore.ops.image import decode_image
+    from wicore.ops.image_decode import decode_image
 
     chat = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": sub.prompt}]}]
     return EngineRequest(job_id, chat, [decode_image(sub.image)], sub.params)

@@ -9,9 +9,9 @@ from redis import Redis
 
 from wicore.config import Settings
 from wicore.engines import Engine, EngineConfig, create_engine
-from wicore.ops.image import ImageLimits
+from wicore.ops.image_decode import ImageLimits
 from wicore.scheduler.policy import BatchPolicy
-from wicore.worker.inputs import InputConfig
+from wicore.worker.job_inputs import InputConfig
 from wicore.worker.loop import BatchingWorker, WorkerConfig
 
 
@@ -52,7 +52,7 @@ def attach_shared_caches(settings: Settings, connection: Redis, engine: Engine, 
     """Image embeddings shared through Redis by every worker of this model, unless caching is off."""
     if settings.no_cache or not settings.vision_cache_redis_bytes:
         return
-    from wicore.worker.vision_cache import RedisVisionCache
+    from wicore.worker.shared_vision_cache import RedisVisionCache
 
     store = RedisVisionCache(
         connection, namespace=model_id, max_bytes=settings.vision_cache_redis_bytes, ttl_s=settings.vision_cache_ttl_s

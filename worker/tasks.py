@@ -28,8 +28,8 @@ def _engine():
 
 
 def caption(payload: dict) -> dict:
-    from wicore.ops.image import ImageLimits
-    from wicore.worker.inputs import InputConfig, InputLoader
+    from wicore.ops.image_decode import ImageLimits
+    from wicore.worker.job_inputs import InputConfig, InputLoader
 
     engine, model_id, settings = _engine()
     job = get_current_job()

@@ -9,7 +9,7 @@ import hashlib
 from rq import get_current_job
 
 from wicore import keys
-from wicore.ops.image import decode_image
+from wicore.ops.image_decode import decode_image
 from wicore.schemas import CaptionJob, CaptionResult, Timings
 
 

@@ -22,7 +22,7 @@ def queue(
     out: Path = typer.Option(None, help="Folder to write queue-<host>.json and .png into (e.g. bench/results)."),
 ) -> None:
     """Batching worker (null engine) vs plain RQ SimpleWorker on the same jobs."""
-    from wicore.bench.queue import run_bench
+    from wicore.bench.queue_bench import run_bench
     from wicore.embedded import redis_url_or_embedded
 
     with redis_url_or_embedded(redis_url) as url:
@@ -35,7 +35,7 @@ def queue(
         f"ratio: {report['ratio']:.1f}x"
     )
     if out is not None:
-        from wicore.bench.queue import write_results
+        from wicore.bench.queue_bench import write_results
 
         for path in write_results(report, out):
             console.print(f"wrote {path}")
@@ -58,7 +58,7 @@ def caption(
     as_json: bool = typer.Option(False, "--json", help="End with one JSON line."),
 ) -> None:
     """Bulk captioning on the GPU: the whole product vs HF generate, with the roofline."""
-    from wicore.bench.caption import CaptionBench, run_caption_bench
+    from wicore.bench.caption_bench import CaptionBench, run_caption_bench
     from wicore.bench.report import print_caption_report, write_caption_report
     from wicore.cli.common import engine_options
     from wicore.errors import ConfigError
@@ -94,7 +94,7 @@ def cache_bench(
     as_json: bool = typer.Option(False, "--json", help="End with one JSON line."),
 ) -> None:
     """Tier caches on the GPU: VQA speedup, CPU-tier restore bandwidth, duplicates, policies."""
-    from wicore.bench.cache import CacheBench, run_cache_bench
+    from wicore.bench.cache_bench import CacheBench, run_cache_bench
     from wicore.bench.cache_report import write_cache_report
 
     bench = CacheBench(workdir=workdir, images=images, questions=questions, dup_images=dup_images, repeats=repeats)

@@ -29,7 +29,7 @@ from wicore.cli.common import (
     console,
     friendly_errors,
 )
-from wicore.cli.inputs import InputItem, expand_inputs
+from wicore.cli.input_paths import InputItem, expand_inputs
 from wicore.cli.pool import WorkerPool
 from wicore.errors import JobInputError
 

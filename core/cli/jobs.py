@@ -12,7 +12,7 @@ from redis import Redis
 from rich.table import Table
 
 from wicore.cli.common import ConfigOption, ModelIdOption, RedisOption, console, friendly_errors, settings_from
-from wicore.cli.inputs import expand_inputs
+from wicore.cli.input_paths import expand_inputs
 from wicore.errors import ConfigError, JobFailed, ResultTimeout
 from wicore.schemas import GenerationParams, Lane
 

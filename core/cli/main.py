@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from wicore.cli import bench, caption, jobs, models, serve
+from wicore.cli import bench, caption, daemons, jobs, models
 
 app = typer.Typer(
     name="wicore",
@@ -14,11 +14,11 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 app.command()(caption.caption)
-app.command()(serve.worker)
+app.command()(daemons.worker)
 app.command()(jobs.enqueue)
 app.command()(jobs.result)
 app.command()(jobs.status)
-app.command()(serve.dashboard)
+app.command()(daemons.dashboard)
 app.command("make-model")(models.make_model)
 app.add_typer(bench.app, name="bench")
 

@@ -1,23 +1,32 @@
 """The `fast` engine: Gemma-3 served with a paged KV cache, continuous batching, CUDA graphs.
 
 Owners, one per concern:
-- `engine.FastEngine`: the Engine interface; a step = schedule -> launch -> read back.
-- `scheduler.Scheduler`: waiting / admitted sequences; FIFO admission by free rows and pages;
-  picks the vision, prefill and decode batches.
-- `block_manager.BlockManager`: the pool of KV pages (refcounts; the prefix cache's pages).
-- `prefix_cache.PrefixCache`: the GPU tier of the prefix cache (hash -> block, users, policy);
-  `prefix_keys` (keys, model id), `prefix_admission` (matching and taking hits at admission).
-- `tiers.KVTiers`: host and disk tiers and the copies down; `restores.Restorer` the copies up;
-  `cache_setup` builds them from the options; `restore_probe` measures restore bandwidth.
-- `kv_cache`: layer groups, pages, block tables, sliding-window rings.
+- `engine.FastEngine`: the Engine interface; a step = plan -> launch -> read back.
+- `sequence.Sequence`: one request's state; `SeqStatus` and its transitions.
+- `step_planner.StepPlanner`: waiting / admitted sequences; FIFO admission by free rows and
+  pages; picks the vision, prefill and decode batches of a step.
 - `model_runner.ModelRunner`: the device: weights, cache, tables, streams, prefill, decode;
-  `prefill_inputs` builds a prefill's inputs (the uncached suffix of each prompt).
+  `prefill_batch` builds a prefill's inputs (the uncached suffix of each prompt);
+  `attention_backends` holds a forward pass's attention metadata.
 - `graph_runner.GraphRunner`: CUDA graphs per size bucket (decode batches, short paged prefills).
+- `image_stage.ImageStage`: request images -> embeddings (pixel threads, vision cache, tower).
+- `device_handles`: handles on asynchronous device work (vision batches, sampled tokens).
 - `sampler.Sampler`: greedy / seeded Gumbel-max sampling with top-k / top-p on the device.
-- `vision`, `text_model`, `layers`, `weights`: our own Gemma-3 modules and their loading.
-- `inputs`: chat -> token ids and pixels, identical to the HF processor.
+- `kv_budget`: how many KV pages fit; `engine_stats`: the engine's counters.
+- `prompt_inputs`: chat -> token ids and pixels, identical to the HF processor.
+- `model/`: our own Gemma-3 modules and their loading.
+
+The KV cache itself (pages, prefix cache, tiers) lives in `wicore.engines.kvcache`.
 """
 
-from wicore.engines.fast.engine import FastEngine
+
+def __getattr__(name: str):
+    # Lazy, so that `wicore.engines.kvcache` may import this package's light modules.
+    if name == "FastEngine":
+        from wicore.engines.fast.engine import FastEngine
+
+        return FastEngine
+    raise AttributeError(name)
+
 
 __all__ = ["FastEngine"]

@@ -24,24 +24,24 @@ from functools import partial
 
 import torch
 
+from wicore.bench.restore_probe import measure_h2d, measure_restore
 from wicore.engines.base import Completion, Engine, EngineConfig, EngineRequest, failed
 from wicore.engines.checkpoint import load_processor, torch_dtype
-from wicore.engines.fast.block_manager import BlockManager
-from wicore.engines.fast.cache_setup import build_prefix_cache, build_tiers
-from wicore.engines.fast.handles import Readback
-from wicore.engines.fast.images import ImageStage
-from wicore.engines.fast.inputs import InputProcessor
-from wicore.engines.fast.kv_cache import KVLayout
-from wicore.engines.fast.memory import plan_pages
+from wicore.engines.fast.device_handles import Readback
+from wicore.engines.fast.engine_stats import EngineStats
+from wicore.engines.fast.image_stage import ImageStage
+from wicore.engines.fast.kv_budget import plan_pages
+from wicore.engines.fast.model.weights import load_gemma3
 from wicore.engines.fast.model_runner import ModelRunner
 from wicore.engines.fast.options import FastOptions
-from wicore.engines.fast.prefix_keys import PromptKeyer, model_fingerprint
-from wicore.engines.fast.restore_probe import measure_h2d, measure_restore
+from wicore.engines.fast.prompt_inputs import InputProcessor
 from wicore.engines.fast.sampler import Sampler
-from wicore.engines.fast.scheduler import Scheduler
 from wicore.engines.fast.sequence import Sequence
-from wicore.engines.fast.stats import EngineStats
-from wicore.engines.fast.weights import load_gemma3
+from wicore.engines.fast.step_planner import StepPlanner
+from wicore.engines.kvcache.block_manager import BlockManager
+from wicore.engines.kvcache.kv_layout import KVLayout
+from wicore.engines.kvcache.kv_setup import build_prefix_cache, build_tiers
+from wicore.engines.kvcache.prefix_keys import PromptKeyer, model_fingerprint
 from wicore.engines.text import finish_sequence, first_stop, stop_token_ids
 from wicore.errors import JobInputError, PromptTooLong
 
@@ -77,7 +77,7 @@ class FastEngine(Engine):
         model_id = model_fingerprint(config.model_dir, config.dtype, layout)  # salts every key
         self.keyer = PromptKeyer(model_id, self.options.block_size, parts.tokens_per_image)
         vision_batch = self.options.vision_batch(self.cuda)
-        self.scheduler = Scheduler(
+        self.planner = StepPlanner(
             layout,
             self.blocks,
             config.max_batch_size,
@@ -153,7 +153,7 @@ class FastEngine(Engine):
             if id(seq) in bad:
                 rejected.append(failed(seq.id, bad[id(seq)], input_error=True))
                 continue
-            self.scheduler.add(seq)
+            self.planner.add(seq)
             self.unfinished.add(seq)
         self.counters.rejected += len(rejected)
         return rejected
@@ -177,7 +177,7 @@ class FastEngine(Engine):
         return done
 
     def stats(self) -> dict:
-        report = self.counters.report(self.runner, self.blocks, self.scheduler)
+        report = self.counters.report(self.runner, self.blocks, self.planner)
         report = {**super().stats(), **report, **self.images.stats(), **self.tiers.counters()}
         report["cache"] = self.tiers.cache_stats(self.blocks.cache).to_dict()  # prefix KV tiers
         return report
@@ -212,11 +212,11 @@ class FastEngine(Engine):
         """Appends to `done` as sequences end, so a failure later in the step loses none."""
         self._fail_unreadable_images(done)
         self.images.collect()
-        self.tiers.prefetch(self.scheduler.waiting, self.blocks.cache)
+        self.tiers.prefetch(self.planner.waiting, self.blocks.cache)
         # A full vision batch may queue behind another; a partial one only goes when no vision
         # work is queued (the device would idle), so the tower mostly runs full, compiled batches.
-        vision = self.scheduler.schedule_vision(VISION_IN_FLIGHT - len(self.images.jobs), not self.images.jobs)
-        for seq in self.scheduler.take_admitted():
+        vision = self.planner.schedule_vision(VISION_IN_FLIGHT - len(self.images.jobs), not self.images.jobs)
+        for seq in self.planner.take_admitted():
             self.runner.set_table(seq.row, seq.table)
             self.tiers.start(seq)  # reads host slots before `demote` may reuse them
         self.tiers.demote(self.blocks.take_evicted())  # before anything writes the reused pages
@@ -224,7 +224,7 @@ class FastEngine(Engine):
             self.counters.images += self.images.launch(vision)
             self.images.collect()  # on CPU it is done already
         self.tiers.land()
-        prefill, decode = self.scheduler.schedule_model()
+        prefill, decode = self.planner.schedule_model()
         # Decode first: the device runs it while the host launches the prefill (a short
         # prefix-cached prefill costs more host time than device time).
         launched = 0
@@ -236,7 +236,7 @@ class FastEngine(Engine):
         if prefill:  # its sequences decode from the next step on
             self.readbacks.append(self.runner.prefill(prefill))
             self.counters.record_prefill(prefill)
-            self.scheduler.prefilled(prefill)
+            self.planner.prefilled(prefill)
             launched += 1
         finished = self._read_tokens(keep=launched, done=done)
         if not launched and not finished:
@@ -270,7 +270,7 @@ class FastEngine(Engine):
     def _finish(self, seq: Sequence) -> Completion:
         seq.finished = True
         ids, text, reason = finish_sequence(self.tokenizer, seq.generated, seq.request.params, self.eos_ids)
-        self.scheduler.finish(seq)
+        self.planner.finish(seq)
         self.unfinished.discard(seq)
         self.counters.record_finish(len(ids))
         return Completion(seq.id, text, ids, reason, prompt_tokens=seq.prompt_len, engine_s=seq.age())
@@ -282,8 +282,8 @@ class FastEngine(Engine):
             self.images.jobs[0].wait(IDLE_WAIT_S)
         elif self.readbacks:
             self.readbacks[0].tokens()
-        elif self.scheduler.waiting and isinstance(self.scheduler.waiting[0].pixels, Future):
-            wait([self.scheduler.waiting[0].pixels], timeout=IDLE_WAIT_S)  # FIFO: the head decides
+        elif self.planner.waiting and isinstance(self.planner.waiting[0].pixels, Future):
+            wait([self.planner.waiting[0].pixels], timeout=IDLE_WAIT_S)  # FIFO: the head decides
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -296,7 +296,7 @@ class FastEngine(Engine):
                 f"prompt of {len(prompt.ids)} tokens + {params.max_new_tokens} new tokens exceeds "
                 f"max_model_len {self.max_len}"
             )
-        if not self.scheduler.fits_ever(total):
+        if not self.planner.fits_ever(total):
             raise PromptTooLong(f"a {total}-token sequence does not fit in the KV cache")
         seed = params.seed if params.seed is not None else self.rng.getrandbits(63)
         seq = Sequence(request, prompt, None, seed)  # pixels or cached embeddings: ImageStage.prepare
@@ -315,18 +315,18 @@ class FastEngine(Engine):
 
     def _fail_unreadable_images(self, done: list[Completion]) -> None:
         """Images that failed to preprocess, at the head of the queue (admission stops there)."""
-        waiting = self.scheduler.waiting
+        waiting = self.planner.waiting
         while waiting and waiting[0].pixels_failed:
             seq = waiting.popleft()
             self.unfinished.discard(seq)
             done.append(failed(seq.id, f"image preprocessing failed: {seq.pixels.exception()}", input_error=True))
 
     def _fail_all(self, error: Exception) -> list[Completion]:
-        for seq in list(self.scheduler.admitted):
-            self.scheduler.finish(seq)
+        for seq in list(self.planner.admitted):
+            self.planner.finish(seq)
         self.tiers.reset()
         self.blocks.drop_cache()  # blocks being written when the step failed are suspect
-        self.scheduler.waiting.clear()
+        self.planner.waiting.clear()
         self.images.jobs.clear()
         self.images.in_flight.clear()
         self.readbacks.clear()

@@ -23,11 +23,11 @@ from contextlib import nullcontext
 import numpy as np
 import torch
 
-from wicore.engines.fast.attention import PagedAttention, PrefillAttention, layer_specs
+from wicore.engines.fast.attention_backends import PagedAttention, PrefillAttention, layer_specs
+from wicore.engines.fast.device_handles import PhaseClock, Readback
 from wicore.engines.fast.graph_runner import GraphRunner
-from wicore.engines.fast.handles import PhaseClock, Readback
-from wicore.engines.fast.kv_cache import KVCache, KVLayout
-from wicore.engines.fast.prefill_inputs import (
+from wicore.engines.fast.model.weights import Gemma3Parts
+from wicore.engines.fast.prefill_batch import (
     ENDS,
     IDS,
     POSITIONS,
@@ -43,10 +43,10 @@ from wicore.engines.fast.prefill_inputs import (
 )
 from wicore.engines.fast.sampler import Sampler, SamplingBatch
 from wicore.engines.fast.sequence import Sequence
-from wicore.engines.fast.weights import Gemma3Parts
+from wicore.engines.kvcache.kv_layout import KVCache, KVLayout
 from wicore.ops.attention import gemma3_prefill_masks, group_batch
-from wicore.ops.prefix_attention import gemma3_prefix_masks, group_prefix
-from wicore.ops.preprocess import apply_lut
+from wicore.ops.attention.prefix_prefill import gemma3_prefix_masks, group_prefix
+from wicore.ops.image_preprocess import apply_lut
 from wicore.ops.transfer import upload
 
 

@@ -46,7 +46,7 @@ class FastOptions:
     # from the pixel threads and the thread that launches the kernels (the cached VQA benchmark:
     # ~7.0 -> ~6.6 s; bench/NOTES.md run 57). CPU engines keep torch's default.
     torch_threads: int | None = None
-    # Prefix KV cache across requests (engines/cache/README.md): full prompt blocks stay in the
+    # Prefix KV cache across requests (engines/kvcache/README.md): full prompt blocks stay in the
     # GPU pool after their sequence ends, move down to a pinned host tier and a disk tier under
     # pressure and come back on a hit.
     prefix_cache: bool = True

@@ -12,9 +12,9 @@ import numpy as np
 import torch
 
 from wicore.engines.base import Completion, EngineRequest
-from wicore.engines.fast.inputs import Prompt
-from wicore.engines.fast.prefix_cache import CachedBlock, Restore
-from wicore.engines.fast.prefix_keys import PromptKeys
+from wicore.engines.fast.prompt_inputs import Prompt
+from wicore.engines.kvcache.gpu_tier import CachedBlock, Restore
+from wicore.engines.kvcache.prefix_keys import PromptKeys
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,219 @@
+"""`wicore bench caption --preset gemma3-4b`: bulk captioning through the whole product
+(embedded Redis, producer, scheduler, worker, engine) against HF `generate` on the same model,
+images and token counts, in the same run; with the roofline from the config and the ceilings
+measured at the start of the run."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from wicore.bench.bench_images import make_images
+from wicore.bench.roofline import Ceilings, image_work, measure_ceilings, roofline_images_per_s
+from wicore.schemas import DEFAULT_PROMPT
+
+MODEL_ID = "gemma3-4b"
+
+
+@dataclass
+class CaptionBench:
+    workdir: Path
+    images: int = 1024
+    new_tokens: int = 64
+    batch_size: int = 384  # the engine's running sequences and the scheduler's claim size
+    engine: str = "fast"
+    engine_options: dict = field(default_factory=dict)
+    hf_batches: tuple[int, ...] = (8, 32, 64)
+    hf_images: int = 128  # per batched peer run
+    hf_single_images: int = 6  # the batch-1 peer
+    warmup_images: int = 64
+    prompt: str = DEFAULT_PROMPT
+    device: str = "cuda"
+    model_dir: Path | None = None  # default: `make-model gemma3-4b` (seeded weights on the device)
+
+
+def device_name(device: str) -> str:
+    import torch
+
+    return torch.cuda.get_device_name(0) if device.startswith("cuda") else "cpu"
+
+
+def percentile(values: list[float], q: float) -> float:
+    return float(np.percentile(np.asarray(values), q)) if values else float("nan")
+
+
+def wait_for_worker(connection, process, log: Path, timeout: float = 900) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"worker exited ({process.returncode}):\n{log.read_text()[-3000:]}")
+        names = [n.decode().split(":")[-1] for n in connection.smembers("rq:workers")]
+        if names:
+            return names[0]
+        time.sleep(0.5)
+    raise RuntimeError("worker did not start in time")
+
+
+def run_product(bench: CaptionBench, model_dir: Path, paths: list[Path], log: Path) -> dict:
+    """Warm up on separate images, then time `bench.images` images end to end."""
+    from redis import Redis
+
+    from wicore.embedded import EmbeddedRedis
+    from wicore.producer import Producer, ProducerConfig, Submission
+    from wicore.schemas import GenerationParams
+
+    params = GenerationParams(max_new_tokens=bench.new_tokens, ignore_eos=True)
+    warm, timed = paths[: bench.warmup_images], paths[bench.warmup_images :]
+    with EmbeddedRedis() as server:
+        args = ["--redis-url", server.url, "--model", str(model_dir), "--model-id", MODEL_ID, "--engine", bench.engine,
+                "--device", bench.device,
+                "--batch-size", str(bench.batch_size), "--allow-root", str(paths[0].parent), "--max-queue-delay-ms", "20"]  # fmt: skip
+        for key, value in bench.engine_options.items():
+            args += ["--engine-option", f"{key}={json.dumps(value)}"]
+        env = {**os.environ, "WICORE_LOG_LEVEL": "INFO"}
+        with open(log, "wb") as sink:
+            worker = subprocess.Popen([sys.executable, "-m", "wicore.cli.main", "worker", *args], stdout=sink,
+                                      stderr=subprocess.STDOUT, env=env)  # fmt: skip
+        try:
+            connection = Redis.from_url(server.url)
+            started = time.perf_counter()
+            name = wait_for_worker(connection, worker, log)
+            load_s = time.perf_counter() - started
+            producer = Producer(server.url, model=MODEL_ID, config=ProducerConfig(by_path=True))
+            warm_ids = producer.submit_many(Submission(p, bench.prompt, params=params) for p in warm)
+            list(producer.wait(warm_ids, timeout=900))
+            start = time.perf_counter()
+            ids = producer.submit_many(Submission(p, bench.prompt, params=params) for p in timed)
+            outcomes = {o.job_id: o for o in producer.wait(ids, timeout=1800)}
+            seconds = time.perf_counter() - start
+        finally:
+            worker.send_signal(signal.SIGTERM)
+            worker.wait(timeout=120)
+        stats = json.loads(connection.get(f"wicore:stats:{name}") or b"{}")  # published at the worker's stop
+    errors = [o.error for o in outcomes.values() if o.error]
+    results = [o.result for o in outcomes.values() if o.result]
+    tokens = {str(p): list(outcomes[i].result.token_ids) for p, i in zip(timed, ids) if outcomes[i].result}
+    latencies = [r.timings.total_s for r in results]
+    return {
+        "images": len(timed),
+        "seconds": seconds,
+        "images_per_s": len(results) / seconds,
+        "output_tokens_per_s": sum(r.output_tokens for r in results) / seconds,
+        "latency_p50_s": percentile(latencies, 50),
+        "latency_p99_s": percentile(latencies, 99),
+        "errors": errors[:5],
+        "error_count": len(errors),
+        "worker_start_s": load_s,
+        "engine_stats": stats,
+        "tokens": tokens,
+    }
+
+
+def run_peers(bench: CaptionBench, model_dir: Path, paths: list[Path]) -> dict:
+    """HF `generate` at batch 1 and at each static batch size, on the timed images."""
+    import torch
+
+    from wicore.bench.hf_peer import run_generate
+    from wicore.engines.checkpoint import load_hf_model, load_processor
+    from wicore.engines.text import stop_token_ids
+    from wicore.ops.image_decode import decode_image
+
+    processor = load_processor(model_dir)
+    cuda = bench.device.startswith("cuda")
+    model = load_hf_model(model_dir, bench.device, "bfloat16" if cuda else "float32")
+    eos = sorted(stop_token_ids(model_dir, processor.tokenizer))
+    timed = paths[bench.warmup_images :]
+    images = [decode_image(p.read_bytes()) for p in timed[: max(bench.hf_images, bench.hf_single_images)]]
+    run_generate(model, processor, images[:2], bench.prompt, 4, 2, eos)  # warm-up (cuBLAS, kernels)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    runs = {1: run_generate(model, processor, images[: bench.hf_single_images], bench.prompt, bench.new_tokens, 1, eos)}
+    for batch in bench.hf_batches:
+        runs[batch] = run_generate(
+            model, processor, images[: bench.hf_images], bench.prompt, bench.new_tokens, batch, eos
+        )
+    peak = torch.cuda.max_memory_allocated() if cuda else None
+    best = max((b for b in runs if b > 1), key=lambda b: runs[b].images_per_s)
+    best_tokens = {str(p): t for p, t in zip(timed, runs[best].tokens)}
+    single_tokens = {str(p): t for p, t in zip(timed, runs[1].tokens)}
+    del model
+    if cuda:
+        torch.cuda.empty_cache()
+    return {
+        "images_per_s": {str(b): r.images_per_s for b, r in runs.items()},
+        "best_batch": best,
+        "best_images_per_s": runs[best].images_per_s,
+        "batch1_images_per_s": runs[1].images_per_s,
+        "peak_gpu_bytes": peak,
+        "best_tokens": best_tokens,
+        "single_tokens": single_tokens,
+    }
+
+
+def parity(ours: dict[str, list[int]], theirs: dict[str, list[int]]) -> dict:
+    """Share of sequences whose tokens are identical, and where the others first differ."""
+    common = [k for k in theirs if k in ours]
+    same = [k for k in common if ours[k] == theirs[k]]
+    first_diff = [next(i for i, (a, b) in enumerate(zip(ours[k], theirs[k])) if a != b) for k in common
+                  if k not in same and len(ours[k]) == len(theirs[k])]  # fmt: skip
+    return {"compared": len(common), "identical": len(same), "share": len(same) / max(1, len(common)),
+            "first_divergence_steps": sorted(first_diff)}  # fmt: skip
+
+
+def run_caption_bench(bench: CaptionBench, ceilings: Ceilings | None = None) -> dict:
+    from transformers import AutoConfig
+
+    from wicore.models.gemma3 import make_gemma3_4b
+
+    bench.workdir.mkdir(parents=True, exist_ok=True)
+    ceilings = ceilings or measure_ceilings(bench.device)
+    model_dir = bench.model_dir or make_gemma3_4b(bench.workdir / "gemma3-4b")
+    paths = make_images(bench.workdir / "images", bench.warmup_images + bench.images, processes=os.cpu_count() or 4)
+    product = run_product(bench, model_dir, paths, bench.workdir / "worker.log")
+    peers = run_peers(bench, model_dir, paths)
+    config = AutoConfig.from_pretrained(model_dir)
+    prompt_tokens = product["engine_stats"].get("mean_prompt_tokens") or 281  # 281: the 4B prompt here
+    work = image_work(config, prompt_tokens, bench.new_tokens)
+    roofline, bound = roofline_images_per_s(work, ceilings, bench.batch_size, prompt_tokens, bench.new_tokens)
+    report = {
+        "gpu": device_name(bench.device),
+        "command": f"wicore bench caption --preset gemma3-4b --images {bench.images}",
+        "engine": bench.engine,
+        "engine_options": bench.engine_options,
+        "batch_size": bench.batch_size,
+        "images": bench.images,
+        "new_tokens": bench.new_tokens,
+        "ceilings": ceilings.as_dict(),
+        "flops_per_image_t": round(work.flops / 1e12, 3),
+        "roofline_images_per_s": roofline,
+        "roofline_bound": bound,
+        "images_per_s": product["images_per_s"],
+        "roofline_fraction": product["images_per_s"] / roofline,
+        "hf_best_images_per_s": peers["best_images_per_s"],
+        "hf_best_batch": peers["best_batch"],
+        "hf_batch1_images_per_s": peers["batch1_images_per_s"],
+        "hf_images_per_s": peers["images_per_s"],
+        "speedup_vs_hf_best": product["images_per_s"] / peers["best_images_per_s"],
+        "speedup_vs_hf_batch1": product["images_per_s"] / peers["batch1_images_per_s"],
+        "output_tokens_per_s": product["output_tokens_per_s"],
+        "latency_p50_s": product["latency_p50_s"],
+        "latency_p99_s": product["latency_p99_s"],
+        "peak_gpu_bytes": product["engine_stats"].get("peak_gpu_bytes"),
+        "hf_peak_gpu_bytes": peers["peak_gpu_bytes"],
+        "parity_vs_hf_best_batch": parity(product["tokens"], peers["best_tokens"]),
+        "parity_vs_hf_batch1": parity(product["tokens"], peers["single_tokens"]),
+        "hf_batch1_vs_hf_best_batch": parity(peers["single_tokens"], peers["best_tokens"]),
+        "worker_start_s": product["worker_start_s"],
+        "errors": product["errors"],
+        "error_count": product["error_count"],
+        "engine_stats": product["engine_stats"],
+    }
+    return report

@@ -1,0 +1,74 @@
+"""Bandwidth probes for the benchmark: restoring KV blocks from the pinned host tier into pages,
+end to end, against a plain pinned host->device copy of the same bytes.
+
+`measure_restore` stores N blocks (copied out of N x G free pages) in a fresh host tier, then
+times `HostTier.load` (one copy per run of consecutive slots, on the copy stream) + the wait +
+the scatter into the pages, with CUDA events on the main stream (wall time on CPU); best of
+`repeats`. The engine should be idle: the probe borrows free pages and writes garbage into them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Callable
+
+import torch
+
+from wicore.engines.kvcache.block_manager import BlockManager
+from wicore.engines.kvcache.host_tier import HostTier
+from wicore.engines.kvcache.kv_layout import KVCache
+from wicore.ops.transfer import upload
+
+
+def measure_restore(
+    kv: KVCache, blocks: BlockManager, block_shape: tuple[int, ...], num_blocks: int, repeats: int
+) -> float:
+    """Bytes per second of a host-tier restore of `num_blocks` blocks into free pages."""
+    groups = len(kv.layout.groups)
+    if num_blocks < 1 or num_blocks * groups > blocks.num_free:
+        raise ValueError(f"{num_blocks} blocks need {num_blocks * groups} free pages, {blocks.num_free} are free")
+    device = kv.tensor.device
+    tier = HostTier(num_blocks, block_shape, kv.tensor.dtype, pin_memory=device.type == "cuda")
+    keys = [hashlib.sha256(b"restore-probe-%d" % i).digest() for i in range(num_blocks)]
+    pages = blocks.allocate(num_blocks * groups)
+    try:
+        index = upload(pages, device, torch.int64)
+        _, transfer = tier.store(keys, kv.gather_pages(index).view(num_blocks, *block_shape))
+        transfer.synchronize()
+        seconds = min(_timed(device, lambda: _restore(tier, keys, kv, index)) for _ in range(max(1, repeats)))
+    finally:
+        blocks.release(pages)
+    return num_blocks * tier.block_bytes / seconds
+
+
+def measure_h2d(num_bytes: int, device: torch.device, repeats: int = 3) -> float:
+    """Bytes per second of one pinned host->device copy of `num_bytes` (the restore's ceiling)."""
+    cuda = device.type == "cuda"
+    source = torch.empty(num_bytes, dtype=torch.uint8, pin_memory=cuda)
+    target = torch.empty(num_bytes, dtype=torch.uint8, device=device)
+    seconds = min(_timed(device, lambda: target.copy_(source, non_blocking=cuda)) for _ in range(max(1, repeats)))
+    return num_bytes / seconds
+
+
+def _restore(tier: HostTier, keys: list[bytes], kv: KVCache, pages: torch.Tensor) -> None:
+    device = kv.tensor.device
+    if device.type == "cuda":
+        tier.copy_stream(device).wait_stream(torch.cuda.current_stream(device))  # start after the start event
+    data, transfer = tier.load(keys, device)
+    transfer.wait()
+    kv.scatter_pages(pages, data.view(-1, *data.shape[2:]))
+
+
+def _timed(device: torch.device, work: Callable[[], object]) -> float:
+    if device.type != "cuda":
+        start = time.perf_counter()
+        work()
+        return time.perf_counter() - start
+    torch.cuda.synchronize(device)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    work()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1000.0

@@ -1,0 +1,83 @@
+"""Counters of the fast engine, for the benchmark and `wicore status`."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    images: int = 0
+    prefill_batches: int = 0
+    prefilled: int = 0  # sequences
+    prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0  # of those, taken from the prefix cache (not prefilled)
+    decode_steps: int = 0
+    generated_tokens: int = 0  # tokens of finished requests (after cutting at EOS / stop)
+    graph_replays: int = 0
+    eager_decodes: int = 0
+    finished: int = 0
+    rejected: int = 0
+    decode_batch_sizes: Counter = field(default_factory=Counter)  # batch size -> steps
+
+    def record_prefill(self, seqs) -> None:
+        self.prefill_batches += 1
+        self.prefilled += len(seqs)
+        self.prompt_tokens += sum(s.prompt_len for s in seqs)
+        self.cached_prompt_tokens += sum(s.prefix_len for s in seqs)
+
+    def record_decode(self, batch: int, graphed: bool) -> None:
+        self.decode_steps += 1
+        self.decode_batch_sizes[batch] += 1
+        if graphed:
+            self.graph_replays += 1
+        else:
+            self.eager_decodes += 1
+
+    def record_finish(self, tokens: int) -> None:
+        self.finished += 1
+        self.generated_tokens += tokens
+
+    def report(self, runner, blocks, planner) -> dict:
+        seconds = runner.clock.collect() if runner is not None else {}
+        steps = sum(self.decode_batch_sizes.values())
+        mean_batch = sum(b * n for b, n in self.decode_batch_sizes.items()) / steps if steps else 0.0
+        return {
+            "vision_s": seconds.get("vision", 0.0),
+            "prefill_s": seconds.get("prefill", 0.0),
+            "decode_s": seconds.get("decode", 0.0),
+            "steps": self.steps,
+            "images": self.images,
+            "prefill_batches": self.prefill_batches,
+            "prompt_tokens": self.prompt_tokens,
+            "mean_prompt_tokens": self.prompt_tokens / self.prefilled if self.prefilled else None,
+            "cached_prompt_tokens": self.cached_prompt_tokens,
+            "decode_steps": self.decode_steps,
+            "generated_tokens": self.generated_tokens,
+            "finished": self.finished,
+            "rejected": self.rejected,
+            "mean_decode_batch": mean_batch,
+            "max_decode_batch": max(self.decode_batch_sizes, default=0),
+            "decode_batch_sizes": dict(sorted(self.decode_batch_sizes.items())),
+            "graph_replays": self.graph_replays,
+            "eager_decodes": self.eager_decodes,
+            # Prefills over the pages alone (short suffixes) and how many replayed a graph.
+            "paged_prefilled": runner.paged_prefilled if runner is not None else 0,
+            "prefill_graph_replays": runner.prefill_graphs.replays
+            if runner is not None and runner.prefill_graphs is not None
+            else 0,
+            "kv_pages": blocks.num_pages - 1,  # the pool (without the null page): sized from memory on CUDA
+            "kv_pages_used": blocks.num_used,
+            "kv_pages_free": blocks.num_free,
+            "kv_pages_cached": blocks.num_cached,  # held only by the prefix cache (evictable)
+            "kv_block_size": planner.layout.block_size,
+            "waiting": len(planner.waiting),
+            "admitted": planner.num_admitted,
+            "peak_gpu_bytes": torch.cuda.max_memory_allocated(runner.device)
+            if runner is not None and runner.cuda
+            else None,
+        }

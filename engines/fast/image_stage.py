@@ -1,0 +1,160 @@
+"""From a request's images to their embeddings, doing each image's work once.
+
+- At `add`: one cache lookup for every image of the call (local LRU, then the shared store the
+  worker attached, e.g. Redis); a sequence whose images are all cached skips pixels and the
+  vision tower. Others get their images resized in the pool (uint8; the model runner applies
+  the pixel lookup table on the device), one job per distinct image.
+- At launch: a sequence whose images are already being encoded (another question about the
+  same image) attaches to that vision batch; repeated images inside a batch are encoded once.
+- At completion: the new embeddings go into the cache.
+
+Images are known by the sha256 of their bytes (`EngineRequest.image_hashes`); without hashes
+nothing is shared or cached.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import numpy as np
+import torch
+
+from wicore.engines.fast.device_handles import VisionJob
+from wicore.engines.fast.prompt_inputs import InputProcessor
+from wicore.engines.fast.sequence import SeqStatus, Sequence
+from wicore.engines.vision_cache import EmbeddingStore, LocalVisionCache, VisionCache
+from wicore.errors import JobInputError
+
+
+class ImageStage:
+    def __init__(self, runner, inputs: InputProcessor, pool: ThreadPoolExecutor | None, cache_bytes: int):
+        self.runner, self.inputs, self.pool = runner, inputs, pool
+        self.cache = VisionCache(LocalVisionCache(cache_bytes), device=str(runner.device)) if cache_bytes else None
+        self.jobs: deque[VisionJob] = deque()
+        self.pending_pixels: dict[str, Future] = {}  # image hash -> its resize, while unencoded
+        self.in_flight: dict[str, tuple[VisionJob, int]] = {}  # image hash -> (job, row of its output)
+        self.encoded = 0  # images through the tower (the rest came from the cache or a batch mate)
+
+    def attach_shared(self, store: EmbeddingStore | None) -> None:
+        if self.cache is not None:
+            self.cache.shared = store
+
+    # -- at add ----------------------------------------------------------------------------
+
+    def prepare(self, seqs: list[Sequence]) -> list[tuple[Sequence, JobInputError]]:
+        """Cached embeddings, or pixel work (shared by repeated images), for each sequence.
+        Returns the sequences whose images could not be preprocessed (inline, on CPU)."""
+        keys = [k for s in seqs for k in s.image_keys if k is not None]
+        cached = self.cache.get_many(keys) if self.cache is not None and keys else {}
+        failures = []
+        for seq in seqs:
+            seq_keys = seq.image_keys
+            if seq.num_images and all(k in cached for k in seq_keys):
+                seq.image_embeds = torch.stack([cached[k] for k in seq_keys])  # [n, tokens, hidden]
+                seq.pixels = self.inputs.resized([])  # uint8 [0, H, W, 3]: nothing to encode
+                continue
+            try:
+                seq.pixels = self._pixels(seq, seq_keys)
+            except JobInputError as error:
+                failures.append((seq, error))
+        return failures
+
+    def _pixels(self, seq: Sequence, keys: list[str | None]) -> np.ndarray | Future:
+        """The sequence's resized images, uint8 [num_images, H, W, 3] (a Future in the pool)."""
+        if not seq.num_images:
+            return self.inputs.resized([])
+        if self.pool is None:
+            try:
+                return self.inputs.resized(seq.request.images)
+            except Exception as error:
+                raise JobInputError(f"image preprocessing failed: {error}") from error
+        key = keys[0] if len(keys) == 1 else None
+        if key is not None and key in self.pending_pixels:
+            return self.pending_pixels[key]
+        future = self.pool.submit(self.inputs.resized, seq.request.images)
+        if key is not None:
+            self.pending_pixels[key] = future
+        return future
+
+    # -- launch and completion ----------------------------------------------------------------
+
+    def launch(self, seqs: list[Sequence]) -> int:
+        """Encode what is new; attach what is on its way; take what was cached since `add`.
+        Returns the number of images encoded."""
+        fresh = []
+        for seq in seqs:
+            keys = seq.image_keys
+            if keys and all(k is not None and k in self.in_flight for k in keys):
+                for k in keys:
+                    job, row = self.in_flight[k]
+                    job.attached.append((seq, [row]))
+            elif self._cached_since_add(seq, keys):
+                seq.status = SeqStatus.READY
+            else:
+                fresh.append(seq)
+        if not fresh:
+            return 0
+        job = self._encode(fresh)
+        self.jobs.append(job)
+        return len(job.keys)
+
+    def _cached_since_add(self, seq: Sequence, keys: list[str | None]) -> bool:
+        local = self.cache.local if self.cache is not None else None
+        if local is None or not keys or not all(k is not None and k in local for k in keys):
+            return False
+        seq.image_embeds = torch.stack([local.get(k) for k in keys])
+        return True
+
+    def _encode(self, seqs: list[Sequence]) -> VisionJob:
+        rows: dict[str, int] = {}
+        arrays, keys, members = [], [], []
+        for seq in seqs:
+            pixels, indices = seq.pixel_array(), []
+            for i, key in enumerate(seq.image_keys):
+                if key is None or key not in rows:
+                    if key is not None:
+                        rows[key] = len(arrays)
+                    indices.append(len(arrays))
+                    arrays.append(pixels[i])
+                    keys.append(key)
+                else:
+                    indices.append(rows[key])
+            members.append((seq, indices))
+        embeds, event = self.runner.encode_images(arrays)
+        job = VisionJob([], event, embeds=embeds, keys=keys)
+        for seq, indices in members:
+            seq.image_embeds = self.runner.take(embeds, indices)
+            seq.vision_event = event
+            job.seqs.append(seq)
+        for key in rows:
+            self.in_flight[key] = (job, rows[key])
+            self.pending_pixels.pop(key, None)
+        self.encoded += len(arrays)
+        return job
+
+    def collect(self) -> None:
+        """Finished vision batches: their sequences become ready, attached ones get their rows,
+        and the new embeddings go into the cache (as copies, so a cached image does not keep
+        its whole batch's output alive)."""
+        while self.jobs and self.jobs[0].done():
+            job = self.jobs.popleft()
+            for seq in job.seqs:
+                seq.status = SeqStatus.READY
+            for seq, indices in job.attached:
+                seq.image_embeds = job.embeds[indices]
+                seq.status = SeqStatus.READY
+            fresh = {k: job.embeds[row].clone() for row, k in enumerate(job.keys) if k is not None}
+            for key in fresh:
+                self.in_flight.pop(key, None)
+            if self.cache is not None and fresh:
+                self.cache.put_many(fresh)
+
+    def stats(self) -> dict:
+        out = {"images_encoded": self.encoded}
+        if self.cache is not None:
+            out["vision_cache"] = self.cache.local.stats.to_dict()
+            shared = getattr(self.cache.shared, "stats", None)
+            if shared is not None:
+                out["vision_cache_shared"] = shared.to_dict()
+        return out

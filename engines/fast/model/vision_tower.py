@@ -1,0 +1,110 @@
+"""Gemma-3's image path: the SigLIP vision tower and the multimodal projector.
+
+pixels [N, 3, S, S] -> patches [N, (S/p)^2, Dv] -> 2D average pool to mm_tokens_per_image
+-> Gemma RMSNorm -> x @ W [Dv, Dt] -> image embeddings [N, mm_tokens, Dt].
+Attention over all patches of an image is unmasked, so SDPA can pick cuDNN / flash kernels.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from wicore.engines.fast.model.layers import GemmaRMSNorm, activation
+
+
+class SiglipAttention(nn.Module):
+    def __init__(self, hidden: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.head_dim = hidden // heads
+        self.scale = self.head_dim**-0.5
+        self.q_proj = nn.Linear(hidden, hidden)
+        self.k_proj = nn.Linear(hidden, hidden)
+        self.v_proj = nn.Linear(hidden, hidden)
+        self.out_proj = nn.Linear(hidden, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, length, hidden = x.shape
+        shape = (batch, length, self.heads, self.head_dim)
+        q, k, v = (proj(x).view(shape).transpose(1, 2) for proj in (self.q_proj, self.k_proj, self.v_proj))
+        out = F.scaled_dot_product_attention(q, k, v, scale=self.scale)  # [N, H, L, Dh]
+        return self.out_proj(out.transpose(1, 2).reshape(batch, length, hidden))
+
+
+class SiglipMLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int, act: str):
+        super().__init__()
+        self.fc1 = nn.Linear(hidden, intermediate)
+        self.fc2 = nn.Linear(intermediate, hidden)
+        self.act = activation(act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(x)))
+
+
+class SiglipLayer(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        hidden, eps = config.hidden_size, config.layer_norm_eps
+        self.layer_norm1 = nn.LayerNorm(hidden, eps=eps)
+        self.self_attn = SiglipAttention(hidden, config.num_attention_heads)
+        self.layer_norm2 = nn.LayerNorm(hidden, eps=eps)
+        self.mlp = SiglipMLP(hidden, config.intermediate_size, config.hidden_act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.layer_norm1(x))
+        return x + self.mlp(self.layer_norm2(x))
+
+
+class VisionTower(nn.Module):
+    """SigLIP without its pooling head (Gemma-3 sets vision_use_head=False)."""
+
+    def __init__(self, config):
+        super().__init__()
+        hidden, patch = config.hidden_size, config.patch_size
+        self.patch_embedding = nn.Conv2d(config.num_channels, hidden, kernel_size=patch, stride=patch)
+        self.num_patches = (config.image_size // patch) ** 2
+        self.position_embedding = nn.Embedding(self.num_patches, hidden)
+        self.layers = nn.ModuleList(SiglipLayer(config) for _ in range(config.num_hidden_layers))
+        self.post_layernorm = nn.LayerNorm(hidden, eps=config.layer_norm_eps)
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        x = self.patch_embedding(pixels.to(self.patch_embedding.weight.dtype))  # [N, Dv, S/p, S/p]
+        x = x.flatten(2).transpose(1, 2) + self.position_embedding.weight  # [N, P, Dv]
+        for layer in self.layers:
+            x = layer(x)
+        return self.post_layernorm(x)
+
+
+class Projector(nn.Module):
+    """Pool the patch grid to mm_tokens_per_image, normalise, project to the text width."""
+
+    def __init__(self, config):
+        super().__init__()
+        vision, text = config.vision_config, config.text_config
+        self.mm_input_projection_weight = nn.Parameter(torch.empty(vision.hidden_size, text.hidden_size))
+        self.mm_soft_emb_norm = GemmaRMSNorm(vision.hidden_size, eps=vision.layer_norm_eps)
+        self.patches_per_side = vision.image_size // vision.patch_size
+        self.kernel = self.patches_per_side // int(config.mm_tokens_per_image**0.5)
+
+    def forward(self, patches: torch.Tensor) -> torch.Tensor:
+        batch, _, hidden = patches.shape
+        side = self.patches_per_side
+        grid = patches.transpose(1, 2).reshape(batch, hidden, side, side).contiguous()
+        pooled = F.avg_pool2d(grid, kernel_size=self.kernel, stride=self.kernel).flatten(2).transpose(1, 2)
+        normed = self.mm_soft_emb_norm(pooled)
+        return torch.matmul(normed, self.mm_input_projection_weight).type_as(patches)
+
+
+class ImageEncoder(nn.Module):
+    """pixels [N, 3, S, S] -> image embeddings [N, mm_tokens_per_image, text hidden]."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.vision_tower = VisionTower(config.vision_config)
+        self.multi_modal_projector = Projector(config)
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        return self.multi_modal_projector(self.vision_tower(pixels))

@@ -1,0 +1,192 @@
+"""Which sequences do what in the next step.
+
+FIFO admission: the oldest waiting sequence is admitted when a table row and every KV page it
+can ever need (prompt + max_new_tokens) are free, so a running sequence never waits for memory
+and nothing is preempted. Admitted sequences go through the vision tower in batches of about
+`vision_batch` images, are prefilled together (up to `prefill_tokens` tokens a step) and then
+decode one token per step until they finish; finished sequences give their pages and row back.
+
+With the prefix cache (`blocks.cache`), a sequence that never wraps a sliding ring is admitted
+through `prefix_admission.place_cached`: it takes the cached blocks of its prompt's prefix, only
+its suffix is prefilled, and it needs the vision tower only for images in that suffix. Its
+prefill waits until the blocks it reads are `ready` (computed by an earlier sequence's prefill,
+or restored from a lower tier). The decode batch is ordered by pages, so the sharers of a prefix
+sit side by side: the attention kernel's neighbouring programs read those pages at about the
+same time, the later reads from L2 (bench/NOTES.md run 52: ~11% of the kernel's time for pairs,
+over sharers spread through the batch).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import numpy as np
+
+from wicore.engines.fast.sequence import SeqStatus, Sequence
+from wicore.engines.kvcache.block_manager import BlockManager
+from wicore.engines.kvcache.kv_layout import KVLayout
+from wicore.engines.kvcache.prefix_admission import LowerTiers, place_cached
+
+# Key cells a prefill may gather per layer ([batch, longest prompt]), per token of its budget: a
+# batch of short suffixes over cached prefixes reads many more keys than it computes tokens. The
+# warm-up measures a plain prefill (keys = tokens); the extra transient K/V copies (2 x 4 KiB a
+# cell on the 4B) fit in the memory the pool leaves free (`gpu_memory_utilization`).
+KEY_CELLS = 2
+
+
+def _no_lower_tier(seq: Sequence, key: bytes) -> bool:
+    return False
+
+
+class StepPlanner:
+    def __init__(
+        self,
+        layout: KVLayout,
+        blocks: BlockManager,
+        max_rows: int,
+        vision_batch: int,
+        prefill_tokens: int,
+        lower: LowerTiers = _no_lower_tier,  # whether the host / disk tier holds a block
+        split_images: bool = False,  # a cached prefix may end inside an image (`usable_prefix`)
+    ):
+        self.layout, self.blocks, self.lower, self.split_images = layout, blocks, lower, split_images
+        self.vision_batch, self.prefill_tokens = vision_batch, prefill_tokens
+        self.key_cells = KEY_CELLS * prefill_tokens
+        self.free_rows = deque(range(max_rows))
+        self.waiting: deque[Sequence] = deque()
+        self.admitted: list[Sequence] = []  # ENCODING, READY and RUNNING, in admission order
+        self.newly_admitted: list[Sequence] = []
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def fits_ever(self, num_tokens: int) -> bool:
+        """Whether a sequence of `num_tokens` positions fits in the pool at all."""
+        return self.layout.pages_for(num_tokens) <= self.blocks.num_pages - 1
+
+    def schedule_vision(self, vision_slots: int, allow_partial: bool = True) -> list[Sequence]:
+        """Admit what fits, then pick the next vision batch if `vision_slots` (batches that may
+        still be queued on the device) allows one. A batch short of `vision_batch` images goes
+        only with `allow_partial` (the engine allows it when the device would otherwise idle)."""
+        self._admit()
+        if vision_slots <= 0:
+            return []
+        batch, images = self._take_vision()
+        if not allow_partial and images < self.vision_batch:
+            for seq in batch:
+                seq.vision_launched = False
+            return []
+        return batch
+
+    def take_admitted(self) -> list[Sequence]:
+        """Sequences admitted since the last call (their tables must reach the device)."""
+        admitted, self.newly_admitted = self.newly_admitted, []
+        return admitted
+
+    def schedule_model(self) -> tuple[list[Sequence], list[Sequence]]:
+        """(prefill batch, decode batch) of this step."""
+        decode = [s for s in self.admitted if s.wants_decode]
+        if self.blocks.cache is not None:
+            decode.sort(key=_pages_key)  # sharers of a prefix side by side (module docstring)
+        return self._take_prefill(), decode
+
+    def _admit(self) -> None:
+        while self.waiting and self.free_rows:
+            seq = self.waiting[0]
+            if not (seq.pixels_ready and seq.keys_ready and seq.prefetch_ready) or not self._place(seq):
+                return
+            self.waiting.popleft()
+            seq.row = self.free_rows.popleft()
+            seq.status = SeqStatus.ENCODING if seq.needs_vision else SeqStatus.READY
+            self.admitted.append(seq)
+            self.newly_admitted.append(seq)
+
+    def _place(self, seq: Sequence) -> bool:
+        """Pages and table for `seq`; False when they do not fit yet."""
+        keys = seq.keys() if self.blocks.cache is not None else None
+        if keys is not None:
+            with self.blocks.cache.stats.timed():  # the GPU tier's host time: matching, taking hits
+                return place_cached(seq, keys, self.blocks, self.layout, self.lower, self.split_images)
+        need = self.layout.pages_for(seq.max_len)
+        if not self.blocks.can_allocate(need):
+            return False
+        seq.pages = self.blocks.allocate(need)
+        seq.table = self._table(seq.pages, seq.max_len)
+        return True
+
+    def _table(self, pages: list[int], num_tokens: int) -> np.ndarray:
+        """[groups, width] int32: the pages of each group's logical blocks (0 = null page)."""
+        table = np.zeros((len(self.layout.groups), self.layout.table_width), dtype=np.int32)
+        taken = 0
+        for g, group in enumerate(self.layout.groups):
+            count = self.layout.blocks(group, num_tokens)
+            table[g, :count] = pages[taken : taken + count]
+            taken += count
+        return table
+
+    def _take_vision(self) -> tuple[list[Sequence], int]:
+        """(sequences, distinct images among them): an image several of them ask about is
+        encoded once, so it counts once towards `vision_batch`."""
+        batch, images = [], set()
+        for seq in self.admitted:
+            if seq.status == SeqStatus.ENCODING and not seq.vision_launched:
+                new = _image_ids(seq) - images
+                if batch and len(images) + len(new) > self.vision_batch:
+                    break
+                batch.append(seq)
+                images |= new
+        for seq in batch:
+            seq.vision_launched = True
+        return batch, len(images)
+
+    def _take_prefill(self) -> list[Sequence]:
+        """Ready sequences, oldest first, while the batch padded to its longest uncached suffix
+        (the tokens it computes) stays within `prefill_tokens`, and padded to its longest
+        prompt (the keys each layer gathers for attention) within KEY_CELLS x that."""
+        batch, suffix, prompt = [], 0, 0
+        for seq in self.admitted:
+            if seq.status == SeqStatus.READY and seq.prefix_ready:
+                suffix_next = max(suffix, seq.prompt_len - seq.prefix_len)
+                prompt_next = max(prompt, seq.prompt_len)
+                size = len(batch) + 1
+                if batch and (size * suffix_next > self.prefill_tokens or size * prompt_next > self.key_cells):
+                    break
+                batch.append(seq)
+                suffix, prompt = suffix_next, prompt_next
+        return batch
+
+    def prefilled(self, seqs: list[Sequence]) -> None:
+        """Their prefill is queued: they decode next, and the blocks they registered are ready
+        for any later prefill on the same stream."""
+        for seq in seqs:
+            seq.status = SeqStatus.RUNNING
+            for block in seq.held:
+                block.ready = True
+
+    def finish(self, seq: Sequence) -> None:
+        """Give the sequence's pages and row back; its cached blocks stay (evictable once no one
+        uses them). Work already queued on the device for it runs before anything queued later,
+        so the next owner cannot be overwritten."""
+        self.admitted.remove(seq)
+        self.blocks.release(seq.pages)
+        if seq.held:
+            self.blocks.release_blocks(seq.held)
+        self.free_rows.append(seq.row)
+        seq.pages, seq.row, seq.status = [], -1, SeqStatus.FINISHED
+        seq.held, seq.reads, seq.restores = [], [], []
+
+    @property
+    def num_admitted(self) -> int:
+        return len(self.admitted)
+
+
+def _pages_key(seq: Sequence) -> bytes:
+    """Orders sequences by their first group's pages: equal leading pages (a shared prefix) end
+    up adjacent, like keys in a trie."""
+    return seq.table[0].tobytes()
+
+
+def _image_ids(seq: Sequence) -> set:
+    """What identifies each of the sequence's images: its key (sha256), or (sequence, index)
+    for an image without one."""
+    return {(seq.id, i) if key is None else key for i, key in enumerate(seq.image_keys)}

@@ -1,0 +1,87 @@
+"""Paged attention over a block-table KV cache: writing K/V into pages, and attention for decode
+tokens (or prefill tokens whose keys are all paged).
+
+Paged KV layout (one layer): `k_cache`, `v_cache`: [num_pages, block_size, kv_heads, head_dim].
+A sequence's `block_tables[row]` lists its pages; the token at position `t` lives in page
+`block_tables[row, (t // block_size) % ring]` at offset `t % block_size`. `ring` is the number of
+table entries a layer group cycles through: the table width for full-attention layers (no
+wrap-around), ceil(window / block_size) + 1 for sliding-window layers, which then keep only the
+pages their window still needs.
+
+`paged_attention` picks the Triton kernel (`paged_triton`) on CUDA and the plain-torch reference
+elsewhere.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def store_kv(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor
+) -> None:
+    """Write k/v [N, Hkv, D] into flat cache slots [N] (page * block_size + offset).
+
+    Tokens a layer must not keep are given a slot in the reserved null page 0; several may land
+    on the same slot, which is harmless since nothing ever reads page 0 for real.
+    """
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k)
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    rows: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    ring: int,
+    window: int | None = None,
+    softcap: float | None = None,
+    tiles: tuple[torch.Tensor, torch.Tensor, int] | None = None,
+    ends: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Packed query tokens over their pages. q: [N, Hq, D]; block_tables: [R, T] int32; rows:
+    [N] the table row of each token's sequence; context_lens: [N] int32, the keys 0 .. len-1 a
+    token sees (its position + 1: the token's own K/V are in the pages already). Decode passes
+    one token per sequence. A prefill passes its new tokens (their K/V stored first), with
+    `ends` [N] int32 >= context_lens where a token sees further (an image's soft tokens see the
+    whole image: Gemma-3's bidirectional image attention; a sliding window still starts from
+    context_lens) and `tiles` = (first token [T], token count [T] (0: padding), tokens per tile):
+    consecutive tokens of one sequence that the Triton kernel attends together (one K/V read per
+    tile). Returns [N, Hq, D]."""
+    if q.is_cuda:
+        from wicore.ops.attention.paged_triton import paged_attention_triton
+
+        return paged_attention_triton(
+            q, k_cache, v_cache, block_tables, rows, context_lens, scale, ring, window, softcap, tiles, ends
+        )
+    return paged_attention_reference(
+        q, k_cache, v_cache, block_tables, rows, context_lens, scale, ring, window, softcap, ends
+    )
+
+
+def paged_attention_reference(
+    q, k_cache, v_cache, block_tables, rows, context_lens, scale, ring, window=None, softcap=None, ends=None
+) -> torch.Tensor:
+    """Plain torch, one token at a time: gather its visible keys from its pages, then dense
+    attention (`tiles` only group work for the kernel)."""
+    block_size = k_cache.shape[1]
+    groups = q.shape[1] // k_cache.shape[2]
+    out = torch.empty_like(q)
+    ends = context_lens if ends is None else ends
+    for b, (row, length, end) in enumerate(zip(rows.tolist(), context_lens.tolist(), ends.tolist(), strict=True)):
+        first = max(0, length - window) if window is not None else 0
+        positions = torch.arange(first, end, device=q.device)
+        pages = block_tables[row, (positions // block_size) % ring].long()
+        offsets = positions % block_size
+        k = k_cache[pages, offsets].transpose(0, 1).repeat_interleave(groups, dim=0)  # [Hq, n, D]
+        v = v_cache[pages, offsets].transpose(0, 1).repeat_interleave(groups, dim=0)
+        scores = torch.matmul(q[b, :, None, :], k.transpose(-1, -2)) * scale  # [Hq, 1, n]
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        out[b] = torch.matmul(probs, v)[:, 0]
+    return out

@@ -1,0 +1,150 @@
+"""KV blocks down to the host and disk tiers and back into pages, exactly, on CPU; the disk
+tier's threads; the restore-bandwidth probe."""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+
+import numpy as np
+import torch
+
+from tests.test_fast_prefix_cache import layout
+from wicore.bench.restore_probe import measure_h2d, measure_restore
+from wicore.engines.base import EngineRequest
+from wicore.engines.fast.prompt_inputs import Prompt
+from wicore.engines.fast.sequence import Sequence
+from wicore.engines.kvcache.block_manager import BlockManager
+from wicore.engines.kvcache.disk_io import AsyncDiskTier
+from wicore.engines.kvcache.disk_tier import DiskTier
+from wicore.engines.kvcache.eviction import LRU
+from wicore.engines.kvcache.gpu_tier import CachedBlock, PrefixCache, Restore
+from wicore.engines.kvcache.host_tier import HostTier
+from wicore.engines.kvcache.kv_layout import KVCache
+from wicore.engines.kvcache.prefix_keys import PromptKeys
+from wicore.engines.kvcache.tiers import KVTiers
+from wicore.schemas import GenerationParams
+
+HEADS, DIM = 2, 8
+
+
+def kv_cache(pages=32):
+    cache = KVCache(layout(), pages, HEADS, DIM, torch.float32, "cpu")
+    cache.tensor.copy_(torch.randn(cache.tensor.shape))
+    return cache
+
+
+def key(i):
+    return hashlib.sha256(b"%d" % i).digest()
+
+
+def tiers(cache, host_blocks, disk=None):
+    shape = cache.layout.block_shape(HEADS, DIM)
+    host = HostTier(host_blocks, shape, torch.float32, pin_memory=False)
+    return KVTiers(cache, host, disk, 2**20, HEADS, DIM)
+
+
+def victims(n, first_page=1):
+    return [
+        CachedBlock(key(i), (first_page + 2 * i, first_page + 2 * i + 1), 1.0, users=0, ready=True) for i in range(n)
+    ]
+
+
+def waiting_seq(keys, restores=()):
+    request = EngineRequest("s", [], [], GenerationParams(max_new_tokens=1))
+    seq = Sequence(request, Prompt([0] * 4 * len(keys), []), np.zeros((0, 3, 1, 1)), seed=0)
+    seq.prefix_keys = PromptKeys(list(keys), [1.0] * len(keys), ())
+    seq.restores = list(restores)
+    return seq
+
+
+def pages_of(cache, pages):
+    return cache.by_page[torch.tensor(pages)].clone()
+
+
+def test_demoted_blocks_come_back_into_other_pages_exactly():
+    cache = kv_cache()
+    tier = tiers(cache, host_blocks=8)
+    blocks = victims(3)
+    before = pages_of(cache, [p for b in blocks for p in b.pages])
+    tier.demote(blocks)
+    assert all(b.key in tier.host for b in blocks) and tier.demoted_blocks == 3
+    target = [CachedBlock(b.key, (20 + 2 * i, 21 + 2 * i), 1.0) for i, b in enumerate(blocks)]
+    seq = waiting_seq([b.key for b in blocks], [Restore(t.key, t.pages, t) for t in target])
+    assert tier.holds(seq, blocks[0].key)
+    tier.start(seq)
+    tier.land()
+    assert seq.restores == [] and all(t.ready for t in target)
+    assert torch.equal(pages_of(cache, [p for t in target for p in t.pages]), before)
+    assert tier.host.stats.hits == 3 and tier.restored_bytes == 3 * tier.block_bytes
+
+
+def test_overflow_goes_to_disk_and_comes_back_through_a_prefetch(tmp_path):
+    cache = kv_cache()
+    disk = AsyncDiskTier(DiskTier(tmp_path, 2**20))
+    tier = tiers(cache, host_blocks=1, disk=disk)
+    blocks = victims(3)
+    before = pages_of(cache, [p for b in blocks for p in b.pages])
+    tier.demote(blocks)  # the host keeps the last (most valuable) one, the others spill
+    disk.flush()
+    assert blocks[2].key in tier.host and all(disk.might_have(b.key) for b in blocks[:2])
+    seq = waiting_seq([b.key for b in blocks])
+    seq.disk_lookup = True
+    tier.prefetch([seq], cache=None)  # no GPU tier: nothing to do
+    assert seq.prefetched is None
+    tier.prefetch([seq], PrefixCache(LRU()))
+    assert set(seq.prefetched.result()) == {blocks[0].key, blocks[1].key} and seq.prefetch_ready
+    target = [CachedBlock(b.key, (20 + 2 * i, 21 + 2 * i), 1.0) for i, b in enumerate(blocks)]
+    seq.restores = [Restore(t.key, t.pages, t) for t in target]
+    tier.start(seq)
+    tier.land()
+    assert torch.equal(pages_of(cache, [p for t in target for p in t.pages]), before)
+    assert disk.stats.hits == 2
+    tier.close()
+
+
+def test_disk_writes_beyond_the_queue_are_dropped_and_failures_logged(tmp_path, caplog):
+    disk = AsyncDiskTier(DiskTier(tmp_path, 2**20), max_pending=1)
+    gate = threading.Event()
+    disk._writer.submit(gate.wait)  # hold the writer
+    assert disk.put(key(0), torch.zeros(4)) and not disk.put(key(1), torch.zeros(4))
+    assert disk.dropped == 1
+    gate.set()
+    disk.flush()
+    assert disk.might_have(key(0)) and disk.read_prefix([key(0), key(1)], (4,), torch.float32).result().keys() == {
+        key(0)
+    }
+    assert disk.read_prefix([key(0)], (5,), torch.float32).result() == {}  # another shape: a miss
+    disk.put(key(2), object())  # not a tensor: the writer logs the failure
+    disk.flush()
+    assert "writing block" in caplog.text
+    disk.close()
+
+
+def test_restore_probe_borrows_free_pages():
+    cache = kv_cache()
+    blocks = BlockManager(32)
+    shape = cache.layout.block_shape(HEADS, DIM)
+    assert measure_restore(cache, blocks, shape, 4, repeats=2) > 0
+    assert blocks.num_free == 31
+    assert measure_h2d(4096, torch.device("cpu")) > 0
+
+
+def test_restores_beyond_the_staging_budget_wait_with_their_host_blocks_pinned():
+    cache = kv_cache()
+    shape = cache.layout.block_shape(HEADS, DIM)
+    host = HostTier(8, shape, torch.float32, pin_memory=False)
+    tier = KVTiers(cache, host, None, 2 * 4 * HEADS * DIM * 2 * 4, HEADS, DIM)  # one block of staging
+    tier.max_demote = 2  # (the same budget caps copies down)
+    blocks = victims(2)
+    before = pages_of(cache, [p for b in blocks for p in b.pages])
+    tier.demote(blocks)
+    targets = [CachedBlock(b.key, (20 + 2 * i, 21 + 2 * i), 1.0) for i, b in enumerate(blocks)]
+    seqs = [waiting_seq([b.key], [Restore(t.key, t.pages, t)]) for b, t in zip(blocks, targets)]
+    for seq in seqs:
+        tier.start(seq)
+    assert len(tier.restorer.running) == 1 and len(tier.restorer.queued) == 1
+    assert host.policy.is_pinned(blocks[1].key) and not host.policy.is_pinned(blocks[0].key)
+    tier.land()  # on CPU: the first lands, the second starts and lands
+    assert all(s.restores == [] for s in seqs) and not host.policy.num_pinned
+    assert torch.equal(pages_of(cache, [p for t in targets for p in t.pages]), before)

@@ -1,0 +1,76 @@
+"""From a claimed job to an engine request: fetch the image (blob or allowed path), check its
+hash, decode it. Every failure here is the job's own (an input error), reported per job."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from redis import Redis
+
+from wicore import keys
+from wicore.engines.base import EngineRequest
+from wicore.errors import ImageError, ImageNotAllowed, JobInputError
+from wicore.ops.image_decode import ImageLimits, decode_image, read_image_file
+from wicore.schemas import CaptionJob
+
+
+@dataclass(frozen=True)
+class InputConfig:
+    allowed_roots: tuple[Path, ...] = ()  # path references must resolve under one of these
+    limits: ImageLimits = field(default_factory=ImageLimits)
+    # Image decoding runs here. PIL releases the GIL while decoding, but every thread still takes
+    # it between calls: more threads than needed slow the engine's own (Python) thread.
+    threads: int = min(8, os.cpu_count() or 4)
+
+
+@dataclass
+class Loaded:
+    request: EngineRequest | None = None
+    error: str | None = None
+    preprocess_s: float = 0.0
+
+
+class InputLoader:
+    def __init__(self, connection: Redis, config: InputConfig):
+        self.connection = connection
+        self.config = config
+        self.roots = tuple(root.resolve() for root in config.allowed_roots)
+        self.pool = ThreadPoolExecutor(max_workers=config.threads, thread_name_prefix="wicore-decode")
+
+    def submit(self, jobs: list[tuple[str, CaptionJob]]) -> list[Future[Loaded]]:
+        """One MGET for every blob now; decoding runs in the pool. Order follows `jobs`."""
+        blob_shas = [job.image.sha256 for _, job in jobs if job.image.is_blob]
+        blobs = dict(zip(blob_shas, self.connection.mget([keys.blob(s) for s in blob_shas]))) if blob_shas else {}
+        return [self.pool.submit(self._load_one, job_id, job, blobs.get(job.image.sha256)) for job_id, job in jobs]
+
+    def load(self, jobs: list[tuple[str, CaptionJob]]) -> list[Loaded]:
+        """`submit`, waiting for every result."""
+        return [future.result() for future in self.submit(jobs)]
+
+    def _load_one(self, job_id: str, job: CaptionJob, blob: bytes | None) -> Loaded:
+        start = time.perf_counter()
+        try:
+            data = blob if job.image.is_blob else self._read_path(job.image.path or "")
+            if data is None:
+                raise ImageNotAllowed(f"image blob {job.image.sha256[:12]} is not in Redis (expired?)")
+            if hashlib.sha256(data).hexdigest() != job.image.sha256:
+                raise ImageError("image bytes do not match the sha256 they were submitted with (file changed?)")
+            image = decode_image(data, self.config.limits)
+        except JobInputError as exc:
+            return Loaded(error=f"{type(exc).__name__}: {exc}", preprocess_s=time.perf_counter() - start)
+        request = EngineRequest(job_id, job.chat(), [image], job.params, [job.image.sha256])
+        return Loaded(request=request, preprocess_s=time.perf_counter() - start)
+
+    def _read_path(self, raw: str) -> bytes:
+        path = Path(raw).resolve()
+        if not any(path.is_relative_to(root) for root in self.roots):
+            raise ImageNotAllowed(f"{raw} is outside the worker's allowed roots (--allow-root)")
+        return read_image_file(path, self.config.limits)
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
