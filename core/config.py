@@ -8,7 +8,7 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, ValidationError
+from pydantic import Field, SecretStr, ValidationError
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from wicore.errors import ConfigError
@@ -37,6 +37,7 @@ class Settings(BaseSettings):
     no_cache: bool = False  # turn off the KV / vision-embedding caches
     vision_cache_redis_bytes: int = Field(2**30, ge=0)  # Redis-shared image embeddings (0 = not shared)
     vision_cache_ttl_s: float = Field(86_400, gt=0)
+    dashboard_auth: SecretStr | None = None  # USER:PASSWORD for `wicore dashboard`'s basic auth
     log_level: str = "WARNING"
 
     @classmethod

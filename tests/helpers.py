@@ -90,3 +90,19 @@ def all_values(connection: Redis) -> list[bytes]:
         elif kind == "stream":
             values += [v for _, fields in connection.xrange(key) for v in fields.values()]
     return values
+
+
+def wait_for_port(port: int, timeout: float = 30, process: subprocess.Popen | None = None) -> None:
+    """Until something accepts connections on 127.0.0.1:port (or `process` exits)."""
+    import socket
+
+    def listening() -> bool:
+        if process is not None and process.poll() is not None:
+            raise AssertionError(f"process exited {process.returncode} before listening on {port}")
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            return True
+        except OSError:
+            return False
+
+    wait_until(listening, timeout, what=f"port {port}")

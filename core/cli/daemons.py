@@ -78,13 +78,28 @@ def dashboard(
     redis_url: str = RedisOption,
     host: str = typer.Option("127.0.0.1", help="Interface to listen on."),
     port: int = typer.Option(9181, help="Port to listen on."),
+    auth: str = typer.Option(
+        None, help="Require HTTP basic auth USER:PASSWORD (also WICORE_DASHBOARD_AUTH).", show_default=False
+    ),
     config: Path = ConfigOption,
 ) -> None:
-    """rq-dashboard on the same Redis, reading wicore's JSON-serialized jobs."""
-    settings = settings_from(config, redis_url=redis_url)
+    """rq-dashboard on the same Redis, reading wicore's jobs as JSON only; write actions need
+    the page's token, and every page the login when --auth is given."""
+    settings = settings_from(config, redis_url=redis_url, dashboard_auth=auth)
     if not settings.redis_url:
         raise ConfigError("wicore dashboard needs --redis-url or WICORE_REDIS_URL")
-    from wicore.worker.dashboard import make_app
+    from wicore.worker.dashboard import BasicAuth, check_redis, make_app, redact_url, serve
 
-    console.print(f"rq-dashboard on http://{host}:{port}/ for {settings.redis_url}")
-    make_app(settings.redis_url).run(host=host, port=port)
+    credentials = settings.dashboard_auth.get_secret_value() if settings.dashboard_auth else None
+    if credentials is None and not is_loopback(host):
+        raise ConfigError(
+            f"listening on {host} without --auth would open the queues to the network: add --auth USER:PASS"
+        )
+    check_redis(settings.redis_url)
+    app = make_app(settings.redis_url, BasicAuth.parse(credentials) if credentials else None)
+    console.print(f"dashboard on http://{host}:{port}/ for {redact_url(settings.redis_url)}")
+    serve(app, host, port)
+
+
+def is_loopback(host: str) -> bool:
+    return host in ("localhost", "::1") or host.startswith("127.")
