@@ -19,6 +19,10 @@ class JobInputError(WicoreError):
     """The job itself is bad; running it again cannot help."""
 
 
+class InvalidJob(JobInputError):
+    """The job's record in Redis is not a wicore caption job (unparsable, or not ours)."""
+
+
 class ImageError(JobInputError):
     """The image cannot be read, is not an image, or is over a limit."""
 

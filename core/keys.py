@@ -15,7 +15,11 @@ CLAIMANTS = PREFIX + ":claimants"
 # Pushed by producers after enqueueing, popped by idle workers (a wake-up, not a queue).
 DOORBELL = PREFIX + ":doorbell:{model}"
 # Completion notices for a waiting producer (a list per producer session).
-NOTIFY = PREFIX + ":notify:{session}"
+NOTIFY_PREFIX = PREFIX + ":notify:"
+NOTIFY = NOTIFY_PREFIX + "{session}"
+# Queue entries that name no job a worker could fail through RQ's records (a stream: id, queue,
+# reason, worker, at).
+DEAD_LETTER = PREFIX + ":dead-letter"
 # Per-worker engine and cache counters (JSON), for `wicore status`.
 STATS = PREFIX + ":stats:{worker}"
 

@@ -12,10 +12,29 @@ import time
 from enum import Enum
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 DEFAULT_PROMPT = "Describe this image in detail."
 SHA256_HEX = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
+
+
+def unicode_text(value: str) -> str:
+    """JSON can carry a lone surrogate (an unpaired \\ud800); UTF-8, hashes and tokenizers cannot."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("text holds a lone surrogate: not valid Unicode") from None
+    return value
+
+
+def file_path(value: str) -> str:
+    if "\x00" in value:
+        raise ValueError("a path cannot hold a NUL byte")
+    return unicode_text(value)
+
+
+Text = Annotated[str, AfterValidator(unicode_text)]
+FilePath = Annotated[str, Field(min_length=1, max_length=4096), AfterValidator(file_path)]
 # Model ids appear in queue names (scheduler.buckets), so no dots, colons or spaces.
 MODEL_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_-]*$"
 
@@ -43,7 +62,7 @@ class ImageRef(Strict):
     stored in Redis under its sha256. The hash is always the hash of the image's bytes."""
 
     sha256: SHA256_HEX
-    path: str | None = None
+    path: FilePath | None = None
 
     @property
     def is_blob(self) -> bool:
@@ -52,7 +71,7 @@ class ImageRef(Strict):
 
 class TextPart(Strict):
     type: Literal["text"] = "text"
-    text: str
+    text: Text
 
 
 class ImagePart(Strict):
@@ -61,7 +80,7 @@ class ImagePart(Strict):
 
 class ChatMessage(Strict):
     role: Literal["system", "user", "assistant"]
-    content: str | list[TextPart | ImagePart]
+    content: Text | list[TextPart | ImagePart]
 
     @property
     def image_count(self) -> int:
@@ -76,7 +95,7 @@ class GenerationParams(Strict):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0)  # 0 = off
     seed: int | None = Field(None, ge=0, lt=2**63)
-    stop: tuple[str, ...] = ()
+    stop: tuple[Text, ...] = ()
     ignore_eos: bool = False  # generate exactly max_new_tokens (benchmarks)
 
     @field_validator("stop")
@@ -95,7 +114,7 @@ class CaptionJob(Strict):
     """One image + one prompt (or chat) -> text. The payload of every wicore RQ job."""
 
     image: ImageRef
-    prompt: str | None = None
+    prompt: Text | None = None
     messages: tuple[ChatMessage, ...] | None = None
     params: GenerationParams = GenerationParams()
     model: str = Field(pattern=MODEL_ID_PATTERN, max_length=64)

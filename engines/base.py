@@ -38,6 +38,7 @@ class Completion:
     prompt_tokens: int = 0
     error: str | None = None
     input_error: bool = False  # the request's own fault: fail it, never retry
+    out_of_memory: bool = False  # the device ran out of memory: run it again in a smaller batch
     engine_s: float = 0.0
 
     @property
@@ -47,7 +48,16 @@ class Completion:
 
 def failed(request_id: str, error: BaseException | str, *, input_error: bool) -> Completion:
     message = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
-    return Completion(id=request_id, error=message, input_error=input_error)
+    oom = not isinstance(error, str) and is_out_of_memory(error)
+    return Completion(id=request_id, error=message, input_error=input_error, out_of_memory=oom)
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """CUDA's torch.OutOfMemoryError, Python's MemoryError, or PyTorch's CPU allocator refusing
+    memory (a plain RuntimeError). Matched by name: this module does not import torch."""
+    if isinstance(error, MemoryError) or type(error).__name__ == "OutOfMemoryError":
+        return True
+    return isinstance(error, RuntimeError) and "can't allocate memory" in str(error)
 
 
 @dataclass(frozen=True)
@@ -80,7 +90,9 @@ class Engine(abc.ABC):
 
     @abc.abstractmethod
     def step(self) -> list[Completion]:
-        """Advance the work in hand; return every request that ended during this step."""
+        """Advance the work in hand; return every request that ended during this step. A step
+        that fails (out of memory, a device error) returns its requests as failed completions
+        (`failed`), or raises having dropped every request it held."""
 
     @abc.abstractmethod
     def num_unfinished(self) -> int:

@@ -12,7 +12,7 @@ from collections import defaultdict
 
 import torch
 
-from wicore.engines.base import Completion, Engine, EngineConfig, EngineRequest, Stopwatch, failed
+from wicore.engines.base import Completion, Engine, EngineConfig, EngineRequest, Stopwatch, failed, is_out_of_memory
 from wicore.engines.checkpoint import load_hf_model, load_processor
 from wicore.engines.text import finish_sequence, stop_token_ids
 from wicore.errors import JobInputError, PromptTooLong
@@ -43,28 +43,47 @@ class ReferenceEngine(Engine):
 
     def step(self) -> list[Completion]:
         requests, self.pending = self.pending, []
-        groups: dict[tuple, list[EngineRequest]] = defaultdict(list)
-        for request in requests:
-            groups[sampling_key(request.params)].append(request)
+        groups: dict[tuple, list[tuple[EngineRequest, str]]] = defaultdict(list)
         done: list[Completion] = []
+        for request in requests:
+            try:
+                groups[sampling_key(request.params)].append((request, self._prompt_text(request)))
+            except JobInputError as error:
+                done.append(failed(request.id, error, input_error=True))
         for group in groups.values():
             done.extend(self._run_isolating_failures(group))
         return done
 
-    def _run_isolating_failures(self, group: list[EngineRequest]) -> list[Completion]:
-        """One bad request must not fail its batch mates: on a batch error, run each alone."""
+    def _prompt_text(self, request: EngineRequest) -> str:
+        """The chat as the model reads it; a chat that does not render, or whose text holds image
+        placeholders of its own, is that request's error."""
+        try:
+            text = self.processor.apply_chat_template(request.chat, add_generation_prompt=True)
+        except Exception as error:
+            raise JobInputError(f"chat template failed: {error}") from error
+        boi = getattr(self.processor, "boi_token", None)
+        if boi is not None and text.count(boi) != len(request.images):
+            raise JobInputError(
+                f"the prompt holds {text.count(boi)} image placeholders ({boi}) for {len(request.images)} images"
+            )
+        return text
+
+    def _run_isolating_failures(self, group: list[tuple[EngineRequest, str]]) -> list[Completion]:
+        """One bad request must not fail its batch mates: on a batch error, run each alone. Out
+        of memory is the batch's size, not a request: all of them go back to the worker, which
+        retries them in smaller batches."""
         try:
             return self._generate(group)
         except Exception as batch_error:
-            if len(group) == 1:
-                return [failed(group[0].id, batch_error, input_error=isinstance(batch_error, JobInputError))]
+            if len(group) == 1 or is_out_of_memory(batch_error):
+                return [failed(r.id, batch_error, input_error=isinstance(batch_error, JobInputError)) for r, _ in group]
             log.warning("batch of %d failed (%s); running its requests one by one", len(group), batch_error)
-            return [c for request in group for c in self._run_isolating_failures([request])]
+            return [c for pair in group for c in self._run_isolating_failures([pair])]
 
     @torch.inference_mode()
-    def _generate(self, group: list[EngineRequest]) -> list[Completion]:
+    def _generate(self, pairs: list[tuple[EngineRequest, str]]) -> list[Completion]:
         clock = Stopwatch()
-        texts = [self.processor.apply_chat_template(r.chat, add_generation_prompt=True) for r in group]
+        group, texts = [r for r, _ in pairs], [t for _, t in pairs]
         inputs = self.processor(
             text=texts,
             images=[r.images for r in group],

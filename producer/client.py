@@ -19,7 +19,6 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 
 from redis import Redis
 from rq import Queue, Retry
-from rq.exceptions import NoSuchJobError
 from rq.job import Job, JobStatus
 from rq.results import Result
 from rq.serializers import JSONSerializer
@@ -147,15 +146,17 @@ class Producer:
     def outcome(self, job_id: str, timeout: float | None = None) -> Outcome:
         """The job's outcome now; with `timeout`, block on its RQ result stream (XREAD, no
         polling) until it ends or the time is up. A 'retried' entry is not an end."""
-        try:
-            job = Job.fetch(job_id, connection=self.connection, serializer=JSONSerializer)
-        except NoSuchJobError as exc:
-            raise UnknownJob(f"no job {job_id} in Redis (never submitted, or expired)") from exc
+        if not self.connection.exists(f"rq:job:{job_id}"):
+            raise UnknownJob(f"no job {job_id} in Redis (never submitted, or expired)")
+        # Only the id and the status are read: a job hash that RQ could not restore still has
+        # its outcome in the result stream (the worker fails unreadable jobs with the reason).
+        job = Job(job_id, connection=self.connection, serializer=JSONSerializer)
         deadline = time.monotonic() + (timeout or 0.0)
         last_seen = "0-0"
         while True:
             latest = Result.fetch_latest(job, serializer=JSONSerializer)
-            outcome = outcome_of(job_id, job.get_status(), latest)
+            status = self.connection.hget(f"rq:job:{job_id}", "status")
+            outcome = outcome_of(job_id, status.decode(errors="replace") if status else "unknown", latest)
             left = deadline - time.monotonic()
             if outcome.done or left <= 0:
                 return outcome

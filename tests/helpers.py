@@ -106,3 +106,24 @@ def wait_for_port(port: int, timeout: float = 30, process: subprocess.Popen | No
             return False
 
     wait_until(listening, timeout, what=f"port {port}")
+
+
+def plant_job(connection: Redis, queue_name: str, job_id: str, template_id: str, **fields) -> str:
+    """A hand-made job hash: `template_id`'s fields with `fields` on top (None deletes a field),
+    pushed onto `queue_name`: what a buggy or hostile client could write."""
+    record = {k.decode(): v for k, v in connection.hgetall(f"rq:job:{template_id}").items()}
+    for name, value in fields.items():
+        record.pop(name, None) if value is None else record.__setitem__(name, value)
+    connection.delete(f"rq:job:{job_id}")
+    if record:
+        connection.hset(f"rq:job:{job_id}", mapping=record)
+    connection.rpush(f"rq:queue:{queue_name}", job_id)
+    return job_id
+
+
+def payload_data(payload) -> bytes:
+    """RQ's `data` field for a wicore job whose payload (args[0]) is `payload`, as given."""
+    import json
+    import zlib
+
+    return zlib.compress(json.dumps(["wicore.worker.tasks.caption", None, [payload], {}]).encode())

@@ -3,6 +3,9 @@ changes a key or a field these tests fail before users see a wrong dashboard."""
 
 from __future__ import annotations
 
+import json
+import zlib
+
 from rq import Queue, Retry
 from rq.job import Job, JobStatus
 from rq.registry import FailedJobRegistry, FinishedJobRegistry, StartedJobRegistry
@@ -104,19 +107,108 @@ def test_transient_failure_is_retried_through_rq(redis_conn):
 
 
 def test_requeue_claims_of_a_dead_worker(redis_conn):
-    queue, _ = enqueue(redis_conn, 4, retries=1)
+    queue, _ = enqueue(redis_conn, 5, retries=1)
     dead = bridge_for(redis_conn, "dead")
     dead.claim(QUEUE, 3)  # started: job-0..2
     redis_conn.lpush(dead.claims_key, "job-3")  # claimed, never started (moved by hand)
     redis_conn.lrem("rq:queue:" + QUEUE, 1, "job-3")
+    redis_conn.delete(dead.record.key)  # its record expired
     survivor = bridge_for(redis_conn, "alive")
-    assert survivor.requeue_claims(dead.claims_key) == 4
-    assert sorted(queue.job_ids) == ["job-0", "job-1", "job-2", "job-3"]
-    assert queue.job_ids[0] == "job-3", "an unstarted job goes back to the head"
+    assert survivor.requeue(dead.claims_key, died=True, owner="dead") == 4
+    assert queue.job_ids == ["job-3", "job-0", "job-1", "job-2", "job-4"], "back at the head, in claimed order"
     assert StartedJobRegistry(QUEUE, connection=redis_conn).get_job_ids() == []
-    assert Job.fetch("job-0", connection=redis_conn).retries_left == 0
+    job = Job.fetch("job-0", connection=redis_conn)
+    assert job.retries_left == 0 and job.get_status() == JobStatus.QUEUED and job.get_executions() == []
+    assert Job.fetch("job-3", connection=redis_conn).retries_left == 1, "an unstarted job spent nothing"
     assert not redis_conn.exists(dead.claims_key)
     # requeueing twice never duplicates a queued job
     redis_conn.rpush(dead.claims_key, "job-3")
-    survivor.requeue_claims(dead.claims_key)
+    survivor.requeue(dead.claims_key, died=True, owner="dead")
     assert queue.job_ids.count("job-3") == 1
+
+
+def test_a_dead_worker_out_of_retries_fails_its_job_and_a_live_one_is_left_alone(redis_conn):
+    enqueue(redis_conn, 2)
+    dead = bridge_for(redis_conn, "dead")
+    dead.claim(QUEUE, 2)
+    survivor = bridge_for(redis_conn, "alive")
+    assert survivor.requeue(dead.claims_key, died=True, owner="dead") == -1, "its record is still there"
+    assert redis_conn.llen(dead.claims_key) == 2
+    redis_conn.delete(dead.record.key)
+    survivor.requeue(dead.claims_key, died=True, owner="dead")
+    job = Job.fetch("job-0", connection=redis_conn, serializer=JSONSerializer)
+    assert job.get_status() == JobStatus.FAILED and "WorkerDied" in job.latest_result().exc_string
+    assert sorted(FailedJobRegistry(QUEUE, connection=redis_conn).get_job_ids()) == ["job-0", "job-1"]
+
+
+def test_finish_is_idempotent_and_skips_jobs_it_no_longer_holds(redis_conn):
+    enqueue(redis_conn, 3)
+    bridge = bridge_for(redis_conn)
+    a, b, c = bridge.claim(QUEUE, 3)
+    assert bridge.finish([Finished(a, result={"text": "once"})]) == 1
+    assert bridge.finish([Finished(a, result={"text": "twice"})]) == 0, "written already"
+    assert redis_conn.xlen("rq:results:job-0") == 1
+    bridge.requeue(bridge.claims_key, ["job-1"], died=False)  # given back (an orphan), then finished late
+    assert bridge.finish([Finished(b, result={"text": "late"}), Finished(c, error="ImageError: x")]) == 1
+    assert Job.fetch("job-1", connection=redis_conn).get_status() == JobStatus.QUEUED
+    assert redis_conn.xlen("rq:results:job-1") == 0
+
+
+def test_claim_survives_every_kind_of_malformed_job_hash(redis_conn):
+    """Each poison record fails (or is dead-lettered) alone; the good jobs claimed with it run."""
+    import pickle
+
+    queue, _ = enqueue(redis_conn, 2)
+    poison = {
+        "not-json": {"data": b"{oops"},
+        "json-object": {"data": json.dumps({"a": 1})},
+        "short-list": {"data": json.dumps(["wicore.worker.tasks.caption", None])},
+        "bad-utf8": {"data": b"\xff\xfe[1]"},
+        "deep": {"data": "[" * 100_000 + "]" * 100_000},
+        "zlib-pickle": {"data": zlib.compress(pickle.dumps(("f", None, [1], {})))},
+        "raw-pickle": {"data": pickle.dumps(("f", None, [1], {}))},
+        "zlib-bomb": {"data": zlib.compress(b"[" + b" " * (40 * 2**20) + b"]")},
+        "other-function": {"data": json.dumps(["os.system", None, ["true"], {}])},
+        "pickle-meta": {"meta": pickle.dumps({"notify": "x"})},
+        "list-meta": {"meta": "[1, 2]"},
+        "no-data": {"data": None},
+        "no-origin": {"origin": None},
+        "bad-numbers": {"retries_left": "many", "result_ttl": "1e400", "timeout": "nan", "failure_ttl": "x"},
+    }
+    template = redis_conn.hgetall("rq:job:job-0")
+    for name, fields in poison.items():
+        record = {**template, **{k: v for k, v in fields.items() if v is not None}}
+        for k, v in fields.items():
+            if v is None:
+                record.pop(k.encode(), None)
+        redis_conn.hset(f"rq:job:{name}", mapping=record)
+        redis_conn.rpush("rq:queue:" + QUEUE, name)
+    redis_conn.rpush("rq:queue:" + QUEUE, "no-such-job", "bad id!", b"\xff\x00")
+    bridge = bridge_for(redis_conn)
+    claimed = bridge.claim(QUEUE, 100)
+    invalid = {c.id: c.invalid for c in claimed if c.invalid}
+    assert set(invalid) == set(poison) - {"no-origin", "bad-numbers"}
+    assert all(reason.startswith("InvalidJob: ") for reason in invalid.values())
+    assert {c.id for c in claimed if not c.invalid} == {"job-0", "job-1", "no-origin", "bad-numbers"}
+    dead = [e[1] for e in redis_conn.xrange(keys.DEAD_LETTER)]
+    assert sorted(e[b"id"] for e in dead) == sorted([b"no-such-job", b"bad id!", b"\xff\x00"])
+    assert queue.count == 0 and redis_conn.llen(bridge.claims_key) == len(claimed)
+
+    items = [
+        Finished(c, error=c.invalid) if c.invalid else Finished(c, error="EngineError: x", retry=True) for c in claimed
+    ]
+    assert bridge.finish(items) == len(claimed)
+    failed = FailedJobRegistry(QUEUE, connection=redis_conn)
+    assert set(failed.get_job_ids()) == set(invalid) | {"job-0", "job-1", "no-origin", "bad-numbers"}
+    assert redis_conn.llen(bridge.claims_key) == 0 and redis_conn.scard(bridge.record.executions_key) == 0
+    for job_id, says in (("not-json", "InvalidJob: data is not JSON"), ("pickle-meta", "InvalidJob: meta is not JSON")):
+        result = Job.fetch(job_id, connection=redis_conn, serializer=JSONSerializer).latest_result()
+        assert result.exc_string.startswith(says)
+
+
+def test_registries_are_pruned_of_expired_entries(redis_conn):
+    redis_conn.zadd(f"rq:finished:{QUEUE}", {"old": 1, "new": 2**40})
+    redis_conn.zadd(f"rq:failed:{QUEUE}", {"old": 1})
+    bridge_for(redis_conn).prune_registries([QUEUE])
+    assert redis_conn.zrange(f"rq:finished:{QUEUE}", 0, -1) == [b"new"]
+    assert redis_conn.zcard(f"rq:failed:{QUEUE}") == 0

@@ -184,3 +184,45 @@ def test_worker_shares_image_embeddings_through_redis(redis_url, redis_conn, tin
     assert stats["images_encoded"] == (2 if no_cache else 1)
     shared = [k for k in redis_conn.scan_iter("wicore:vision:*")]
     assert bool(shared) is not no_cache
+
+
+def test_poison_jobs_fail_alone_at_once_and_their_batch_mates_run(redis_conn, engine):
+    """Malformed records, a NUL byte in a path, image-placeholder text in a prompt: each fails its
+    own job at once, never retried; the good jobs claimed beside them succeed; the worker lives."""
+    import pickle
+
+    from rq.registry import FailedJobRegistry
+
+    from tests.helpers import payload_data, plant_job
+    from wicore import keys
+
+    producer = Producer(redis_conn, model=MODEL, config=ProducerConfig(retries=2))
+    params = GenerationParams(max_new_tokens=2)
+    good = producer.submit_many([Submission(png_bytes(i), f"good {i}", params=params) for i in range(3)])
+    placeholder = producer.submit(png_bytes(9), "what is <start_of_image> here?", params=params)
+    queue = Job.fetch(good[0], connection=redis_conn).origin
+    payload = json.loads(zlib.decompress(redis_conn.hget(f"rq:job:{good[0]}", "data")))[2][0]
+    nul_path = {**payload, "image": {**payload["image"], "path": "/allowed/good.png\x00.txt"}}
+    poison = {
+        plant_job(redis_conn, queue, "bad-data", good[0], data=b"{not json"): "InvalidJob: data is not JSON",
+        plant_job(redis_conn, queue, "pickled-meta", good[0], meta=pickle.dumps({"a": 1})): "InvalidJob: meta",
+        plant_job(redis_conn, queue, "no-data", good[0], data=None): "InvalidJob: the job hash has no data",
+        plant_job(redis_conn, queue, "nul-path", good[0], data=payload_data(nul_path)): "InvalidJob: payload",
+    }
+    plant_job(redis_conn, queue, "no-hash", "nothing-here")
+    more = producer.submit_many([Submission(png_bytes(10 + i), f"more {i}", params=params) for i in range(3)])
+    seen_before = engine.requests_seen
+
+    worker = run_worker(redis_conn, engine)
+    assert worker.jobs_done == len(good) + len(more) + 1 + len(poison)
+    results = outcomes(producer, good + more + [placeholder] + list(poison))
+    for job_id in good + more:
+        assert results[job_id].result is not None, results[job_id].error
+    assert results[placeholder].error.startswith("JobInputError: the prompt holds 2 image placeholders")
+    for job_id, says in poison.items():
+        assert results[job_id].error.startswith(says), results[job_id].error
+    failed = FailedJobRegistry(queue, connection=redis_conn).get_job_ids()
+    assert set(failed) == set(poison) | {placeholder}, "failed at once: none went back for a retry"
+    assert redis_conn.hget(f"rq:job:{placeholder}", "retries_left") == b"2"
+    assert [e[b"id"] for _, e in redis_conn.xrange(keys.DEAD_LETTER)] == [b"no-hash"]
+    assert engine.requests_seen - seen_before == len(good) + len(more) + 1, "each good job ran once"

@@ -17,10 +17,9 @@ from __future__ import annotations
 import hmac
 import secrets
 from dataclasses import dataclass
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 from redis import Redis
-from redis.exceptions import AuthenticationError, RedisError, ResponseError
 from rq import Queue, Worker
 from rq.exceptions import NoSuchJobError
 from rq.job import Job, requeue_job
@@ -73,30 +72,6 @@ class BasicAuth:
         ok_user = hmac.compare_digest((user or "").encode(), self.user.encode())
         ok_password = hmac.compare_digest((password or "").encode(), self.password.encode())
         return ok_user and ok_password
-
-
-def redact_url(url: str) -> str:
-    """The URL without its user and password (what may be printed)."""
-    parts = urlsplit(url)
-    if "@" not in parts.netloc:
-        return url
-    return urlunsplit(parts._replace(netloc="***@" + parts.netloc.rpartition("@")[2]))
-
-
-def check_redis(url: str) -> None:
-    """Reachable and authenticated, or a one-line ConfigError that names no credential."""
-    where = redact_url(url)
-    try:
-        with Redis.from_url(url, socket_connect_timeout=5, socket_timeout=5) as connection:
-            connection.ping()
-    except AuthenticationError:
-        raise ConfigError(f"Redis at {where} refused the credentials: check the URL's user and password") from None
-    except ResponseError as exc:
-        if "NOAUTH" in str(exc) or "WRONGPASS" in str(exc):
-            raise ConfigError(f"Redis at {where} wants a password: put it in the URL (redis://:PASS@host)") from None
-        raise ConfigError(f"Redis at {where} answered with an error: {str(exc).splitlines()[0]}") from None
-    except (RedisError, ValueError) as exc:
-        raise ConfigError(f"cannot reach Redis at {where} ({type(exc).__name__}): is it running?") from None
 
 
 def make_app(redis_url: str, auth: BasicAuth | None = None):

@@ -63,11 +63,17 @@ class InputLoader:
             image = decode_image(data, self.config.limits)
         except JobInputError as exc:
             return Loaded(error=f"{type(exc).__name__}: {exc}", preprocess_s=time.perf_counter() - start)
+        except Exception as exc:  # whatever else an input does to the loaders is still that job's alone
+            error = f"{ImageError.__name__}: cannot load the image ({type(exc).__name__}: {exc})"
+            return Loaded(error=error, preprocess_s=time.perf_counter() - start)
         request = EngineRequest(job_id, job.chat(), [image], job.params, [job.image.sha256])
         return Loaded(request=request, preprocess_s=time.perf_counter() - start)
 
     def _read_path(self, raw: str) -> bytes:
-        path = Path(raw).resolve()
+        try:
+            path = Path(raw).resolve()
+        except (ValueError, OSError) as exc:  # a NUL byte, an unencodable name, a symlink loop
+            raise ImageNotAllowed(f"{raw!r} is not a usable path ({exc})") from None
         if not any(path.is_relative_to(root) for root in self.roots):
             raise ImageNotAllowed(f"{raw} is outside the worker's allowed roots (--allow-root)")
         return read_image_file(path, self.config.limits)

@@ -1,25 +1,43 @@
-"""A worker's pulse and the reaper of dead workers' jobs (at-least-once delivery).
+"""A worker's pulse, its name, and the reaper of dead workers' jobs (at-least-once delivery).
 
 A live worker refreshes its RQ worker key every `heartbeat_s` with a TTL of `ttl_s`, from a
 thread, so a long engine step never lets it lapse. A worker whose key has expired is dead (it
 was killed, or lost its host); any live worker's reaper then returns that worker's claimed jobs
-to their queues (`RQBridge.requeue_claims`), so within about `ttl_s + reap_every_s` seconds
+to the heads of their queues (`RQBridge.requeue`), so within about `ttl_s + reap_every_s` seconds
 every job a dead worker held is running elsewhere.
+
+A worker restarted under the same name takes the dead one's record over at once when that record
+names this host and a process that no longer runs; otherwise it waits for the record to expire,
+and refuses to start if the record's heartbeat moves (a live worker holds the name).
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import socket
 import threading
-import uuid
+import time
 
 from redis import Redis
-from redis.exceptions import ResponseError
 
 from wicore import keys
+from wicore.errors import ConfigError
+from wicore.worker.redis_link import REDIS_DOWN
 from wicore.worker.rq_bridge import RQBridge, RQWorkerRecord
 
 log = logging.getLogger(__name__)
+
+# KEYS: worker hash, worker executions index. ARGV: ttl, now (RQ text). Refreshes RQ's heartbeat
+# fields only while the record exists (RQ's own heartbeat would recreate an expired record as a
+# hash with one field); returns 0 when it is gone.
+_BEAT_LUA = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+redis.call('HSET', KEYS[1], 'last_heartbeat', ARGV[2])
+redis.call('EXPIRE', KEYS[1], ARGV[1])
+redis.call('EXPIRE', KEYS[2], ARGV[1])
+return 1
+"""
 
 
 class Heartbeat(threading.Thread):
@@ -28,17 +46,28 @@ class Heartbeat(threading.Thread):
         self.record = record
         self.heartbeat_s = heartbeat_s
         self.ttl = max(1, round(ttl_s))
+        self.lost = False  # the record expired (an outage, or a stall longer than the TTL)
+        self._beat = record.connection.register_script(_BEAT_LUA)
         self._stop_event = threading.Event()
+        self._failing = False
 
-    def beat(self) -> None:
-        self.record.heartbeat(timeout=self.ttl)
+    def beat(self) -> bool:
+        """Refresh the record; False (and `lost`) when it is gone."""
+        from rq.utils import now, utcformat
+
+        alive = bool(self._beat(keys=[self.record.key, self.record.executions_key], args=[self.ttl, utcformat(now())]))
+        self.lost = self.lost or not alive
+        return alive
 
     def run(self) -> None:
         while not self._stop_event.wait(self.heartbeat_s):
             try:
                 self.beat()
-            except Exception as exc:  # a Redis hiccup must not end the pulse; the next beat retries
-                log.warning("heartbeat failed: %s", exc)
+                self._failing = False
+            except REDIS_DOWN as exc:  # the main loop rides the outage out; say so once
+                if not self._failing:
+                    log.warning("heartbeat failed: %s", exc)
+                self._failing = True
 
     def stop(self) -> None:
         self._stop_event.set()
@@ -46,20 +75,57 @@ class Heartbeat(threading.Thread):
 
 def reap_dead_workers(connection: Redis, bridge: RQBridge) -> int:
     """Requeue the claims of every claimant whose worker key has expired. Safe to run from
-    several workers at once: a claims list is renamed away atomically before it is handled."""
+    several workers at once: each claims list is handled in one atomic script, and not at all if
+    its worker has registered again meanwhile."""
     handled = 0
     for raw in connection.smembers(keys.CLAIMANTS):
-        name = raw.decode()
+        name = raw.decode(errors="replace")
         if name == bridge.record.name or connection.exists(f"rq:worker:{name}"):
             continue
-        reaping = f"{keys.claims(name)}:reaping:{uuid.uuid4().hex}"
-        try:
-            connection.rename(keys.claims(name), reaping)
-        except ResponseError:  # no such key: nothing claimed, or another reaper got there first
-            connection.srem(keys.CLAIMANTS, name)
+        count = bridge.requeue(keys.claims(name), died=True, owner=name)
+        if count < 0:  # registered again between the two looks
             continue
-        count = bridge.requeue_claims(reaping)
         connection.srem(keys.CLAIMANTS, name)
-        log.warning("worker %s is gone; returned %d of its jobs to their queues", name, count)
+        if count:
+            log.warning("worker %s is gone; returned %d of its jobs to their queues", name, count)
         handled += count
     return handled
+
+
+def take_over_name(record: RQWorkerRecord, wait_s: float) -> None:
+    """Make way for `record`'s registration: drop a dead predecessor's record at once if it
+    names this host and a process that is gone; else wait up to `wait_s` for it to expire."""
+    connection = record.connection
+    fields = connection.hmget(record.key, "hostname", "pid", "last_heartbeat", "death")
+    if not connection.exists(record.key) or fields[3] is not None:  # none, or one that stopped cleanly
+        return
+    if _gone_from_this_host(fields[0], fields[1]):
+        log.info("worker %s: taking over the record of its dead predecessor (pid %s)", record.name, fields[1])
+        connection.delete(record.key)
+        return
+    log.info("worker %s: waiting up to %.0fs for a previous worker of this name to expire", record.name, wait_s)
+    deadline = time.monotonic() + wait_s
+    while connection.exists(record.key) and time.monotonic() < deadline:
+        time.sleep(0.25)
+        if connection.hget(record.key, "last_heartbeat") not in (None, fields[2]):
+            break
+    if connection.exists(record.key):
+        raise ConfigError(f"a live worker named {record.name} is running (its heartbeat moves): pick another --name")
+
+
+def _gone_from_this_host(hostname: bytes | None, pid: bytes | None) -> bool:
+    if hostname is None or hostname.decode(errors="replace") != socket.gethostname():
+        return False
+    try:
+        number = int(pid or b"")
+    except ValueError:
+        return False
+    if number == os.getpid():  # a restarted container reuses pids: that process was our predecessor
+        return True
+    try:
+        os.kill(number, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # someone else's live process
+        return False
+    return False

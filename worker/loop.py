@@ -5,37 +5,55 @@ engine, write each job's result the moment its sequence ends.
         admit()        # scheduler picks a bucket; claim, start, load images, engine.add
         step()         # engine.step(); finish what ended
         or idle()      # nothing to do: wait on the doorbell
+        flush()        # write the results of this turn
 
 The worker never forks: the model loads once per process (rq's SimpleWorker idea).
 SIGTERM/SIGINT once = warm shutdown (take nothing new, finish what is in hand); twice = cold
 (give claimed jobs back to their queues now).
+
+When Redis goes away the worker keeps stepping the engine on the jobs in hand, holds their results
+in memory and knocks on Redis with backoff and jitter; once it answers, the worker re-registers,
+writes the held results (a job written before is skipped: the write is idempotent by job id) and
+gives back any claim it does not hold (`_reconcile`). `state` says "waiting for Redis" meanwhile.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import signal
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
+from enum import Enum
 
-from pydantic import ValidationError
 from redis import Redis
 from rq.serializers import JSONSerializer
 
 from wicore import keys
 from wicore.engines.base import Completion, Engine
-from wicore.errors import DeadlineExceeded, ShutdownRequested
+from wicore.errors import DeadlineExceeded, InvalidJob, ShutdownRequested
 from wicore.scheduler.policy import BatchPolicy, Take, Wait, choose, split_expired
 from wicore.scheduler.queues import BucketQueues
 from wicore.schemas import CaptionJob, Timings
+from wicore.worker.engine_gate import EngineGate
 from wicore.worker.job_inputs import InputConfig, InputLoader, Loaded
-from wicore.worker.liveness import Heartbeat, reap_dead_workers
+from wicore.worker.liveness import Heartbeat, reap_dead_workers, take_over_name
+from wicore.worker.redis_link import REDIS_DOWN, Backoff
 from wicore.worker.results import caption_result
 from wicore.worker.rq_bridge import Claimed, Finished, RQBridge, RQWorkerRecord
 
 log = logging.getLogger(__name__)
+
+
+class WorkerState(str, Enum):
+    """What a readiness probe reports."""
+
+    STARTING = "starting"
+    READY = "ready"
+    WAITING_FOR_REDIS = "waiting for Redis"
+    STOPPING = "stopping"
 
 
 @dataclass(frozen=True)
@@ -52,11 +70,17 @@ class WorkerConfig:
     burst: bool = False  # exit once the queues are empty and the engine is idle
     max_jobs: int | None = None  # exit after this many jobs ended (tests, benchmarks)
 
+    @property
+    def maintain_every_s(self) -> float:
+        """Reaping and reconciling run at least three times per liveness TTL."""
+        return min(self.reap_every_s, self.liveness_ttl_s / 3)
+
 
 @dataclass
 class InFlight:
     claimed: Claimed
     payload: CaptionJob
+    batch: int  # jobs claimed together reach the engine together
     loading: Future[Loaded] | None = None  # the image, until it reaches the engine
     preprocess_s: float = 0.0
 
@@ -71,10 +95,15 @@ class BatchingWorker:
         self.queues = BucketQueues(connection, config.model_id)
         self.inputs = InputLoader(connection, config.inputs)
         self.heartbeat = Heartbeat(self.record, heartbeat_s=config.heartbeat_s, ttl_s=config.liveness_ttl_s)
+        self.gate = EngineGate(engine)
         self.in_flight: dict[str, InFlight] = {}
+        self.unwritten: list[Finished] = []  # ended here, not yet written to Redis
         self.jobs_done = 0
         self.stopping = False
-        self._next_reap = 0.0
+        self.state = WorkerState.STARTING
+        self._batches = itertools.count()
+        self._next_maintenance = 0.0
+        self._reap_after = 0.0  # after an outage, others get a TTL to beat again before we reap
 
     @property
     def name(self) -> str:
@@ -87,45 +116,94 @@ class BatchingWorker:
         number of jobs that ended here."""
         self._start()
         try:
-            while not (self.stopping and not self.in_flight):
-                self._maintain()
-                admitted = self._admit() if not self.stopping else False
-                self._hand_over_loaded()
-                if self.engine.num_unfinished():
-                    self._finish(self.engine.step())
-                elif self._loading():
-                    wait([f.loading for f in self._loading()], timeout=0.01, return_when=FIRST_COMPLETED)
-                elif not admitted and not self._idle():
-                    break
+            while not (self.stopping and not self.in_flight and not self.unwritten):
+                try:
+                    if not self._turn():
+                        break
+                except REDIS_DOWN as exc:
+                    self._ride_out(exc)
         except ShutdownRequested:
             log.warning("worker %s: cold shutdown, returning %d jobs to their queues", self.name, len(self.in_flight))
         finally:
             self._stop()
         return self.jobs_done
 
+    def _turn(self) -> bool:
+        """One pass of the loop; False when the worker is done (burst, max_jobs, stopped)."""
+        self._maintain()
+        admitted = self._admit() if not self.stopping else False
+        going = self._work() or admitted or (not self.stopping and self._idle())
+        self._flush()
+        return going
+
+    def _work(self) -> bool:
+        """Feed loaded jobs to the engine, step it, or wait for images, all without Redis.
+        False when there was nothing to do."""
+        self._hand_over_loaded()
+        if self.gate.busy():
+            self._collect(self.gate.step())
+        elif self._loading():
+            wait([f.loading for f in self._loading()], timeout=0.01, return_when=FIRST_COMPLETED)
+        else:
+            return False
+        return True
+
     def _start(self) -> None:
-        self.record.register_birth()
-        self.heartbeat.beat()
+        self._register()
         self.heartbeat.start()
         self._install_signal_handlers()
-        self.bridge.requeue_claims(self.bridge.claims_key)  # a previous life under this name
+        self.bridge.requeue(self.bridge.claims_key, died=True)  # a previous life under this name
+        self._reap_after = time.monotonic() + self.config.liveness_ttl_s
+        self.state = WorkerState.READY
         log.info("worker %s: serving model %s on engine %s", self.name, self.config.model_id, self.engine.name)
 
+    def _register(self) -> None:
+        take_over_name(self.record, wait_s=self.config.liveness_ttl_s + self.config.heartbeat_s)
+        self.record.register_birth()
+        self.heartbeat.lost = False
+        self.heartbeat.beat()
+
     def _stop(self) -> None:
+        self.state = WorkerState.STOPPING
         self.heartbeat.stop()
-        self._publish_stats()
-        self.bridge.requeue_claims(self.bridge.claims_key)
-        self.connection.srem(keys.CLAIMANTS, self.name)
-        self.record.register_death()
-        self.inputs.close()
+        try:
+            self._flush()
+            self._publish_stats()
+            self.bridge.requeue(self.bridge.claims_key, died=False)
+            self.connection.srem(keys.CLAIMANTS, self.name)
+            self.record.register_death()
+        except REDIS_DOWN as exc:
+            log.warning(
+                "worker %s: Redis unreachable at shutdown (%s); %d results not written, their jobs "
+                "go back to their queues when this worker's record expires",
+                self.name, exc, len(self.unwritten),
+            )  # fmt: skip
+        finally:
+            self.inputs.close()
 
     def _maintain(self) -> None:
-        """Every `reap_every_s`: requeue dead workers' jobs, publish our engine's counters."""
-        if time.monotonic() < self._next_reap:
+        """Every `maintain_every_s`: give back claims we do not hold, requeue dead workers' jobs,
+        prune expired registry entries, publish our engine's counters."""
+        if self.heartbeat.lost:
+            log.warning("worker %s: its record expired; registering again", self.name)
+            self._register()
+        if time.monotonic() < self._next_maintenance:
             return
-        reap_dead_workers(self.connection, self.bridge)
+        self._reconcile()
+        if time.monotonic() >= self._reap_after:
+            reap_dead_workers(self.connection, self.bridge)
+        self.bridge.prune_registries(self.queues.names())
         self._publish_stats()
-        self._next_reap = time.monotonic() + self.config.reap_every_s
+        self._next_maintenance = time.monotonic() + self.config.maintain_every_s
+
+    def _reconcile(self) -> None:
+        """Claims in our list that we do not hold (a claim whose reply was lost, a write Redis
+        lost in a crash) go back to the head of their queues, no retry spent."""
+        held = set(self.in_flight) | {item.claimed.id for item in self.unwritten}
+        orphans = [job_id for job_id in self.bridge.claimed_ids() if job_id not in held]
+        if orphans:
+            count = self.bridge.requeue(self.bridge.claims_key, orphans, died=False)
+            log.warning("worker %s: gave back %d claimed jobs it did not hold", self.name, count)
 
     def _publish_stats(self) -> None:
         stats = {"jobs_done": self.jobs_done, "in_flight": len(self.in_flight), **self.engine.stats()}
@@ -144,13 +222,53 @@ class BatchingWorker:
         # Redis reads a timeout under 1 ms as 0, which would block forever.
         self.connection.blpop([keys.doorbell(self.config.model_id)], timeout=max(seconds, 0.002))
 
+    # -- riding out a Redis outage ------------------------------------------------------------
+
+    def _ride_out(self, error: Exception) -> None:
+        """Keep the engine going on the jobs in hand, results held, until Redis answers again."""
+        self.state = WorkerState.WAITING_FOR_REDIS
+        log.warning("worker %s: Redis unreachable (%s); waiting for it", self.name, type(error).__name__)
+        lost_at, backoff = time.monotonic(), Backoff()
+        while True:
+            self._work_until_redis_answers(backoff)
+            try:
+                return self._reconnected(time.monotonic() - lost_at)
+            except REDIS_DOWN:  # gone again before we were through
+                continue
+
+    def _work_until_redis_answers(self, backoff: Backoff) -> None:
+        next_try = 0.0
+        while True:
+            if time.monotonic() >= next_try:
+                if self._redis_answers():
+                    return
+                next_try = time.monotonic() + backoff.next()
+            if not self._work():
+                time.sleep(max(0.0, next_try - time.monotonic()))
+
+    def _redis_answers(self) -> bool:
+        try:
+            return bool(self.connection.ping())
+        except REDIS_DOWN:
+            return False
+
+    def _reconnected(self, down_s: float) -> None:
+        held = len(self.unwritten)
+        if not self.heartbeat.beat():
+            self._register()
+        self._flush()
+        self._reconcile()
+        self._reap_after = time.monotonic() + self.config.liveness_ttl_s
+        self.state = WorkerState.STOPPING if self.stopping else WorkerState.READY
+        log.warning("worker %s: Redis is back after %.1fs; wrote %d held results", self.name, down_s, held)
+
     # -- taking jobs --------------------------------------------------------------------------
 
     def _admit(self) -> bool:
         """Fill the engine's free slots from the bucket the policy picks. True if jobs came in."""
         if self.config.max_jobs is not None and self.jobs_done + len(self.in_flight) >= self.config.max_jobs:
             return False
-        capacity = self.engine.free_slots() - len(self._loading())
+        capacity = self.gate.free_slots() - len(self._loading())
         if self.config.max_jobs is not None:
             capacity = min(capacity, self.config.max_jobs - self.jobs_done - len(self.in_flight))
         self.record.set_queue_names(self.queues.names())
@@ -164,26 +282,29 @@ class BatchingWorker:
         return bool(claimed)
 
     def _submit(self, claimed: list[Claimed]) -> None:
-        """Jobs that cannot run (bad payload, deadline passed) fail here, unrun; the rest have
-        their images loaded in the background (the engine keeps running meanwhile)."""
+        """Jobs that cannot run (bad record or payload, deadline passed) fail here, unrun; the
+        rest have their images loaded in the background (the engine keeps running meanwhile)."""
         payloads, invalid = parse_payloads(claimed)
         live, expired = split_expired(payloads, lambda cp: cp[1].deadline, time.time())
-        unrunnable = invalid + [(c, deadline_message(p)) for c, p in expired]
-        self.bridge.finish([Finished(c, error=reason) for c, reason in unrunnable])
-        self.jobs_done += len(unrunnable)
-        futures = self.inputs.submit([(c.id, payload) for c, payload in live])
+        self._end([Finished(c, error=reason) for c, reason in invalid + [(c, deadline_message(p)) for c, p in expired]])
+        futures = self.inputs.submit(
+            [(c.id, payload) for c, payload in live]
+        )  # on an outage, `_reconcile` gives them back
+        batch = next(self._batches)
         for (c, payload), future in zip(live, futures):
-            self.in_flight[c.id] = InFlight(c, payload, loading=future)
+            self.in_flight[c.id] = InFlight(c, payload, batch, loading=future)
 
     def _loading(self) -> list[InFlight]:
         return [f for f in self.in_flight.values() if f.loading is not None]
 
     def _hand_over_loaded(self) -> None:
-        """Jobs whose image is ready go to the engine in one `add`; a bad image fails its job
-        alone."""
+        """The jobs of a claim go to the engine together, once all their images are ready; a bad
+        image fails its job alone."""
+        loading = self._loading()
+        unready = {f.batch for f in loading if not f.loading.done()}
         bad, requests = [], []
-        for flight in self._loading():
-            if not flight.loading.done():
+        for flight in loading:
+            if flight.batch in unready:
                 continue
             loaded = flight.loading.result()
             flight.loading, flight.preprocess_s = None, loaded.preprocess_s
@@ -192,14 +313,22 @@ class BatchingWorker:
             else:
                 requests.append(loaded.request)
         if bad or requests:
-            self._finish(bad + (self.engine.add(requests) if requests else []))
+            self._collect(bad + (self.gate.add(requests) if requests else []))
 
     # -- finishing jobs -----------------------------------------------------------------------
 
-    def _finish(self, completions: list[Completion]) -> None:
-        items = [self._finished(c) for c in completions if c.id in self.in_flight]
-        self.bridge.finish(items)
+    def _collect(self, completions: list[Completion]) -> None:
+        self._end([self._finished(c) for c in completions if c.id in self.in_flight])
+
+    def _end(self, items: list[Finished]) -> None:
+        self.unwritten += items
         self.jobs_done += len(items)
+
+    def _flush(self) -> None:
+        """Write what ended; on an outage the items stay for the next try."""
+        if self.unwritten:
+            self.bridge.finish(self.unwritten)
+            self.unwritten = []
 
     def _finished(self, completion: Completion) -> Finished:
         flight = self.in_flight.pop(completion.id)
@@ -228,17 +357,21 @@ class BatchingWorker:
             raise ShutdownRequested()
         log.info("worker %s: warm shutdown (signal again to stop now)", self.name)
         self.stopping = True
+        self.state = WorkerState.STOPPING
 
 
 def parse_payloads(claimed: list[Claimed]) -> tuple[list[tuple[Claimed, CaptionJob]], list[tuple[Claimed, str]]]:
-    """(valid, invalid-with-reason): a payload that fails validation fails its job alone."""
+    """(valid, invalid-with-reason): a record or payload that does not parse fails its job alone."""
     valid, invalid = [], []
     for c in claimed:
+        if c.invalid is not None:
+            invalid.append((c, c.invalid))
+            continue
         try:
             valid.append((c, CaptionJob.model_validate(c.args[0])))
-        except (ValidationError, IndexError, TypeError) as exc:
-            first_line = str(exc).splitlines()[0]
-            invalid.append((c, f"InvalidJob: payload is not a wicore caption job ({first_line})"))
+        except (ValueError, TypeError, IndexError, RecursionError) as exc:  # pydantic's errors are ValueErrors
+            first_line = str(exc).splitlines()[0][:300]
+            invalid.append((c, f"{InvalidJob.__name__}: payload is not a wicore caption job ({first_line})"))
     return valid, invalid
 
 

@@ -1,18 +1,19 @@
 """Every use of RQ internals lives here; tests/test_rq_bridge.py pins each record we write
 against RQ's own readers (Job.fetch, results, registries, Worker.all, executions).
 
-RQ has no API to take or finish several jobs at once, and its per-job Python bookkeeping costs
-more than the work of a small job. So the common paths run server-side, one Lua call per batch:
+RQ has no API to take or finish several jobs at once, its per-job Python bookkeeping costs more
+than the work of a small job, and its `Job.restore` raises on a malformed field. So every change
+to a job's records runs server-side, one Lua call per batch (worker/rq_scripts.py):
 
-- `claim`: LMOVE up to N job ids from a bucket queue into this worker's claims list, mark each
-  started exactly as RQ's worker does (job status/started_at/worker_name, an execution hash,
-  the job's execution registry, the queue's started registry, the worker's executions index)
-  and return the fields the worker needs.
-- `finish` (successes): status finished, the RQ result stream entry, the finished registry,
-  TTLs, execution records removed, worker counters, claims list and producer notifications.
+- `claim`: LMOVE up to N job ids from a bucket queue into this worker's claims list and mark each
+  started exactly as RQ's worker does; ids that name no job go to a dead-letter stream.
+- `finish`: results, failures and retries; only for jobs still in this worker's claims list, so
+  it may be repeated (after a lost reply, or when Redis is back after an outage).
+- `requeue`: a dead worker's claims, or our own orphans, back to the head of their queues.
 
-Failures, retries and requeues are rare and go through RQ's own Python methods.
-The scripts touch keys they compute (rq:job:<id>, ...): fine on one Redis, not on Redis Cluster.
+The fields a claim returns are parsed here, defensively: a job whose record cannot be read is
+failed with the reason (`Claimed.invalid`); nothing is ever unpickled. RQ's Python classes are used
+for the worker's own record (registration, heartbeat, queue names).
 """
 
 from __future__ import annotations
@@ -22,112 +23,23 @@ import uuid
 import zlib
 from base64 import b64encode
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from typing import Any
 
 from redis import Redis
 from rq import Queue
-from rq.executions import Execution
-from rq.job import Job, JobStatus
+from rq.job import Job
 from rq.serializers import JSONSerializer
 from rq.utils import now, utcformat
-from rq.worker import BaseWorker, WorkerStatus
+from rq.worker import BaseWorker
 
 from wicore import keys
+from wicore.errors import InvalidJob
+from wicore.worker import rq_scripts
 
 DEFAULT_JOB_TIMEOUT = Queue.DEFAULT_TIMEOUT  # RQ's, when a job has none
-
-# KEYS: queue, claims list, worker executions index, worker hash, claimants set.
-# ARGV: count, worker name, now (unix), now (RQ text), then `count` fresh execution ids.
-_CLAIM_LUA = """
-local n, worker, now, now_text = tonumber(ARGV[1]), ARGV[2], tonumber(ARGV[3]), ARGV[4]
-local out, longest = {}, 0
-redis.call('SADD', KEYS[5], worker)
-for i = 1, n do
-  local id = redis.call('LMOVE', KEYS[1], KEYS[2], 'LEFT', 'RIGHT')
-  if not id then break end
-  local job = 'rq:job:' .. id
-  local f = redis.call('HMGET', job, 'data', 'meta', 'origin', 'retries_left', 'result_ttl', 'timeout')
-  if not f[1] then
-    redis.call('LREM', KEYS[2], 1, id)
-  else
-    local eid = ARGV[4 + i]
-    local comp = id .. ':' .. eid
-    local timeout = tonumber(f[6]) or 180
-    local ttl = timeout + 60
-    if timeout == -1 then ttl = 420 end
-    if ttl > longest then longest = ttl end
-    redis.call('HSET', job, 'status', 'started', 'started_at', now_text, 'last_heartbeat', now_text,
-               'worker_name', worker)
-    redis.call('PERSIST', job)
-    redis.call('HSET', 'rq:execution:' .. comp, 'id', eid, 'job_id', id, 'created_at', ARGV[3],
-               'last_heartbeat', ARGV[3], 'worker_name', worker)
-    redis.call('EXPIRE', 'rq:execution:' .. comp, ttl)
-    redis.call('ZADD', 'rq:executions:' .. id, now + ttl + 60, eid)
-    redis.call('EXPIRE', 'rq:executions:' .. id, ttl + 60)
-    redis.call('ZADD', 'rq:wip:' .. f[3], now + ttl, comp)
-    redis.call('SADD', KEYS[3], comp)
-    out[#out + 1] = {id, eid, f[1], f[2] or '', f[3], f[4] or '', f[5] or ''}
-  end
-end
-if #out > 0 then
-  redis.call('EXPIRE', KEYS[3], longest + 60)
-  redis.call('HSET', KEYS[4], 'state', 'busy')
-end
-return out
-"""
-
-# KEYS: claims list, worker executions index, worker hash.
-# ARGV: worker name, now (unix), now (RQ text), then 7 per job:
-#   id, execution id, origin, result ttl, return value (b64 JSON), started (unix), notify key.
-_FINISH_OK_LUA = """
-local worker, now, now_text = ARGV[1], tonumber(ARGV[2]), ARGV[3]
-local worked = 0
-for i = 4, #ARGV, 7 do
-  local id, eid, origin, ttl = ARGV[i], ARGV[i + 1], ARGV[i + 2], tonumber(ARGV[i + 3])
-  local started, notify = tonumber(ARGV[i + 5]), ARGV[i + 6]
-  local job, results, comp = 'rq:job:' .. id, 'rq:results:' .. id, id .. ':' .. eid
-  redis.call('HSET', job, 'status', 'finished', 'ended_at', now_text)
-  redis.call('XADD', results, 'MAXLEN', '~', 10, '*', 'type', 1, 'worker_name', worker,
-             'return_value', ARGV[i + 4], 'execution_id', eid,
-             'execution_started_at', ARGV[i + 5], 'execution_ended_at', ARGV[2])
-  if ttl == 0 then
-    redis.call('DEL', job, results)
-  elseif ttl < 0 then
-    redis.call('PERSIST', results)
-    redis.call('ZADD', 'rq:finished:' .. origin, '+inf', id)
-  else
-    redis.call('EXPIRE', results, ttl)
-    redis.call('EXPIRE', job, ttl)
-    redis.call('ZADD', 'rq:finished:' .. origin, now + ttl, id)
-  end
-  redis.call('DEL', 'rq:execution:' .. comp)
-  redis.call('ZREM', 'rq:wip:' .. origin, comp)
-  redis.call('ZREM', 'rq:executions:' .. id, eid)
-  redis.call('SREM', KEYS[2], comp)
-  redis.call('LREM', KEYS[1], 1, id)
-  if notify ~= '' then
-    redis.call('RPUSH', notify, id)
-    redis.call('EXPIRE', notify, 3600)
-  end
-  worked = worked + (now - started)
-end
-redis.call('HINCRBY', KEYS[3], 'successful_job_count', (#ARGV - 3) / 7)
-redis.call('HINCRBYFLOAT', KEYS[3], 'total_working_time', worked)
-if redis.call('SCARD', KEYS[2]) == 0 then redis.call('HSET', KEYS[3], 'state', 'idle') end
-return 1
-"""
-
-# KEYS[1] queue list; ARGV job ids. Put claimed-but-unstarted jobs back at the head, unless
-# something (RQ's own cleanup, another reaper) already did.
-_UNCLAIM_LUA = """
-for i = #ARGV, 1, -1 do
-  if not redis.call('LPOS', KEYS[1], ARGV[i]) then
-    redis.call('LPUSH', KEYS[1], ARGV[i])
-  end
-end
-return #ARGV
-"""
+TASK = "wicore.worker.tasks.caption"  # the function every wicore job names
+MAX_JOB_DATA = 16 * 2**20  # bytes of a job's (inflated) data we are willing to parse
+WORKER_DIED = "WorkerDied: the worker running this job stopped (no retries left)"
 
 
 class RQWorkerRecord(BaseWorker):
@@ -159,10 +71,14 @@ class Claimed:
     retries_left: int | None
     result_ttl: int | None
     started_at: float  # unix seconds
+    invalid: str | None = None  # why the job's record cannot be run, if it cannot
 
     @property
     def notify(self) -> str:
-        return str(self.meta.get("notify") or "")
+        """The producer's notification list; anything else in `meta` is not a key we push to."""
+        key = self.meta.get("notify")
+        ok = isinstance(key, str) and key.startswith(keys.NOTIFY_PREFIX) and len(key) <= 200
+        return key if ok else ""
 
 
 @dataclass
@@ -175,22 +91,89 @@ class Finished:
     retry: bool = False  # transient failure: run it again if it has retries left
 
 
+# -- reading a claimed job's fields ---------------------------------------------------------------
+
+
 def decode_claimed(row: list[bytes], started_at: float) -> Claimed:
-    job_id, eid, data, meta, origin, retries_left, result_ttl = (v.decode() if i != 2 else v for i, v in enumerate(row))
-    try:
-        _, _, args, _ = json.loads(zlib.decompress(data))
-    except zlib.error:
-        _, _, args, _ = json.loads(data)
-    return Claimed(
-        id=job_id,
-        execution_id=eid,
-        origin=origin,
-        args=args,
-        meta=json.loads(meta) if meta else {},
-        retries_left=int(retries_left) if retries_left else None,
-        result_ttl=int(result_ttl) if result_ttl else None,
+    """Never raises: a field that does not parse makes the job `invalid`, with the reason."""
+    job_id, eid, data, meta, origin, retries_left, result_ttl = row
+    claimed = Claimed(
+        id=job_id.decode(),  # the claim script only returns ids of [A-Za-z0-9_-]
+        execution_id=eid.decode(),
+        origin=origin.decode(),  # the queue it was claimed from
+        args=[],
+        meta={},
+        retries_left=optional_int(retries_left),
+        result_ttl=optional_int(result_ttl),
         started_at=started_at,
     )
+    try:
+        claimed.meta = job_meta(meta)
+        claimed.args = job_args(data)
+    except InvalidJob as exc:
+        claimed.invalid = f"{InvalidJob.__name__}: {exc}"
+    return claimed
+
+
+def job_args(data: bytes) -> list[Any]:
+    """The args of RQ's JSON-serialized (function, instance, args, kwargs), zlib'd or not."""
+    if not data:
+        raise InvalidJob("the job hash has no data")
+    decoded = json_field(inflate(data), "data")
+    if not (isinstance(decoded, list) and len(decoded) == 4):
+        raise InvalidJob("data is not RQ's [function, instance, args, kwargs]")
+    function, _, args, _ = decoded
+    if function != TASK:
+        raise InvalidJob(f"data names the function {str(function)[:80]!r}, not {TASK}")
+    if not isinstance(args, list) or len(args) != 1:
+        raise InvalidJob("data's args must be exactly one caption job")
+    return args
+
+
+def job_meta(meta: bytes) -> dict[str, Any]:
+    if not meta:
+        return {}
+    decoded = json_field(meta, "meta")
+    if not isinstance(decoded, dict):
+        raise InvalidJob("meta is not a JSON object")
+    return decoded
+
+
+def inflate(data: bytes) -> bytes:
+    """RQ compresses job data with zlib (and reads uncompressed data as is); a bomb stops at
+    MAX_JOB_DATA."""
+    inflater = zlib.decompressobj()
+    try:
+        raw = inflater.decompress(data, MAX_JOB_DATA)
+    except zlib.error:
+        return data
+    if inflater.unconsumed_tail:
+        raise InvalidJob(f"data inflates past {MAX_JOB_DATA} bytes")
+    return raw
+
+
+def json_field(raw: bytes, name: str) -> Any:
+    if len(raw) > MAX_JOB_DATA:
+        raise InvalidJob(f"{name} is over {MAX_JOB_DATA} bytes")
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError) as exc:  # bad JSON, bad UTF-8, nesting past the stack
+        raise InvalidJob(f"{name} is not JSON ({type(exc).__name__}); wicore jobs are never pickled") from None
+
+
+def optional_int(raw: bytes) -> int | None:
+    try:
+        return int(raw) if raw else None
+    except ValueError:
+        return None
+
+
+def exc_string(message: str) -> str:
+    """RQ's encoding of a failure's text in its result stream."""
+    return b64encode(zlib.compress(message.encode(errors="replace"))).decode()
+
+
+# -- the bridge -----------------------------------------------------------------------------------
 
 
 class RQBridge:
@@ -199,116 +182,72 @@ class RQBridge:
         self.connection: Redis = record.connection
         self.result_ttl = result_ttl
         self.claims_key = keys.claims(record.name)
-        self._claim = self.connection.register_script(_CLAIM_LUA)
-        self._finish_ok = self.connection.register_script(_FINISH_OK_LUA)
-        self._unclaim = self.connection.register_script(_UNCLAIM_LUA)
+        self._claim = self.connection.register_script(rq_scripts.CLAIM)
+        self._settle = self.connection.register_script(rq_scripts.SETTLE)
+        self._requeue = self.connection.register_script(rq_scripts.REQUEUE)
 
     def _worker_keys(self) -> list[str]:
         return [self.claims_key, self.record.executions_key, self.record.key]
 
-    # -- taking jobs --------------------------------------------------------------------------
-
     def claim(self, queue_name: str, count: int) -> list[Claimed]:
         """Take and start up to `count` jobs from a bucket queue, in one round trip."""
         at = now()
-        args = [count, self.record.name, at.timestamp(), utcformat(at)] + [uuid.uuid4().hex for _ in range(count)]
-        rows = self._claim(keys=["rq:queue:" + queue_name, *self._worker_keys(), keys.CLAIMANTS], args=args)
+        args = [count, self.record.name, at.timestamp(), utcformat(at), queue_name]
+        args += [uuid.uuid4().hex for _ in range(count)]
+        rows = self._claim(
+            keys=["rq:queue:" + queue_name, *self._worker_keys(), keys.CLAIMANTS, keys.DEAD_LETTER], args=args
+        )
         return [decode_claimed(row, at.timestamp()) for row in rows]
 
-    # -- finishing jobs -----------------------------------------------------------------------
-
-    def finish(self, items: list[Finished]) -> None:
-        """Successes in one Lua call; failures and retries through RQ's own methods."""
-        ok = [item for item in items if item.result is not None]
-        if ok:
-            self._finish_successes(ok)
-        failed = [item for item in items if item.result is None]
-        if failed:
-            self._finish_failures(failed)
-
-    def _finish_successes(self, items: list[Finished]) -> None:
+    def finish(self, items: list[Finished]) -> int:
+        """Write how each job ended, in one round trip. Jobs no longer claimed by this worker
+        (requeued by a reaper, or finished by an earlier call) are skipped; returns how many
+        were written."""
+        if not items:
+            return 0
         at = now()
-        args: list[Any] = [self.record.name, at.timestamp(), utcformat(at)]
+        args: list[Any] = [self.record.name, at.timestamp(), utcformat(at), rq_scripts.DEFAULT_FAILURE_TTL]
         for item in items:
-            c = item.claimed
-            ttl = c.result_ttl if c.result_ttl is not None else self.result_ttl
-            value = b64encode(JSONSerializer.dumps(item.result)).decode()
-            args += [c.id, c.execution_id, c.origin, ttl, value, c.started_at, c.notify]
-        self._finish_ok(keys=self._worker_keys(), args=args)
+            args += self._settle_args(item)
+        return int(self._settle(keys=self._worker_keys(), args=args))
 
-    def _finish_failures(self, items: list[Finished]) -> None:
-        jobs = Job.fetch_many([i.claimed.id for i in items], connection=self.connection, serializer=JSONSerializer)
-        with self.connection.pipeline() as pipe:  # MULTI ... EXEC
-            for item, job in zip(items, jobs):
-                if job is not None:
-                    self._fail_or_retry(item, job, pipe)
-                pipe.lrem(self.claims_key, 1, item.claimed.id)
-            pipe.execute()
-        if not self.connection.scard(self.record.executions_key):
-            self.record.set_state(WorkerStatus.IDLE)
-
-    def _fail_or_retry(self, item: Finished, job: Job, pipe) -> None:
+    def _settle_args(self, item: Finished) -> list[Any]:
         c = item.claimed
-        job.started_at = datetime.fromtimestamp(c.started_at, tz=UTC)
-        job.ended_at = now()
-        execution = Execution(c.execution_id, c.id, self.connection, worker_name=self.record.name)
-        execution.created_at = job.started_at
-        retry = item.retry and bool(job.retries_left)
-        if retry:
-            job.retry(Queue(job.origin, connection=self.connection, serializer=JSONSerializer), pipe)
+        if item.result is not None:
+            kind, value = "ok", b64encode(JSONSerializer.dumps(item.result)).decode()
         else:
-            self._fail(job, execution, item.error or "failed", pipe)
-        self.record.increment_failed_job_count(pipe)
-        self.record.increment_total_working_time(job.ended_at - job.started_at, pipe)
-        execution.delete(job=job, pipeline=pipe)
-        if c.notify and not retry:
-            pipe.rpush(c.notify, c.id)
-            pipe.expire(c.notify, 3_600)
+            kind, value = ("retry" if item.retry else "fail"), exc_string(item.error or "failed")
+        ttl = c.result_ttl if c.result_ttl is not None else self.result_ttl
+        return [c.id, c.execution_id, c.origin, kind, value, ttl, c.started_at, c.notify]
 
-    def _fail(self, job: Job, execution: Execution | None, message: str, pipe) -> None:
-        job.set_status(JobStatus.FAILED, pipeline=pipe)
-        job._handle_failure(
-            message,
-            pipe,
-            worker_name=self.record.name,
-            execution_id=execution.id if execution else None,
-            execution_started_at=execution.created_at if execution else None,
-            execution_ended_at=job.ended_at,
-        )
-        pipe.delete(keys.submitted(job.id))  # resubmitting a failed job runs it again
+    def requeue(
+        self, claims_key: str, job_ids: list[str] | None = None, *, died: bool, owner: str | None = None
+    ) -> int:
+        """Return jobs of a claims list to the heads of their queues: `job_ids`, or the whole list
+        (which is then deleted). `died`: their worker died holding them, so each spends a retry
+        (a job out of retries fails as WorkerDied) and a job that kills its workers ends. With
+        `owner`, nothing happens if that worker is registered again (-1). Returns how many jobs
+        were handled."""
+        if job_ids == []:
+            return 0
+        name = owner or self.record.name
+        script_keys = [claims_key, f"rq:worker:{name}:executions"]
+        if owner is not None:
+            script_keys.append(f"rq:worker:{owner}")
+        at = now()
+        args = [at.timestamp(), utcformat(at), int(died), exc_string(WORKER_DIED), self.record.name]
+        args += [rq_scripts.DEFAULT_FAILURE_TTL, *(job_ids or [])]
+        return int(self._requeue(keys=script_keys, args=args))
 
-    # -- giving jobs back ---------------------------------------------------------------------
+    def claimed_ids(self) -> list[str]:
+        return [raw.decode() for raw in self.connection.lrange(self.claims_key, 0, -1)]
 
-    def requeue_claims(self, claims_key: str) -> int:
-        """Return a claims list's jobs to their queues: unstarted ones to the head as they
-        were; started ones (their worker died or stopped running them) through RQ's retry,
-        or failed once their retries are spent. Returns how many jobs were handled."""
-        ids = [i.decode() for i in self.connection.lrange(claims_key, 0, -1)]
-        jobs = [j for j in Job.fetch_many(ids, connection=self.connection, serializer=JSONSerializer) if j]
-        unstarted: dict[str, list[str]] = {}
-        with self.connection.pipeline() as pipe:
-            for job in jobs:
-                status = job.get_status(refresh=False)
-                if status == JobStatus.QUEUED:
-                    unstarted.setdefault(job.origin, []).append(job.id)
-                elif status == JobStatus.STARTED:
-                    self._forget_executions(job, pipe)
-                    self._retry_abandoned(job, pipe)
-            pipe.delete(claims_key)
+    def prune_registries(self, queue_names: list[str]) -> None:
+        """Drop expired entries of the finished and failed registries (RQ's own worker does this
+        in its maintenance; ours writes those registries in Lua and so prunes them too)."""
+        cutoff = now().timestamp()
+        with self.connection.pipeline(transaction=False) as pipe:
+            for name in queue_names:
+                pipe.zremrangebyscore(f"rq:finished:{name}", 0, cutoff)
+                pipe.zremrangebyscore(f"rq:failed:{name}", 0, cutoff)
             pipe.execute()
-        for origin, job_ids in unstarted.items():
-            self._unclaim(keys=["rq:queue:" + origin], args=job_ids)
-        return len(jobs)
-
-    def _retry_abandoned(self, job: Job, pipe) -> None:
-        job.ended_at = now()
-        if job.retries_left:
-            job.retry(Queue(job.origin, connection=self.connection, serializer=JSONSerializer), pipe)
-        else:
-            self._fail(job, None, "WorkerDied: the worker running this job stopped (no retries left)", pipe)
-
-    def _forget_executions(self, job: Job, pipe) -> None:
-        """Drop every execution record of `job`, so RQ's started-registry cleanup never treats
-        the job as abandoned again once it runs elsewhere."""
-        for raw in self.connection.zrange(f"rq:executions:{job.id}", 0, -1):
-            Execution(raw.decode(), job.id, self.connection).delete(job=job, pipeline=pipe)

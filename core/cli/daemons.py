@@ -5,7 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import typer
-from redis import Redis
 
 from wicore.cli.common import (
     BatchSizeOption,
@@ -63,10 +62,12 @@ def worker(
     if not settings.redis_url:
         raise ConfigError("wicore worker needs --redis-url or WICORE_REDIS_URL")
     from wicore.worker.factory import build_engine, build_worker
+    from wicore.worker.redis_link import check_redis, connect
 
+    check_redis(settings.redis_url)
     model_dir, served_id = model_dir_and_id(settings)
     engine_obj = build_engine(settings, model_dir, engine_options(engine_option))
-    connection = Redis.from_url(settings.redis_url)
+    connection = connect(settings.redis_url)
     worker_obj = build_worker(settings, connection, engine_obj, served_id, name=name, burst=burst, max_jobs=max_jobs)
     console.print(f"worker [bold]{worker_obj.name}[/bold]: model {served_id} ({model_dir}) on {engine_obj.name}")
     done = worker_obj.run()
@@ -88,7 +89,8 @@ def dashboard(
     settings = settings_from(config, redis_url=redis_url, dashboard_auth=auth)
     if not settings.redis_url:
         raise ConfigError("wicore dashboard needs --redis-url or WICORE_REDIS_URL")
-    from wicore.worker.dashboard import BasicAuth, check_redis, make_app, redact_url, serve
+    from wicore.worker.dashboard import BasicAuth, make_app, serve
+    from wicore.worker.redis_link import check_redis, redact_url
 
     credentials = settings.dashboard_auth.get_secret_value() if settings.dashboard_auth else None
     if credentials is None and not is_loopback(host):
