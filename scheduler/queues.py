@@ -32,11 +32,17 @@ return out
 """
 
 
+# The head age of a queue whose head job has no readable enqueue time (its hash was evicted or
+# deleted, or holds garbage): the oldest possible, so the batch goes at once and the claim deals
+# with that job, instead of a head that never ages and a partial batch that waits forever.
+UNKNOWN_HEAD_TIME = 0.0
+
+
 def parse_rq_time(raw: bytes | str | None, default: float) -> float:
     """RQ writes times as '%Y-%m-%dT%H:%M:%S.%fZ' (UTC)."""
     if not raw:
         return default
-    text = raw.decode() if isinstance(raw, bytes) else raw
+    text = raw.decode(errors="replace") if isinstance(raw, bytes) else raw
     for fmt in ("%Y-%m-%dT%H:%M:%S.%fZ", "%Y-%m-%dT%H:%M:%SZ"):
         try:
             return datetime.strptime(text, fmt).replace(tzinfo=UTC).timestamp()
@@ -69,11 +75,10 @@ class BucketQueues:
         if not names:
             return []
         flat = self._read_heads(keys=[RQ_QUEUE_KEY_PREFIX + n for n in names])
-        now = time.time()
         heads = []
         for i, name in enumerate(names):
             bucket = BucketKey.parse(name)
             length = int(flat[2 * i])
             if bucket is not None and length:
-                heads.append(QueueHead(bucket, length, parse_rq_time(flat[2 * i + 1], now)))
+                heads.append(QueueHead(bucket, length, parse_rq_time(flat[2 * i + 1], UNKNOWN_HEAD_TIME)))
         return heads
