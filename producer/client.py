@@ -74,7 +74,7 @@ class Producer:
         blobs = {job.image.sha256: data for job, data in prepared if data is not None}
         new_ids, stored = self._claim_new([job.job_id for job in jobs], list(blobs))
         new_jobs = list({job.job_id: job for job in jobs if job.job_id in new_ids}.values())
-        with self.connection.pipeline(transaction=False) as pipe:
+        with self.connection.pipeline(transaction=True) as pipe:  # all of the chunk is enqueued, or none
             for sha in {job.image.sha256 for job in new_jobs if job.image.is_blob}:
                 if sha in stored:
                     pipe.expire(keys.blob(sha), self.config.blob_ttl_s)
@@ -100,18 +100,20 @@ class Producer:
         return job, data
 
     def _claim_new(self, job_ids: Sequence[str], blob_shas: Sequence[str]) -> tuple[set[str], set[str]]:
-        """(ids submitted for the first time, blobs already in Redis). SET NX per id: only the
-        first submission of a piece of work enqueues it (a failed job drops its mark, so
-        resubmitting it runs it again)."""
+        """(ids to enqueue, blobs already in Redis). SET NX per id: only the first submission of
+        a piece of work enqueues it (a failed job drops its mark, so resubmitting it runs it
+        again). A mark without a job hash is a submission whose enqueue never happened (refused
+        for memory, or its producer died between the two round trips): that id is enqueued now."""
         unique = list(dict.fromkeys(job_ids))
         with self.connection.pipeline(transaction=False) as pipe:
             for job_id in unique:
                 pipe.set(keys.submitted(job_id), self.session, nx=True, ex=self.config.result_ttl_s)
+                pipe.exists(f"rq:job:{job_id}")
             for sha in blob_shas:
                 pipe.exists(keys.blob(sha))
             replies = pipe.execute()
-        claimed, present = replies[: len(unique)], replies[len(unique) :]
-        new_ids = {job_id for job_id, ok in zip(unique, claimed) if ok}
+        marks, present = replies[: 2 * len(unique)], replies[2 * len(unique) :]
+        new_ids = {job_id for job_id, first, job in zip(unique, marks[::2], marks[1::2]) if first or not job}
         return new_ids, {sha for sha, n in zip(blob_shas, present) if n}
 
     def _enqueue(self, jobs: list[CaptionJob], pipe) -> None:
