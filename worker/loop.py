@@ -149,9 +149,9 @@ class BatchingWorker:
         return True
 
     def _start(self) -> None:
+        self._install_signal_handlers()
         self._register()
         self.heartbeat.start()
-        self._install_signal_handlers()
         self.bridge.requeue(self.bridge.claims_key, died=True)  # a previous life under this name
         self._reap_after = time.monotonic() + self.config.liveness_ttl_s
         self.state = WorkerState.READY

@@ -1,0 +1,159 @@
+"""What the fault tests share: `wicore worker` processes by name (started, frozen, killed), a
+producer feeding jobs from a thread, and the audit of every job's final state in RQ's records."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+from redis import Redis
+from redis.exceptions import RedisError
+from rq.registry import FailedJobRegistry, FinishedJobRegistry, StartedJobRegistry
+from rq.results import Result
+
+from tests.helpers import wait_until
+from wicore import keys
+from wicore.producer import Producer, ProducerConfig, Submission
+from wicore.schemas import GenerationParams, Lane
+
+
+class Workers:
+    """`wicore worker` processes on one Redis, by name; each logs to `log_dir/<name>.log`."""
+
+    def __init__(self, redis_url: str, log_dir: Path, args: list[str], env: dict[str, str]):
+        self.redis_url = redis_url
+        self.log_dir = log_dir
+        self.args = args
+        self.env = {**os.environ, **env}
+        self.processes: dict[str, subprocess.Popen] = {}
+        self.connection = Redis.from_url(redis_url)
+        log_dir.mkdir(parents=True, exist_ok=True)
+
+    def start(self, name: str, wait: bool = True) -> subprocess.Popen:
+        command = [sys.executable, "-m", "wicore.cli.main", "worker", "--redis-url", self.redis_url, "--name", name]
+        with open(self.log_dir / f"{name}.log", "ab") as log:
+            process = subprocess.Popen(command + self.args, env=self.env, stdout=log, stderr=subprocess.STDOUT)
+        self.processes[name] = process
+        if wait:
+            wait_until(lambda: self._registered(name), 120, what=f"worker {name} to register")
+        return process
+
+    def _registered(self, name: str) -> bool:
+        if self.processes[name].poll() is not None:
+            raise AssertionError(f"worker {name} exited {self.processes[name].returncode}:\n{self.log(name)}")
+        return self.connection.hget(f"rq:worker:{name}", "pid") == str(self.processes[name].pid).encode()
+
+    def kill_holding(self, name: str, wanted=bool, timeout: float = 60) -> list[str]:
+        """kill -9 the worker at a moment it holds claimed jobs that `wanted(ids)` accepts: freeze
+        it (SIGSTOP), look at its claims list, kill it if it fits, else let it run a little.
+        Returns the job ids it held when it died."""
+        process = self.processes[name]
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            process.send_signal(signal.SIGSTOP)
+            held = [i.decode() for i in self.connection.lrange(keys.claims(name), 0, -1)]
+            if wanted(held):
+                process.send_signal(signal.SIGKILL)
+                process.wait(timeout=30)
+                return held
+            process.send_signal(signal.SIGCONT)
+            time.sleep(0.003)
+        raise AssertionError(f"worker {name} never held the wanted jobs within {timeout}s")
+
+    def alive(self) -> list[str]:
+        return [name for name, p in self.processes.items() if p.poll() is None]
+
+    def stop_all(self, timeout: float = 60) -> dict[str, int]:
+        for process in self.processes.values():
+            if process.poll() is None:
+                process.send_signal(signal.SIGCONT)
+                process.send_signal(signal.SIGTERM)
+        return {name: p.wait(timeout=timeout) for name, p in self.processes.items()}
+
+    def __enter__(self) -> Workers:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for process in self.processes.values():  # a failed test leaves none behind
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+
+    def log(self, name: str) -> str:
+        return (self.log_dir / f"{name}.log").read_text(errors="replace")
+
+
+class Feeder(threading.Thread):
+    """Submits `per_tick` jobs every `tick_s` until stopped, all sharing one image (distinct
+    prompts make distinct jobs). A submission Redis refuses is retried until it goes through;
+    `ids` holds every id a submit call returned."""
+
+    def __init__(self, redis_url: str, model: str, image: bytes, *, per_tick: int = 8, tick_s: float = 0.25, **params):
+        super().__init__(name="feeder", daemon=True)
+        config = ProducerConfig(retries=5)
+        self.producer = Producer(Redis.from_url(redis_url, socket_timeout=10), model=model, config=config)
+        self.image = image
+        self.per_tick = per_tick
+        self.tick_s = tick_s
+        self.params = GenerationParams(**params)
+        self.ids: list[str] = []
+        self.refused = 0  # submit calls that raised (Redis away); each was retried
+        self._stop_event = threading.Event()
+        self._count = 0
+
+    def run(self) -> None:
+        while not self._stop_event.wait(self.tick_s):
+            batch = [Submission(self.image, f"job {self._count + i}", params=self.params) for i in range(self.per_tick)]
+            self._count += self.per_tick
+            while not self._stop_event.is_set():
+                try:
+                    self.ids += self.producer.submit_many(batch)
+                    break
+                except RedisError:
+                    self.refused += 1
+                    time.sleep(0.5)
+
+    def submit_high(self, image: bytes, prompt: str) -> str:
+        return self.producer.submit(image, prompt, priority=Lane.HIGH, params=self.params)
+
+    def stop(self) -> list[str]:
+        self._stop_event.set()
+        self.join(timeout=60)
+        return list(self.ids)
+
+
+def wait_all_ended(connection: Redis, ids: list[str], timeout: float) -> None:
+    def ended() -> bool:
+        with connection.pipeline(transaction=False) as pipe:
+            for job_id in ids:
+                pipe.hget(f"rq:job:{job_id}", "status")
+            return all(s in (b"finished", b"failed") for s in pipe.execute())
+
+    wait_until(ended, timeout, interval=0.5, what=f"all {len(ids)} jobs to end")
+
+
+def audit(connection: Redis, ids: list[str], queue_names: list[str]) -> Counter:
+    """Every job's final state, checked in RQ's own records: status, registry, exactly one
+    result of the matching kind. Returns the count per status."""
+    finished = {j for q in queue_names for j in FinishedJobRegistry(q, connection=connection).get_job_ids()}
+    failed = {j for q in queue_names for j in FailedJobRegistry(q, connection=connection).get_job_ids()}
+    statuses: Counter = Counter()
+    for job_id in set(ids):
+        status = (connection.hget(f"rq:job:{job_id}", "status") or b"missing").decode()
+        statuses[status] += 1
+        kinds = Counter(int(fields[b"type"]) for _, fields in connection.xrange(Result.get_key(job_id)))
+        if status == "finished":
+            assert job_id in finished and kinds == Counter({1: 1}), f"{job_id}: results {dict(kinds)}"
+        else:
+            assert status == "failed" and job_id in failed and kinds[1] == 0, f"{job_id} is {status}"
+    for name in queue_names:
+        assert not StartedJobRegistry(name, connection=connection).get_job_ids(cleanup=False), (
+            f"{name}: jobs left started"
+        )
+    return statuses
