@@ -46,28 +46,39 @@ class Heartbeat(threading.Thread):
         self.record = record
         self.heartbeat_s = heartbeat_s
         self.ttl = max(1, round(ttl_s))
-        self.lost = False  # the record expired (an outage, or a stall longer than the TTL)
         self._beat = record.connection.register_script(_BEAT_LUA)
+        self._lock = threading.Lock()
         self._stop_event = threading.Event()
         self._failing = False
 
     def beat(self) -> bool:
-        """Refresh the record; False (and `lost`) when it is gone."""
+        """Refresh the record; False when it is gone."""
         from rq.utils import now, utcformat
 
-        alive = bool(self._beat(keys=[self.record.key, self.record.executions_key], args=[self.ttl, utcformat(now())]))
-        self.lost = self.lost or not alive
-        return alive
+        return bool(self._beat(keys=[self.record.key, self.record.executions_key], args=[self.ttl, utcformat(now())]))
+
+    def keep_registered(self) -> bool:
+        """Refresh the record, registering again if it expired (a Redis outage longer than the
+        TTL, or a stall); True if it had to. Either thread may call it."""
+        with self._lock:
+            if self.beat():
+                return False
+            self.record.register_birth()
+            self.beat()
+        log.warning("worker %s: its record had expired; registered again", self.record.name)
+        return True
 
     def run(self) -> None:
         while not self._stop_event.wait(self.heartbeat_s):
             try:
-                self.beat()
+                self.keep_registered()
                 self._failing = False
             except REDIS_DOWN as exc:  # the main loop rides the outage out; say so once
                 if not self._failing:
                     log.warning("heartbeat failed: %s", exc)
                 self._failing = True
+            except ValueError as exc:  # RQ: another worker took the name meanwhile
+                log.warning("heartbeat: %s", exc)
 
     def stop(self) -> None:
         self._stop_event.set()

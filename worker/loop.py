@@ -81,6 +81,7 @@ class InFlight:
     claimed: Claimed
     payload: CaptionJob
     batch: int  # jobs claimed together reach the engine together
+    fetched: bool = False  # its image bytes were asked of Redis (an outage can come between)
     loading: Future[Loaded] | None = None  # the image, until it reaches the engine
     preprocess_s: float = 0.0
 
@@ -131,6 +132,7 @@ class BatchingWorker:
     def _turn(self) -> bool:
         """One pass of the loop; False when the worker is done (burst, max_jobs, stopped)."""
         self._maintain()
+        self._fetch_images()
         admitted = self._admit() if not self.stopping else False
         going = self._work() or admitted or (not self.stopping and self._idle())
         self._flush()
@@ -160,7 +162,6 @@ class BatchingWorker:
     def _register(self) -> None:
         take_over_name(self.record, wait_s=self.config.liveness_ttl_s + self.config.heartbeat_s)
         self.record.register_birth()
-        self.heartbeat.lost = False
         self.heartbeat.beat()
 
     def _stop(self) -> None:
@@ -184,9 +185,6 @@ class BatchingWorker:
     def _maintain(self) -> None:
         """Every `maintain_every_s`: give back claims we do not hold, requeue dead workers' jobs,
         prune expired registry entries, publish our engine's counters."""
-        if self.heartbeat.lost:
-            log.warning("worker %s: its record expired; registering again", self.name)
-            self._register()
         if time.monotonic() < self._next_maintenance:
             return
         self._reconcile()
@@ -253,14 +251,18 @@ class BatchingWorker:
             return False
 
     def _reconnected(self, down_s: float) -> None:
-        held = len(self.unwritten)
-        if not self.heartbeat.beat():
-            self._register()
-        self._flush()
+        self.heartbeat.keep_registered()
+        written = self.bridge.finish(self.unwritten)
+        held, self.unwritten = len(self.unwritten), []
+        self._fetch_images()
         self._reconcile()
-        self._reap_after = time.monotonic() + self.config.liveness_ttl_s
+        # Workers that lost Redis together come back within a TTL plus one backoff step.
+        self._reap_after = time.monotonic() + self.config.liveness_ttl_s + Backoff.most_s + 1
         self.state = WorkerState.STOPPING if self.stopping else WorkerState.READY
-        log.warning("worker %s: Redis is back after %.1fs; wrote %d held results", self.name, down_s, held)
+        log.warning(
+            "worker %s: Redis is back after %.1fs; wrote %d of %d held results (the rest were requeued meanwhile)",
+            self.name, down_s, written, held,
+        )  # fmt: skip
 
     # -- taking jobs --------------------------------------------------------------------------
 
@@ -268,7 +270,7 @@ class BatchingWorker:
         """Fill the engine's free slots from the bucket the policy picks. True if jobs came in."""
         if self.config.max_jobs is not None and self.jobs_done + len(self.in_flight) >= self.config.max_jobs:
             return False
-        capacity = self.gate.free_slots() - len(self._loading())
+        capacity = self.gate.free_slots() - len(self._before_engine())
         if self.config.max_jobs is not None:
             capacity = min(capacity, self.config.max_jobs - self.jobs_done - len(self.in_flight))
         self.record.set_queue_names(self.queues.names())
@@ -287,21 +289,32 @@ class BatchingWorker:
         payloads, invalid = parse_payloads(claimed)
         live, expired = split_expired(payloads, lambda cp: cp[1].deadline, time.time())
         self._end([Finished(c, error=reason) for c, reason in invalid + [(c, deadline_message(p)) for c, p in expired]])
-        futures = self.inputs.submit(
-            [(c.id, payload) for c, payload in live]
-        )  # on an outage, `_reconcile` gives them back
         batch = next(self._batches)
-        for (c, payload), future in zip(live, futures):
-            self.in_flight[c.id] = InFlight(c, payload, batch, loading=future)
+        for c, payload in live:
+            self.in_flight[c.id] = InFlight(c, payload, batch)
+        self._fetch_images()
+
+    def _fetch_images(self) -> None:
+        """Start loading the images of jobs in hand that have none yet (one MGET for the blobs):
+        the jobs just claimed, or after an outage the ones claimed just before it."""
+        unfetched = [f for f in self.in_flight.values() if not f.fetched]
+        if not unfetched:
+            return
+        futures = self.inputs.submit([(f.claimed.id, f.payload) for f in unfetched])
+        for flight, future in zip(unfetched, futures):
+            flight.fetched, flight.loading = True, future
 
     def _loading(self) -> list[InFlight]:
         return [f for f in self.in_flight.values() if f.loading is not None]
+
+    def _before_engine(self) -> list[InFlight]:
+        return [f for f in self.in_flight.values() if f.loading is not None or not f.fetched]
 
     def _hand_over_loaded(self) -> None:
         """The jobs of a claim go to the engine together, once all their images are ready; a bad
         image fails its job alone."""
         loading = self._loading()
-        unready = {f.batch for f in loading if not f.loading.done()}
+        unready = {f.batch for f in self._before_engine() if f.loading is None or not f.loading.done()}
         bad, requests = [], []
         for flight in loading:
             if flight.batch in unready:

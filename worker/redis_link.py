@@ -60,9 +60,10 @@ class Backoff:
     """Exponential waits with jitter (half to all of the step), so workers that lost Redis
     together do not all knock at the same moment."""
 
-    def __init__(self, first_s: float = 0.1, most_s: float = 5.0):
-        self.first_s = first_s
-        self.most_s = most_s
+    first_s = 0.1
+    most_s = 5.0
+
+    def __init__(self) -> None:
         self.tries = 0
 
     def next(self) -> float:
