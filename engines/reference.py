@@ -47,9 +47,11 @@ class ReferenceEngine(Engine):
         done: list[Completion] = []
         for request in requests:
             try:
-                groups[sampling_key(request.params)].append((request, self._prompt_text(request)))
+                text = self._prompt_text(request)
             except JobInputError as error:
                 done.append(failed(request.id, error, input_error=True))
+                continue
+            groups[sampling_key(request.params)].append((request, text))
         for group in groups.values():
             done.extend(self._run_isolating_failures(group))
         return done
@@ -61,11 +63,13 @@ class ReferenceEngine(Engine):
             text = self.processor.apply_chat_template(request.chat, add_generation_prompt=True)
         except Exception as error:
             raise JobInputError(f"chat template failed: {error}") from error
-        boi = getattr(self.processor, "boi_token", None)
+        boi, soft = getattr(self.processor, "boi_token", None), getattr(self.tokenizer, "image_token", None)
         if boi is not None and text.count(boi) != len(request.images):
             raise JobInputError(
                 f"the prompt holds {text.count(boi)} image placeholders ({boi}) for {len(request.images)} images"
             )
+        if soft is not None and soft in text:
+            raise JobInputError(f"the prompt holds the image token text {soft}")
         return text
 
     def _run_isolating_failures(self, group: list[tuple[EngineRequest, str]]) -> list[Completion]:
@@ -80,6 +84,11 @@ class ReferenceEngine(Engine):
             log.warning("batch of %d failed (%s); running its requests one by one", len(group), batch_error)
             return [c for pair in group for c in self._run_isolating_failures([pair])]
 
+    def _too_long(self, request: EngineRequest, prompt_len: int) -> Completion:
+        new = request.params.max_new_tokens
+        error = PromptTooLong(f"prompt of {prompt_len} tokens + {new} new tokens exceeds the model's {self.max_len}")
+        return failed(request.id, error, input_error=True)
+
     @torch.inference_mode()
     def _generate(self, pairs: list[tuple[EngineRequest, str]]) -> list[Completion]:
         clock = Stopwatch()
@@ -93,14 +102,12 @@ class ReferenceEngine(Engine):
         ).to(self.model.device)
         inputs["pixel_values"] = inputs["pixel_values"].to(self.model.dtype)
         prompt_lens = inputs["attention_mask"].sum(dim=1).tolist()
+        too_long = [(r, n) for r, n in zip(group, prompt_lens) if n + r.params.max_new_tokens > self.max_len]
+        if too_long:  # those fail alone; their batch mates run without them
+            rest = [pair for pair in pairs if all(pair[0] is not r for r, _ in too_long)]
+            return [self._too_long(r, n) for r, n in too_long] + (self._generate(rest) if rest else [])
         params = [r.params for r in group]
         longest = max(p.max_new_tokens for p in params)
-        for request, prompt_len in zip(group, prompt_lens):
-            if prompt_len + request.params.max_new_tokens > self.max_len:
-                raise PromptTooLong(
-                    f"prompt of {prompt_len} tokens + {request.params.max_new_tokens} new tokens exceeds "
-                    f"the model's {self.max_len}"
-                )
         first = params[0]
         if first.seed is not None:
             torch.manual_seed(first.seed)

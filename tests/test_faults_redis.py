@@ -5,7 +5,7 @@ register again, and every job submitted ends finished, exactly once.
 
 The server fsyncs its AOF on every write (`appendfsync always`): with the default `everysec`, a
 kill -9 loses up to a second of acknowledged writes, submissions included, which no client can
-recover; see README (Reliability).
+recover.
 """
 
 from __future__ import annotations

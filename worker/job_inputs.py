@@ -72,7 +72,7 @@ class InputLoader:
     def _read_path(self, raw: str) -> bytes:
         try:
             path = Path(raw).resolve()
-        except (ValueError, OSError) as exc:  # a NUL byte, an unencodable name, a symlink loop
+        except (ValueError, OSError, RuntimeError) as exc:  # a NUL byte, an unencodable name, a symlink loop
             raise ImageNotAllowed(f"{raw!r} is not a usable path ({exc})") from None
         if not any(path.is_relative_to(root) for root in self.roots):
             raise ImageNotAllowed(f"{raw} is outside the worker's allowed roots (--allow-root)")
