@@ -226,3 +226,71 @@ def test_poison_jobs_fail_alone_at_once_and_their_batch_mates_run(redis_conn, en
     assert redis_conn.hget(f"rq:job:{placeholder}", "retries_left") == b"2"
     assert [e[b"id"] for _, e in redis_conn.xrange(keys.DEAD_LETTER)] == [b"no-hash"]
     assert engine.requests_seen - seen_before == len(good) + len(more) + 1, "each good job ran once"
+
+
+def test_worker_reports_waiting_for_redis_and_carries_on_when_it_is_back(tmp_path):
+    """In-process: Redis (AOF) is shut down under a running worker; its state says "waiting for
+    Redis" until the server is back, then it takes the next job."""
+    import threading
+
+    from tests.helpers import wait_until
+    from wicore.embedded import EmbeddedRedis, free_port
+    from wicore.engines.null import NullEngine
+    from wicore.worker.loop import WorkerState
+
+    port, data = free_port(), tmp_path / "redis"
+    server = EmbeddedRedis(data, persist=True, port=port).start()
+    connection = Redis.from_url(server.url)
+    engine = NullEngine(EngineConfig(model_dir="", max_batch_size=4))
+    worker = BatchingWorker(connection, engine, WorkerConfig(MODEL, max_jobs=2, liveness_ttl_s=3))
+    producer = Producer(Redis.from_url(server.url), model=MODEL)
+    first = producer.submit(png_bytes(1), "before")
+    seen = []
+
+    def outage():
+        nonlocal server
+        wait_until(lambda: redis_status(server, first) == b"finished", 60, what="the first job")
+        server.stop()
+        wait_until(lambda: worker.state is WorkerState.WAITING_FOR_REDIS, 60, what="waiting for Redis")
+        seen.append(worker.state.value)
+        server = EmbeddedRedis(data, persist=True, port=port).start()
+        wait_until(lambda: worker.state is WorkerState.READY, 60, what="ready again")
+        seen.append(worker.state.value)
+        producer.submit(png_bytes(2), "after")
+
+    helper = threading.Thread(target=outage)
+    helper.start()
+    try:
+        assert worker.run() == 2
+    finally:
+        helper.join(timeout=120)
+        server.stop()
+    assert seen == ["waiting for Redis", "ready"]
+
+
+def redis_status(server, job_id: str):
+    with Redis.from_url(server.url) as connection:
+        return connection.hget(f"rq:job:{job_id}", "status")
+
+
+def test_jobs_claimed_together_reach_the_engine_together(redis_conn):
+    """Images decode at different speeds; the engine still gets each claimed batch in one `add`."""
+    from wicore.engines.null import NullEngine
+
+    class RecordingEngine(NullEngine):
+        def __init__(self, config):
+            super().__init__(config)
+            self.adds: list[int] = []
+
+        def add(self, requests):
+            self.adds.append(len(requests))
+            return super().add(requests)
+
+    producer = Producer(redis_conn, model=MODEL)
+    sizes = [(900, 900), (20, 20), (600, 400), (30, 30), (800, 700), (10, 10), (500, 500), (40, 40)]
+    ids = producer.submit_many([Submission(png_bytes(i, size), "x") for i, size in enumerate(sizes)])
+    engine = RecordingEngine(EngineConfig(model_dir="", max_batch_size=8))
+    policy = BatchPolicy(max_batch_size=8, max_queue_delay_s=0.0)
+    BatchingWorker(redis_conn, engine, WorkerConfig(MODEL, policy=policy, burst=True)).run()
+    assert all(o.result is not None for o in outcomes(producer, ids).values())
+    assert engine.adds == [8]
