@@ -1,5 +1,6 @@
-"""From a claimed job to an engine request: fetch the image (blob or allowed path), check its
-hash, decode it. Every failure here is the job's own (an input error), reported per job."""
+"""From a claimed job to an engine request: parse its payload, fetch the image (blob or allowed
+path), check its hash, decode it. Every failure here is the job's own (an input error), reported
+per job."""
 
 from __future__ import annotations
 
@@ -14,9 +15,10 @@ from redis import Redis
 
 from wicore import keys
 from wicore.engines.base import EngineRequest
-from wicore.errors import ImageError, ImageNotAllowed, JobInputError
+from wicore.errors import DeadlineExceeded, ImageError, ImageNotAllowed, InvalidJob, JobInputError
 from wicore.ops.image_decode import ImageLimits, decode_image, read_image_file
 from wicore.schemas import CaptionJob
+from wicore.worker.rq_bridge import Claimed
 
 
 @dataclass(frozen=True)
@@ -80,3 +82,23 @@ class InputLoader:
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+def parse_payloads(claimed: list[Claimed]) -> tuple[list[tuple[Claimed, CaptionJob]], list[tuple[Claimed, str]]]:
+    """(valid, invalid-with-reason): a record or payload that does not parse fails its job alone."""
+    valid, invalid = [], []
+    for c in claimed:
+        if c.invalid is not None:
+            invalid.append((c, c.invalid))
+            continue
+        try:
+            valid.append((c, CaptionJob.model_validate(c.args[0])))
+        except (ValueError, TypeError, IndexError, RecursionError) as exc:  # pydantic's errors are ValueErrors
+            first_line = str(exc).splitlines()[0][:300]
+            invalid.append((c, f"{InvalidJob.__name__}: payload is not a wicore caption job ({first_line})"))
+    return valid, invalid
+
+
+def deadline_message(payload: CaptionJob) -> str:
+    late = time.time() - (payload.deadline or 0.0)
+    return f"{DeadlineExceeded.__name__}: deadline passed {late:.3f}s before a worker could start it; not run"

@@ -33,12 +33,12 @@ from rq.serializers import JSONSerializer
 
 from wicore import keys
 from wicore.engines.base import Completion, Engine
-from wicore.errors import DeadlineExceeded, InvalidJob, ShutdownRequested
+from wicore.errors import ShutdownRequested
 from wicore.scheduler.policy import BatchPolicy, Take, Wait, choose, split_expired
 from wicore.scheduler.queues import BucketQueues
 from wicore.schemas import CaptionJob, Timings
 from wicore.worker.engine_gate import EngineGate
-from wicore.worker.job_inputs import InputConfig, InputLoader, Loaded
+from wicore.worker.job_inputs import InputConfig, InputLoader, Loaded, deadline_message, parse_payloads
 from wicore.worker.liveness import Heartbeat, reap_dead_workers, take_over_name
 from wicore.worker.redis_link import REDIS_DOWN, Backoff
 from wicore.worker.results import caption_result
@@ -288,7 +288,8 @@ class BatchingWorker:
         rest have their images loaded in the background (the engine keeps running meanwhile)."""
         payloads, invalid = parse_payloads(claimed)
         live, expired = split_expired(payloads, lambda cp: cp[1].deadline, time.time())
-        self._end([Finished(c, error=reason) for c, reason in invalid + [(c, deadline_message(p)) for c, p in expired]])
+        invalid += [(c, deadline_message(payload)) for c, payload in expired]
+        self._end([Finished(c, error=reason) for c, reason in invalid])
         batch = next(self._batches)
         for c, payload in live:
             self.in_flight[c.id] = InFlight(c, payload, batch)
@@ -371,23 +372,3 @@ class BatchingWorker:
         log.info("worker %s: warm shutdown (signal again to stop now)", self.name)
         self.stopping = True
         self.state = WorkerState.STOPPING
-
-
-def parse_payloads(claimed: list[Claimed]) -> tuple[list[tuple[Claimed, CaptionJob]], list[tuple[Claimed, str]]]:
-    """(valid, invalid-with-reason): a record or payload that does not parse fails its job alone."""
-    valid, invalid = [], []
-    for c in claimed:
-        if c.invalid is not None:
-            invalid.append((c, c.invalid))
-            continue
-        try:
-            valid.append((c, CaptionJob.model_validate(c.args[0])))
-        except (ValueError, TypeError, IndexError, RecursionError) as exc:  # pydantic's errors are ValueErrors
-            first_line = str(exc).splitlines()[0][:300]
-            invalid.append((c, f"{InvalidJob.__name__}: payload is not a wicore caption job ({first_line})"))
-    return valid, invalid
-
-
-def deadline_message(payload: CaptionJob) -> str:
-    late = time.time() - (payload.deadline or 0.0)
-    return f"{DeadlineExceeded.__name__}: deadline passed {late:.3f}s before a worker could start it; not run"

@@ -27,6 +27,7 @@ from typing import Any
 
 from redis import Redis
 from rq import Queue
+from rq.defaults import DEFAULT_FAILURE_TTL, DEFAULT_WORKER_TTL
 from rq.job import Job
 from rq.serializers import JSONSerializer
 from rq.utils import now, utcformat
@@ -36,7 +37,13 @@ from wicore import keys
 from wicore.errors import InvalidJob
 from wicore.worker import rq_scripts
 
-DEFAULT_JOB_TIMEOUT = Queue.DEFAULT_TIMEOUT  # RQ's, when a job has none
+# A started job's execution records live as long as RQ's SimpleWorker keeps them
+# (`get_heartbeat_ttl`, `Execution.create`): the job's timeout (RQ's queue default when the job
+# has none) plus a grace, or RQ's worker TTL for a job that never times out (timeout -1).
+DEFAULT_JOB_TIMEOUT = Queue.DEFAULT_TIMEOUT
+NO_TIMEOUT_TTL = DEFAULT_WORKER_TTL
+TTL_GRACE_S = 60  # RQ adds it to every execution TTL; rq spells it as a literal, not a constant
+NOTIFY_TTL_S = 3_600  # a notification list expires this long after its last push (its producer may be gone)
 TASK = "wicore.worker.tasks.caption"  # the function every wicore job names
 MAX_JOB_DATA = 16 * 2**20  # bytes of a job's (inflated) data we are willing to parse
 WORKER_DIED = "WorkerDied: the worker running this job stopped (no retries left)"
@@ -193,7 +200,7 @@ class RQBridge:
         """Take and start up to `count` jobs from a bucket queue, in one round trip."""
         at = now()
         args = [count, self.record.name, at.timestamp(), utcformat(at), queue_name]
-        args += [uuid.uuid4().hex for _ in range(count)]
+        args += [DEFAULT_JOB_TIMEOUT, NO_TIMEOUT_TTL, TTL_GRACE_S, *(uuid.uuid4().hex for _ in range(count))]
         rows = self._claim(
             keys=["rq:queue:" + queue_name, *self._worker_keys(), keys.CLAIMANTS, keys.DEAD_LETTER], args=args
         )
@@ -206,7 +213,7 @@ class RQBridge:
         if not items:
             return 0
         at = now()
-        args: list[Any] = [self.record.name, at.timestamp(), utcformat(at), rq_scripts.DEFAULT_FAILURE_TTL]
+        args: list[Any] = [self.record.name, at.timestamp(), utcformat(at), DEFAULT_FAILURE_TTL, NOTIFY_TTL_S]
         for item in items:
             args += self._settle_args(item)
         return int(self._settle(keys=self._worker_keys(), args=args))
@@ -236,7 +243,7 @@ class RQBridge:
             script_keys.append(f"rq:worker:{owner}")
         at = now()
         args = [at.timestamp(), utcformat(at), int(died), exc_string(WORKER_DIED), self.record.name]
-        args += [rq_scripts.DEFAULT_FAILURE_TTL, *(job_ids or [])]
+        args += [DEFAULT_FAILURE_TTL, *(job_ids or [])]
         return int(self._requeue(keys=script_keys, args=args))
 
     def claimed_ids(self) -> list[str]:

@@ -11,9 +11,6 @@ The scripts touch keys they compute (rq:job:<id>, ...): fine on one Redis, not o
 
 from __future__ import annotations
 
-# RQ's default failure TTL (one year) when a job hash has none.
-DEFAULT_FAILURE_TTL = 365 * 24 * 3600
-
 # Helpers shared by the scripts below (Lua has no modules in EVAL: each script starts with these).
 _LIB = """
 local function forget_executions(id, origin, worker_executions)
@@ -35,7 +32,8 @@ local function push(origin, id, front)
   redis.call('SADD', 'rq:queues', queue)
 end
 
--- A TTL as Redis takes it: an integer, -1 for "keep forever", `default` when unreadable.
+-- A TTL as Redis takes it: an integer, -1 for "keep forever", `default` when unreadable; capped
+-- at ten years (EXPIRE refuses what a huge or fractional number formats to).
 local function ttl_of(value, default)
   local n = tonumber(value)
   if n == nil or n ~= n then return default end
@@ -90,7 +88,8 @@ end
 """
 
 # KEYS: queue, claims list, worker executions index, worker hash, claimants set, dead-letter stream.
-# ARGV: count, worker name, now (unix), now (RQ text), queue name, then `count` fresh execution ids.
+# ARGV: count, worker name, now (unix), now (RQ text), queue name, default job timeout, TTL of a
+# job without timeout, TTL grace, then `count` fresh execution ids.
 # Takes up to `count` jobs and starts each as RQ's worker does (status, execution hash, the job's
 # executions index, the started registry, the worker's executions index). An id RQ could not have
 # made, or one with no job hash, goes to the dead-letter stream; an id whose job is no longer
@@ -100,6 +99,7 @@ CLAIM = (
     _LIB
     + """
 local n, worker, now, now_text, queue_name = tonumber(ARGV[1]), ARGV[2], tonumber(ARGV[3]), ARGV[4], ARGV[5]
+local default_timeout, no_timeout_ttl, grace = tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8])
 local settled = {finished = 1, failed = 1, started = 1, stopped = 1, canceled = 1, deferred = 1, scheduled = 1}
 local out, longest = {}, 0
 redis.call('SADD', KEYS[5], worker)
@@ -121,11 +121,11 @@ for i = 1, n do
     if f[3] and settled[f[3]] then
       redis.call('LREM', KEYS[2], 1, id)
     else
-      local eid = ARGV[5 + i]
+      local eid = ARGV[8 + i]
       local comp = id .. ':' .. eid
-      local timeout = ttl_of(f[6], 180)
-      local ttl = timeout + 60
-      if timeout < 0 then ttl = 420 end
+      local timeout = ttl_of(f[6], default_timeout)
+      local ttl = timeout + grace
+      if timeout < 0 then ttl = no_timeout_ttl end
       if ttl > longest then longest = ttl end
       redis.call('HSET', job, 'status', 'started', 'started_at', now_text, 'last_heartbeat', now_text,
                  'worker_name', worker, 'origin', queue_name)
@@ -133,8 +133,8 @@ for i = 1, n do
       redis.call('HSET', 'rq:execution:' .. comp, 'id', eid, 'job_id', id, 'created_at', now,
                  'last_heartbeat', now, 'worker_name', worker)
       redis.call('EXPIRE', 'rq:execution:' .. comp, ttl)
-      redis.call('ZADD', 'rq:executions:' .. id, now + ttl + 60, eid)
-      redis.call('EXPIRE', 'rq:executions:' .. id, ttl + 60)
+      redis.call('ZADD', 'rq:executions:' .. id, now + ttl + grace, eid)
+      redis.call('EXPIRE', 'rq:executions:' .. id, ttl + grace)
       redis.call('ZADD', 'rq:wip:' .. queue_name, now + ttl, comp)
       redis.call('SADD', KEYS[3], comp)
       out[#out + 1] = {id, eid, f[1] or '', f[2] or '', queue_name, f[4] or '', f[5] or ''}
@@ -142,7 +142,7 @@ for i = 1, n do
   end
 end
 if #out > 0 then
-  redis.call('EXPIRE', KEYS[3], longest + 60)
+  redis.call('EXPIRE', KEYS[3], longest + grace)
   redis.call('HSET', KEYS[4], 'state', 'busy')
 end
 return out
@@ -150,7 +150,7 @@ return out
 )
 
 # KEYS: claims list, worker executions index, worker hash.
-# ARGV: worker name, now (unix), now (RQ text), default failure ttl, then 8 per job:
+# ARGV: worker name, now (unix), now (RQ text), default failure ttl, notify TTL, then 8 per job:
 #   id, execution id, origin, kind, value, result ttl, started (unix), notify key.
 # kind 'ok': value is the return value (base64 JSON); 'fail': value is RQ's exc_string (base64
 # zlib); 'retry': a transient failure, requeued at the back if the job has retries left, else
@@ -159,8 +159,9 @@ SETTLE = (
     _LIB
     + """
 local worker, now, now_text, default_ttl = ARGV[1], tonumber(ARGV[2]), ARGV[3], tonumber(ARGV[4])
+local notify_ttl = tonumber(ARGV[5])
 local ok, failed, worked = 0, 0, 0
-for i = 5, #ARGV, 8 do
+for i = 6, #ARGV, 8 do
   local id, eid, origin, kind, value = ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3], ARGV[i + 4]
   local ttl, started, notify = ttl_of(ARGV[i + 5], 0), tonumber(ARGV[i + 6]), ARGV[i + 7]
   local job = 'rq:job:' .. id
@@ -189,7 +190,7 @@ for i = 5, #ARGV, 8 do
     end
     if ended and notify ~= '' then
       redis.call('RPUSH', notify, id)
-      redis.call('EXPIRE', notify, 3600)
+      redis.call('EXPIRE', notify, notify_ttl)
     end
     worked = worked + (now - (started or now))
   end
