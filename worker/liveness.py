@@ -114,7 +114,7 @@ def take_over_name(record: RQWorkerRecord, wait_s: float) -> None:
         log.info("worker %s: taking over the record of its dead predecessor (pid %s)", record.name, fields[1])
         connection.delete(record.key)
         return
-    log.info("worker %s: waiting up to %.0fs for a previous worker of this name to expire", record.name, wait_s)
+    log.warning("worker %s: waiting up to %.0fs for a previous worker of this name to expire", record.name, wait_s)
     deadline = time.monotonic() + wait_s
     while connection.exists(record.key) and time.monotonic() < deadline:
         time.sleep(0.25)

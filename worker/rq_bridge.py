@@ -35,6 +35,7 @@ from rq.worker import BaseWorker
 
 from wicore import keys
 from wicore.errors import InvalidJob
+from wicore.producer.client import TASK
 from wicore.worker import rq_scripts
 
 # A started job's execution records live as long as RQ's SimpleWorker keeps them
@@ -44,7 +45,6 @@ DEFAULT_JOB_TIMEOUT = Queue.DEFAULT_TIMEOUT
 NO_TIMEOUT_TTL = DEFAULT_WORKER_TTL
 TTL_GRACE_S = 60  # RQ adds it to every execution TTL; rq spells it as a literal, not a constant
 NOTIFY_TTL_S = 3_600  # a notification list expires this long after its last push (its producer may be gone)
-TASK = "wicore.worker.tasks.caption"  # the function every wicore job names
 MAX_JOB_DATA = 16 * 2**20  # bytes of a job's (inflated) data we are willing to parse
 WORKER_DIED = "WorkerDied: the worker running this job stopped (no retries left)"
 
@@ -75,7 +75,6 @@ class Claimed:
     origin: str
     args: list[Any]
     meta: dict[str, Any]
-    retries_left: int | None
     result_ttl: int | None
     started_at: float  # unix seconds
     invalid: str | None = None  # why the job's record cannot be run, if it cannot
@@ -103,14 +102,13 @@ class Finished:
 
 def decode_claimed(row: list[bytes], started_at: float) -> Claimed:
     """Never raises: a field that does not parse makes the job `invalid`, with the reason."""
-    job_id, eid, data, meta, origin, retries_left, result_ttl = row
+    job_id, eid, data, meta, origin, result_ttl = row
     claimed = Claimed(
         id=job_id.decode(),  # the claim script only returns ids of [A-Za-z0-9_-]
         execution_id=eid.decode(),
         origin=origin.decode(),  # the queue it was claimed from
         args=[],
         meta={},
-        retries_left=optional_int(retries_left),
         result_ttl=optional_int(result_ttl),
         started_at=started_at,
     )

@@ -94,7 +94,7 @@ end
 # executions index, the started registry, the worker's executions index). An id RQ could not have
 # made, or one with no job hash, goes to the dead-letter stream; an id whose job is no longer
 # queued (a duplicate entry) is dropped. Returns per started job: id, execution id, data, meta,
-# origin, retries_left, result_ttl ('' for a missing field).
+# origin, result_ttl ('' for a missing field).
 CLAIM = (
     _LIB
     + """
@@ -117,13 +117,13 @@ for i = 1, n do
   elseif redis.call('EXISTS', job) == 0 then
     dead_letter(id, 'no job hash under this id (deleted, or evicted by maxmemory)')
   else
-    local f = redis.call('HMGET', job, 'data', 'meta', 'status', 'retries_left', 'result_ttl', 'timeout')
+    local f = redis.call('HMGET', job, 'data', 'meta', 'status', 'result_ttl', 'timeout')
     if f[3] and settled[f[3]] then
       redis.call('LREM', KEYS[2], 1, id)
     else
       local eid = ARGV[8 + i]
       local comp = id .. ':' .. eid
-      local timeout = ttl_of(f[6], default_timeout)
+      local timeout = ttl_of(f[5], default_timeout)
       local ttl = timeout + grace
       if timeout < 0 then ttl = no_timeout_ttl end
       if ttl > longest then longest = ttl end
@@ -137,7 +137,7 @@ for i = 1, n do
       redis.call('EXPIRE', 'rq:executions:' .. id, ttl + grace)
       redis.call('ZADD', 'rq:wip:' .. queue_name, now + ttl, comp)
       redis.call('SADD', KEYS[3], comp)
-      out[#out + 1] = {id, eid, f[1] or '', f[2] or '', queue_name, f[4] or '', f[5] or ''}
+      out[#out + 1] = {id, eid, f[1] or '', f[2] or '', queue_name, f[4] or ''}
     end
   end
 end
