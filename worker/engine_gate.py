@@ -42,7 +42,8 @@ class EngineGate:
 
     def step(self) -> list[Completion]:
         """One engine step (when it holds anything), then refill it from the waiting requests."""
-        done = self._settle(self._run(self.engine.step, list(self.held.values()))) if self.held else []
+        holds = self.held or self.engine.num_unfinished()  # the engine may hold what a failed add left
+        done = self._settle(self._run(self.engine.step, list(self.held.values()))) if holds else []
         return done + self._feed()
 
     def _feed(self) -> list[Completion]:
