@@ -41,8 +41,11 @@ class Workers:
             process = subprocess.Popen(command + self.args, env=self.env, stdout=log, stderr=subprocess.STDOUT)
         self.processes[name] = process
         if wait:
-            wait_until(lambda: self._registered(name), 120, what=f"worker {name} to register")
+            self.wait_registered(name)
         return process
+
+    def wait_registered(self, name: str) -> None:
+        wait_until(lambda: self._registered(name), 120, what=f"worker {name} to register")
 
     def _registered(self, name: str) -> bool:
         if self.processes[name].poll() is not None:

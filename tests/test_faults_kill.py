@@ -56,6 +56,8 @@ def test_kill_9_mid_batch_20_times(tmp_path):
         finally:
             ids = feeder.stop() + interactive
         wait_all_ended(connection, ids, timeout=180)
+        for name in names:  # the last ones restarted are up (a SIGTERM before that is a plain kill)
+            workers.wait_registered(name)
         assert sorted(workers.alive()) == names, "only the killed workers died"
         exits = workers.stop_all()
         queues = sorted(k.decode()[len("rq:queue:") :] for k in connection.smembers("rq:queues"))
