@@ -15,9 +15,14 @@ ENGINES = {
 }
 
 
+def check_engine_name(name: str) -> None:
+    """Cheap (imports no engine): the CLI checks the name before it starts anything slow."""
+    if name != "auto" and name not in ENGINES:
+        raise ConfigError(f"unknown engine {name!r}; choose one of auto, {', '.join(sorted(ENGINES))}")
+
+
 def engine_class(name: str) -> type[Engine]:
-    if name not in ENGINES:
-        raise ConfigError(f"unknown engine {name!r}; choose one of {', '.join(sorted(ENGINES))}")
+    check_engine_name(name)
     module_name, class_name = ENGINES[name].split(":")
     try:
         module = importlib.import_module(module_name)
@@ -30,4 +35,13 @@ def create_engine(name: str, config: EngineConfig) -> Engine:
     return engine_class(name)(config)
 
 
-__all__ = ["ENGINES", "Completion", "Engine", "EngineConfig", "EngineRequest", "create_engine", "engine_class"]
+__all__ = [
+    "ENGINES",
+    "Completion",
+    "Engine",
+    "EngineConfig",
+    "EngineRequest",
+    "check_engine_name",
+    "create_engine",
+    "engine_class",
+]

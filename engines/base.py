@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from wicore.errors import ConfigError
 from wicore.schemas import FinishReason, GenerationParams
 
 if TYPE_CHECKING:
@@ -43,6 +44,13 @@ class Completion:
     @property
     def ok(self) -> bool:
         return self.error is None
+
+
+def reject_options(config: EngineConfig, engine: str) -> None:
+    """For engines that take no options: a given option is an error, never silently ignored."""
+    if config.options:
+        names = ", ".join(sorted(config.options))
+        raise ConfigError(f"the {engine} engine takes no --engine-option (got {names}); they are for --engine fast")
 
 
 def failed(request_id: str, error: BaseException | str, *, input_error: bool) -> Completion:

@@ -3,7 +3,7 @@ path alone (`wicore bench queue`) and needs neither torch nor a model."""
 
 from __future__ import annotations
 
-from wicore.engines.base import Completion, Engine, EngineRequest
+from wicore.engines.base import Completion, Engine, EngineRequest, reject_options
 
 
 class NullEngine(Engine):
@@ -11,6 +11,7 @@ class NullEngine(Engine):
 
     def __init__(self, config):
         super().__init__(config)
+        reject_options(config, self.name)
         self.pending: list[EngineRequest] = []
 
     def add(self, requests: list[EngineRequest]) -> list[Completion]:

@@ -12,7 +12,7 @@ from collections import defaultdict
 
 import torch
 
-from wicore.engines.base import Completion, Engine, EngineConfig, EngineRequest, Stopwatch, failed
+from wicore.engines.base import Completion, Engine, EngineConfig, EngineRequest, Stopwatch, failed, reject_options
 from wicore.engines.checkpoint import load_hf_model, load_processor
 from wicore.engines.text import finish_sequence, stop_token_ids
 from wicore.errors import JobInputError, PromptTooLong
@@ -26,6 +26,7 @@ class ReferenceEngine(Engine):
 
     def __init__(self, config: EngineConfig):
         super().__init__(config)
+        reject_options(config, self.name)
         self.processor = load_processor(config.model_dir)
         self.tokenizer = self.processor.tokenizer
         self.model = load_hf_model(config.model_dir, config.device, config.dtype, config.seed)

@@ -9,6 +9,7 @@ from redis import Redis
 
 from wicore.config import Settings
 from wicore.engines import Engine, EngineConfig, create_engine
+from wicore.errors import ConfigError
 from wicore.ops.image_decode import ImageLimits
 from wicore.scheduler.policy import BatchPolicy
 from wicore.worker.job_inputs import InputConfig
@@ -16,11 +17,29 @@ from wicore.worker.loop import BatchingWorker, WorkerConfig
 
 
 def resolve_device(device: str) -> str:
-    if device != "auto":
-        return device
     import torch
 
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    check_device(device)
+    return device
+
+
+def check_device(device: str) -> None:
+    """A device torch can name, and for CUDA one that is here."""
+    import torch
+
+    try:
+        parsed = torch.device(device)
+    except RuntimeError as exc:
+        raise ConfigError(f"--device {device}: not a device name; use cpu, cuda, cuda:N or auto") from exc
+    if parsed.type != "cuda":
+        return
+    if not torch.cuda.is_available():
+        build = f"torch {torch.__version__}" + ("" if torch.version.cuda else ", built without CUDA")
+        raise ConfigError(f"--device {device}: no CUDA device here ({build}); use --device cpu or auto")
+    if parsed.index is not None and parsed.index >= torch.cuda.device_count():
+        raise ConfigError(f"--device {device}: only {torch.cuda.device_count()} CUDA device(s) here")
 
 
 def resolve_dtype(dtype: str, device: str) -> str:
