@@ -16,8 +16,10 @@ CLAIMANTS = PREFIX + ":claimants"
 DOORBELL = PREFIX + ":doorbell:{model}"
 # Completion notices for a waiting producer (a list per producer session).
 NOTIFY = PREFIX + ":notify:{session}"
-# Per-worker engine and cache counters (JSON), for `wicore status`.
+# Per-worker model, engine, device and dtype, engine and cache counters (JSON), for `wicore status`.
 STATS = PREFIX + ":stats:{worker}"
+# Set and deleted at once by a verb's start-up check that Redis takes writes.
+PROBE = PREFIX + ":probe:{token}"
 
 # RQ queue names of wicore's bucket queues start with this (see scheduler.buckets).
 QUEUE_PREFIX = PREFIX
@@ -45,3 +47,7 @@ def notify(session: str) -> str:
 
 def stats(worker: str) -> str:
     return STATS.format(worker=worker)
+
+
+def probe(token: str) -> str:
+    return PROBE.format(token=token)

@@ -30,6 +30,7 @@ from wicore.errors import DeadlineExceeded, ShutdownRequested
 from wicore.scheduler.policy import BatchPolicy, Take, Wait, choose, split_expired
 from wicore.scheduler.queues import BucketQueues
 from wicore.schemas import CaptionJob, Timings
+from wicore.worker.batch_log import BatchLog
 from wicore.worker.job_inputs import InputConfig, InputLoader, Loaded
 from wicore.worker.liveness import Heartbeat, reap_dead_workers
 from wicore.worker.results import caption_result
@@ -72,6 +73,7 @@ class BatchingWorker:
         self.inputs = InputLoader(connection, config.inputs)
         self.heartbeat = Heartbeat(self.record, heartbeat_s=config.heartbeat_s, ttl_s=config.liveness_ttl_s)
         self.in_flight: dict[str, InFlight] = {}
+        self.batch_log = BatchLog()
         self.jobs_done = 0
         self.stopping = False
         self._next_reap = 0.0
@@ -128,7 +130,9 @@ class BatchingWorker:
         self._next_reap = time.monotonic() + self.config.reap_every_s
 
     def _publish_stats(self) -> None:
-        stats = {"jobs_done": self.jobs_done, "in_flight": len(self.in_flight), **self.engine.stats()}
+        identity = {"model": self.config.model_id, "engine": self.engine.name}
+        identity |= {"device": self.engine.config.device, "dtype": self.engine.config.dtype}
+        stats = {**identity, "jobs_done": self.jobs_done, "in_flight": len(self.in_flight), **self.engine.stats()}
         self.connection.set(keys.stats(self.name), json.dumps(stats), ex=max(60, int(self.config.liveness_ttl_s * 4)))
 
     def _idle(self) -> bool:
@@ -160,6 +164,7 @@ class BatchingWorker:
         if not isinstance(decision, Take):
             return False
         claimed = self.bridge.claim(decision.queue_name, decision.count)
+        self.batch_log.claimed(claimed)
         self._submit(claimed)
         return bool(claimed)
 
@@ -168,8 +173,10 @@ class BatchingWorker:
         their images loaded in the background (the engine keeps running meanwhile)."""
         payloads, invalid = parse_payloads(claimed)
         live, expired = split_expired(payloads, lambda cp: cp[1].deadline, time.time())
-        unrunnable = invalid + [(c, deadline_message(p)) for c, p in expired]
-        self.bridge.finish([Finished(c, error=reason) for c, reason in unrunnable])
+        reasons = invalid + [(c, deadline_message(p)) for c, p in expired]
+        unrunnable = [Finished(c, error=reason) for c, reason in reasons]
+        self.bridge.finish(unrunnable)
+        self.batch_log.ended(unrunnable)
         self.jobs_done += len(unrunnable)
         futures = self.inputs.submit([(c.id, payload) for c, payload in live])
         for (c, payload), future in zip(live, futures):
@@ -199,6 +206,7 @@ class BatchingWorker:
     def _finish(self, completions: list[Completion]) -> None:
         items = [self._finished(c) for c in completions if c.id in self.in_flight]
         self.bridge.finish(items)
+        self.batch_log.ended(items)
         self.jobs_done += len(items)
 
     def _finished(self, completion: Completion) -> Finished:
