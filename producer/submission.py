@@ -18,6 +18,13 @@ class Submission:
     priority: Lane = Lane.NORMAL
     deadline: float | None = None  # unix seconds
     metadata: dict[str, Any] = field(default_factory=dict)
+    name: str | None = None  # for people (the job's description in rq-dashboard); default: the path
+
+    @property
+    def label(self) -> str | None:
+        if self.name is not None:
+            return self.name
+        return None if isinstance(self.image, bytes | bytearray | memoryview) else str(self.image)
 
 
 @dataclass(frozen=True)
