@@ -15,6 +15,10 @@ class ConfigError(WicoreError):
     """A setting is missing, unknown or out of range."""
 
 
+class RedisUnavailable(WicoreError):
+    """Redis cannot be reached, refuses the credentials, or refuses writes."""
+
+
 class JobInputError(WicoreError):
     """The job itself is bad; running it again cannot help."""
 
