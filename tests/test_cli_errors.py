@@ -102,6 +102,7 @@ def test_config_errors_are_one_line_without_pydantic_noise(tmp_path, env):
 def test_usage_errors_are_one_line(env):
     fails("caption", "--no-such-flag", code=USAGE, says="No such option: --no-such-flag", env=env)
     fails("result", code=USAGE, says="Missing argument", env=env)
+    fails("schema", "nope", code=USAGE, says="'nope' is not one of 'manifest', 'result'", env=env)
 
 
 def test_debug_shows_the_traceback_before_the_line(env):

@@ -6,7 +6,7 @@ import sys
 
 import typer
 
-from wicore.cli import bench, caption, daemons, jobs, models
+from wicore.cli import bench, caption, daemons, formats, jobs, models
 from wicore.cli.failures import ExitCode, exit_codes_help, report
 
 try:  # recent typer vendors click
@@ -29,6 +29,7 @@ app.command(epilog=exit_codes_help(E.FAILED, E.USAGE, E.UNFINISHED, E.REDIS))(jo
 app.command(epilog=exit_codes_help(E.USAGE, E.REDIS))(jobs.status)
 app.command()(daemons.dashboard)
 app.command("make-model", epilog=exit_codes_help(E.USAGE))(models.make_model)
+app.command(epilog=exit_codes_help(E.USAGE))(formats.schema)
 app.add_typer(bench.app, name="bench")
 
 
