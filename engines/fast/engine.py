@@ -6,7 +6,7 @@ then read back the tokens sampled one step earlier and return the sequences that
 a step late keeps the device a step ahead of Python; a sequence that ended is decoded at most
 once more and that token is dropped.
 
-The prefix cache (`prefix_cache`, `tiers`) adds to a step: disk reads started for waiting
+The prefix cache (`kvcache.gpu_tier`, `kvcache.tiers`) adds to a step: disk reads started for waiting
 sequences, restores from the host / disk tier queued for newly admitted ones, copies down for the
 blocks admission evicted (before anything can write their pages), and finished restores
 scattered into their pages before the prefill batch is picked.

@@ -254,7 +254,7 @@ class ModelRunner:
         return torch.cat(embeds) if embeds else None
 
     def paged_prefill_hidden(self, columns: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """columns [SLOTS + groups, N] int64 on the device (`prefill_inputs.paged_columns`), x
+        """columns [SLOTS + groups, N] int64 on the device (`prefill_batch.paged_columns`), x
         [N, hidden] input embeddings -> final-normed hidden states [N, hidden]. Graph-capturable."""
         positions = columns[POSITIONS]
         tiles = (columns[TILE_FIRST], columns[TILE_COUNT], self.tile_tokens)

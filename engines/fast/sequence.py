@@ -45,7 +45,7 @@ class Sequence:
     finished: bool = False
     completion: Completion | None = None
     added_at: float = field(default_factory=time.perf_counter)
-    # The prefix cache (prefix_cache.py, tiers.py). Keys are None for a sequence that is not cached.
+    # The prefix cache (kvcache/gpu_tier.py, kvcache/tiers.py). Keys are None for a sequence that is not cached.
     prefix_keys: PromptKeys | Future | None = None  # a Future while hashed in a thread
     disk_lookup: bool = False  # admission waits for a disk prefetch (`prefetched`)
     prefetched: dict | Future | None = None  # key -> CPU block [G, slots, 2, bs, H, D] read from disk

@@ -2,7 +2,7 @@
 
 Ownership is explicit: a page is free exactly when its reference count is zero. Its holders are
 the sequences whose tables point at it, plus the prefix cache for a page of a cached block
-(`prefix_cache.PrefixCache`). A cached block whose users have all finished keeps only the cache's
+(`gpu_tier.PrefixCache`). A cached block whose users have all finished keeps only the cache's
 reference: it is evictable, and `allocate` evicts such blocks (by the cache's policy) when the
 free list is short. Evicted blocks queue in `evicted` until the engine has copied them to a lower
 tier: their pages are handed out at once, and stream order puts that copy before any write.
