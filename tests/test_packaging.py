@@ -1,4 +1,5 @@
-"""The package layout the design card asks for, and the one-way dependencies between parts."""
+"""The package layout (one import package `wicore` over the top-level folders) and the one-way
+dependencies between its parts."""
 
 from __future__ import annotations
 

@@ -36,7 +36,7 @@ class FastOptions:
     compile_text: bool | None = None  # inductor for the decoder layers' dense parts; default: on CUDA
     # Vision on a side stream beside prefill/decode. The tower's GEMMs slow the decode steps that
     # overlap them (11 -> ~33 ms on an H100), but the device idles less: the cached VQA benchmark
-    # ran ~5% faster, uncached and bulk captioning as fast (bench/NOTES.md). Off: one stream.
+    # ran ~5% faster, uncached and bulk captioning as fast (docs/performance.md). Off: one stream.
     overlap_vision: bool = True
     max_prefill_tokens: int | None = None  # prefill batch x longest prompt; default max(16384, max_model_len)
     vision_cache_bytes: int | None = None  # device memory for cached image embeddings; 0 = off
@@ -44,7 +44,7 @@ class FastOptions:
     # torch's intra-op (OpenMP) threads in this process. Default on CUDA: 1, as vLLM's GPU workers
     # do: the device does the math, and OpenMP workers spinning after each host copy take cores
     # from the pixel threads and the thread that launches the kernels (the cached VQA benchmark:
-    # ~7.0 -> ~6.6 s; bench/NOTES.md run 57). CPU engines keep torch's default.
+    # ~7.0 -> ~6.6 s; docs/performance.md). CPU engines keep torch's default.
     torch_threads: int | None = None
     # Prefix KV cache across requests (engines/kvcache/README.md): full prompt blocks stay in the
     # GPU pool after their sequence ends, move down to a pinned host tier and a disk tier under
@@ -58,7 +58,7 @@ class FastOptions:
     cache_policy: str = "a2cr"  # eviction order of every tier: "a2cr" (cost-aware, frequency) or "lru"
     # A cached prefix may end inside an image (the rest of its soft tokens are prefilled from its
     # embeddings: the vision tower or the vision cache). Off: matches are cut back to the image's
-    # start (issue 5), so questions about one image share its blocks only when the image ends
+    # start, so questions about one image share its blocks only when the image ends
     # on a block boundary shared by their prompts.
     prefix_split_images: bool = False
 

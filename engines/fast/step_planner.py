@@ -12,8 +12,8 @@ its suffix is prefilled, and it needs the vision tower only for images in that s
 prefill waits until the blocks it reads are `ready` (computed by an earlier sequence's prefill,
 or restored from a lower tier). The decode batch is ordered by pages, so the sharers of a prefix
 sit side by side: the attention kernel's neighbouring programs read those pages at about the
-same time, the later reads from L2 (bench/NOTES.md run 52: ~11% of the kernel's time for pairs,
-over sharers spread through the batch).
+same time, the later reads from L2 (~11% of the kernel's time for pairs, over sharers spread
+through the batch; docs/performance.md).
 """
 
 from __future__ import annotations
