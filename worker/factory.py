@@ -9,6 +9,7 @@ from redis import Redis
 
 from wicore.config import Settings
 from wicore.engines import Engine, EngineConfig, create_engine
+from wicore.engines.fast.options import FastOptions
 from wicore.ops.image_decode import ImageLimits
 from wicore.scheduler.policy import BatchPolicy
 from wicore.worker.job_inputs import InputConfig
@@ -43,7 +44,7 @@ def build_engine(settings: Settings, model_dir: Path, options: dict | None = Non
         dtype=resolve_dtype(settings.dtype, device),
         max_batch_size=settings.batch_size,
         cache=not settings.no_cache,
-        options=options or {},
+        options=FastOptions.parse(options or {}),
     )
     return create_engine(resolve_engine(settings.engine, device), config)
 
