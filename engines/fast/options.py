@@ -72,8 +72,8 @@ class FastOptions(BaseModel):
     overlap_vision: bool = Field(
         True,
         description="Run the vision tower on a side stream beside prefill/decode. Its GEMMs slow the decode steps "
-        "they overlap, but the device idles less (the cached VQA benchmark ran ~5% faster). Off: one stream. "
-        "Default on.",
+        "they overlap, but the device idles less (the cached VQA benchmark ran ~5% faster; docs/performance.md). "
+        "Off: one stream. Default on.",
     )
     max_prefill_tokens: int | None = Field(
         None, ge=1, description="Prefill batch x longest prompt. Default: max(16384, max_model_len)."
@@ -95,7 +95,7 @@ class FastOptions(BaseModel):
         ge=1,
         description="torch's intra-op (OpenMP) threads in the engine's process. Default: 1 on CUDA, as vLLM's GPU "
         "workers do (OpenMP workers spinning after each host copy take cores from the pixel threads and the "
-        "launching thread); CPU engines keep torch's default.",
+        "launching thread; docs/performance.md); CPU engines keep torch's default.",
     )
     prefix_cache: bool = Field(
         True,
