@@ -14,6 +14,8 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from wicore import defaults
+from wicore.engines.fast.options import FastOptions
 from wicore.schemas import FinishReason, GenerationParams
 
 if TYPE_CHECKING:
@@ -55,10 +57,10 @@ class EngineConfig:
     model_dir: str
     device: str = "cpu"
     dtype: str = "float32"  # "float32" | "bfloat16" | "float16"
-    max_batch_size: int = 8
+    max_batch_size: int = defaults.BATCH_SIZE
     seed: int = 0  # for config-only checkpoints whose weights are seeded at load time
     cache: bool = True  # the engine's KV / vision-embedding caches (`--no-cache` turns them off)
-    options: dict[str, Any] = field(default_factory=dict)  # engine-specific, validated by the engine
+    options: FastOptions = field(default_factory=FastOptions)  # the fast engine's; the others take none
 
 
 class Engine(abc.ABC):
@@ -92,6 +94,11 @@ class Engine(abc.ABC):
     def attach_vision_cache(self, store) -> None:
         """A shared image-embedding store (the worker's Redis layer). Engines without a vision
         cache ignore it."""
+
+    def describe(self) -> dict[str, Any]:
+        """What this engine runs with, every default resolved (the worker logs it at start)."""
+        c = self.config
+        return {"name": self.name, "device": c.device, "dtype": c.dtype, "max_batch_size": c.max_batch_size}
 
     def stats(self) -> dict[str, Any]:
         """Counters for `wicore status` and benchmarks; engines add their own."""

@@ -10,6 +10,7 @@ from tests.fast_requests import mismatches, mixed_requests
 from tests.test_fast_prefix_parity import several_images, vqa
 from wicore.engines.base import EngineConfig
 from wicore.engines.fast import FastEngine
+from wicore.engines.fast.options import FastOptions
 from wicore.engines.reference import ReferenceEngine
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -34,7 +35,7 @@ def expected(model_dir):
 
 def engine(model_dir, **options):
     options = {"block_size": 4, "num_kv_blocks": 60, "host_cache_bytes": 2**20, **options}
-    return FastEngine(EngineConfig(str(model_dir), device="cuda", max_batch_size=4, options=options))
+    return FastEngine(EngineConfig(str(model_dir), device="cuda", max_batch_size=4, options=FastOptions(**options)))
 
 
 @pytest.mark.parametrize("paged", [None, 0])

@@ -29,7 +29,9 @@ def imported_modules(statement: str) -> set[str]:
 
 
 def test_producer_and_scheduler_import_neither_torch_nor_transformers():
-    modules = imported_modules("import wicore.producer, wicore.scheduler.policy, wicore.scheduler.queues")
+    modules = imported_modules(
+        "import wicore.producer, wicore.config, wicore.scheduler.policy, wicore.scheduler.queues"
+    )
     assert not {"torch", "transformers", "PIL"} & modules
 
 

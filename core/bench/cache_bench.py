@@ -25,6 +25,7 @@ from pathlib import Path
 
 from wicore.bench.bench_images import make_images
 from wicore.engines.base import EngineConfig, EngineRequest
+from wicore.engines.fast.options import FastOptions
 from wicore.ops.image_decode import decode_image
 from wicore.schemas import DEFAULT_PROMPT, GenerationParams
 
@@ -100,7 +101,7 @@ def make_engine(model_dir: Path, bench: CacheBench, cache: bool, **options):
 
     config = EngineConfig(
         str(model_dir), device=bench.device, dtype="bfloat16", max_batch_size=bench.batch_size, cache=cache,
-        options=options,
+        options=FastOptions.parse(options),
     )  # fmt: skip
     return FastEngine(config)
 

@@ -85,8 +85,8 @@ def caption(
     from wicore.cli.common import model_dir_and_id, settings_from
 
     settings = settings_from(
-        config, redis_url=redis_url, model=model, model_id=model_id, engine=engine, device=device,
-        dtype=dtype, batch_size=batch_size, no_cache=no_cache,
+        config, engine_option=engine_option, redis_url=redis_url, model=model, model_id=model_id, engine=engine,
+        device=device, dtype=dtype, batch_size=batch_size, no_cache=no_cache,
     )  # fmt: skip
     items = list({item.input: item for item in expand_inputs(inputs)}.values())
     done = read_done(output)
@@ -96,8 +96,7 @@ def caption(
         return
     model_dir, served_id = model_dir_and_id(settings)  # builds the default model once, before workers race
     start = time.perf_counter()
-    extra = [arg for pair in engine_option or [] for arg in ("--engine-option", pair)]
-    counts = _run(settings, todo, output, model_dir, served_id, prompt, max_new_tokens, workers, redis_dir, extra)
+    counts = _run(settings, todo, output, model_dir, served_id, prompt, max_new_tokens, workers, redis_dir)
     elapsed = time.perf_counter() - start
     console.print(
         f"captioned {counts['ok']} of {len(todo)} inputs ({counts['error']} errors, {len(done)} already done) "
@@ -105,29 +104,21 @@ def caption(
     )
 
 
-def _run(settings, todo, output, model_dir, served_id, prompt, max_new_tokens, workers, redis_dir, extra) -> dict:
+def _run(settings, todo, output, model_dir, served_id, prompt, max_new_tokens, workers, redis_dir) -> dict:
     from wicore.embedded import redis_url_or_embedded
     from wicore.producer import Producer, ProducerConfig
 
     embedded = settings.redis_url is None
-    roots = sorted({str(item.path.resolve().parent) for item in todo if item.path is not None})
+    roots = sorted({item.path.resolve().parent for item in todo if item.path is not None})
     with redis_url_or_embedded(settings.redis_url, redis_dir, keep=redis_dir is not None) as url:
-        worker_args = _worker_args(settings, url, model_dir, served_id, roots if embedded else []) + extra
+        served = {"redis_url": url, "model": model_dir, "model_id": served_id}
+        if embedded:  # the workers read the inputs from where they lie
+            served["allowed_roots"] = roots
         log_dir = Path(redis_dir) if redis_dir else Path(tempfile.gettempdir()) / "wicore-logs"
-        with WorkerPool(workers, worker_args, log_dir) as pool, output.open("a") as sink:
-            producer = Producer(url, model=served_id, config=ProducerConfig(by_path=embedded))
+        with WorkerPool(workers, settings.model_copy(update=served), log_dir) as pool, output.open("a") as sink:
+            config = ProducerConfig(by_path=embedded, result_ttl_s=settings.result_ttl_s, retries=settings.retries)
+            producer = Producer(url, model=served_id, config=config)
             return _caption(producer, pool, todo, sink, prompt, max_new_tokens)
-
-
-def _worker_args(settings, url: str, model_dir: Path, served_id: str, roots: list[str]) -> list[str]:
-    args = ["--redis-url", url, "--model", str(model_dir), "--model-id", served_id]
-    for flag in ("engine", "device", "dtype", "batch_size"):
-        args += [f"--{flag.replace('_', '-')}", str(getattr(settings, flag))]
-    for root in roots:
-        args += ["--allow-root", root]
-    if settings.no_cache:
-        args.append("--no-cache")
-    return args
 
 
 def _caption(producer, pool: WorkerPool, todo: list[InputItem], sink, prompt, max_new_tokens) -> dict[str, int]:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 import sys
 from collections.abc import Callable
 from functools import wraps
@@ -12,7 +11,7 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
-from wicore.config import CONFIG_ENV, Settings, load_settings
+from wicore.config import Settings, load_settings, read_settings_file
 from wicore.errors import WicoreError
 
 console = Console(stderr=True)
@@ -27,10 +26,16 @@ ModelIdOption = typer.Option(
 )
 
 
-def settings_from(config: Path | None, **flags) -> Settings:
-    if config is not None:
-        os.environ[CONFIG_ENV] = str(config)
-    settings = load_settings(**flags)
+def settings_from(
+    config: Path | None, *, engine_option: list[str] | None = None, settings_file: Path | None = None, **flags
+) -> Settings:
+    """Settings from the flags given (None: not given) over the environment and the config file;
+    or, for a process that `wicore caption` started, over its parent's settings file."""
+    options = engine_options(engine_option)
+    if settings_file is not None:
+        settings = read_settings_file(settings_file, engine_options=options, **flags)
+    else:
+        settings = load_settings(config, engine_options=options, **flags)
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
     )

@@ -18,7 +18,6 @@ from wicore.cli.common import (
     NoCacheOption,
     RedisOption,
     console,
-    engine_options,
     friendly_errors,
     model_dir_and_id,
     settings_from,
@@ -45,10 +44,13 @@ def worker(
     no_cache: bool = NoCacheOption,
     engine_option: list[str] = EngineOption,
     config: Path = ConfigOption,
+    settings_file: Path = typer.Option(None, hidden=True, help="Settings from `wicore caption` (its workers)."),
 ) -> None:
     """Serve caption jobs from Redis: take batches by shape bucket, run them, write results."""
     settings = settings_from(
         config,
+        engine_option=engine_option,
+        settings_file=settings_file,
         redis_url=redis_url,
         model=model,
         model_id=model_id,
@@ -65,7 +67,7 @@ def worker(
     from wicore.worker.factory import build_engine, build_worker
 
     model_dir, served_id = model_dir_and_id(settings)
-    engine_obj = build_engine(settings, model_dir, engine_options(engine_option))
+    engine_obj = build_engine(settings, model_dir)
     connection = Redis.from_url(settings.redis_url)
     worker_obj = build_worker(settings, connection, engine_obj, served_id, name=name, burst=burst, max_jobs=max_jobs)
     console.print(f"worker [bold]{worker_obj.name}[/bold]: model {served_id} ({model_dir}) on {engine_obj.name}")

@@ -19,7 +19,7 @@ import logging
 import random
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from dataclasses import replace
+from dataclasses import asdict
 from functools import partial
 
 import torch
@@ -33,7 +33,6 @@ from wicore.engines.fast.image_stage import ImageStage
 from wicore.engines.fast.kv_budget import plan_pages
 from wicore.engines.fast.model.weights import load_gemma3
 from wicore.engines.fast.model_runner import ModelRunner
-from wicore.engines.fast.options import FastOptions
 from wicore.engines.fast.prompt_inputs import InputProcessor
 from wicore.engines.fast.sampler import Sampler
 from wicore.engines.fast.sequence import Sequence
@@ -55,52 +54,50 @@ class FastEngine(Engine):
 
     def __init__(self, config: EngineConfig):
         super().__init__(config)
-        self.options = FastOptions.parse(config.options)
-        if not config.cache:  # `--no-cache`: no prefix KV cache either
-            self.options = replace(self.options, prefix_cache=False, disk_cache_dir=None)
         device = torch.device(config.device)
-        self.cuda = device.type == "cuda"
-        threads = self.options.intra_op_threads(self.cuda)
-        if threads is not None:
-            torch.set_num_threads(threads)  # process-wide: a worker process runs one engine
         processor = load_processor(config.model_dir)
         self.tokenizer = processor.tokenizer
         self.eos_ids = stop_token_ids(config.model_dir, self.tokenizer)
         parts = load_gemma3(config.model_dir, device, config.dtype, config.seed)
+        self.resolved = config.options.resolve(
+            cuda=device.type == "cuda",
+            model_limit=parts.config.text_config.max_position_embeddings,
+            max_batch_size=config.max_batch_size,
+            cache=config.cache,
+        )
+        opts = self.resolved
+        self.max_len = opts.max_model_len
+        if opts.torch_threads is not None:
+            torch.set_num_threads(opts.torch_threads)  # process-wide: a worker process runs one engine
         self.inputs = InputProcessor(processor, parts.image_token_id, parts.tokens_per_image)
-        self.max_len = self.options.model_len(parts.config.text_config.max_position_embeddings)
-        self.prefill_tokens = self.options.prefill_tokens(self.max_len)
         self.runner, self.blocks = self._device_state(parts, device)
         text = parts.config.text_config
         layout = self.runner.layout
-        self.tiers = build_tiers(self.runner.cache, self.options, self.cuda, text.num_key_value_heads, text.head_dim)
+        self.tiers = build_tiers(self.runner.cache, opts, text.num_key_value_heads, text.head_dim)
         model_id = model_fingerprint(config.model_dir, config.dtype, layout)  # salts every key
-        self.keyer = PromptKeyer(model_id, self.options.block_size, parts.tokens_per_image)
-        vision_batch = self.options.vision_batch(self.cuda)
+        self.keyer = PromptKeyer(model_id, opts.block_size, parts.tokens_per_image)
         self.planner = StepPlanner(
             layout,
             self.blocks,
             config.max_batch_size,
-            vision_batch,
-            self.prefill_tokens,
+            opts.vision_batch_size,
+            opts.max_prefill_tokens,
             self.tiers.holds,
-            self.options.prefix_split_images,
+            opts.prefix_split_images,
         )
-        threads = self.options.threads(self.cuda)
+        threads = opts.preprocess_threads
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="wicore-pixels") if threads else None
         self.rng = random.Random(config.seed)  # seeds for sampled requests that bring none
-        self.images = ImageStage(
-            self.runner, self.inputs, self.pool, self.options.vision_cache(self.cuda, config.cache)
-        )
+        self.images = ImageStage(self.runner, self.inputs, self.pool, opts.vision_cache_bytes)
         self.readbacks: deque[Readback] = deque()
         self.unfinished: set[Sequence] = set()  # added and not yet returned
         self.counters = EngineStats()
 
     def _device_state(self, parts, device) -> tuple[ModelRunner, BlockManager]:
         """The model runner with its KV cache sized and (CUDA) its graphs captured."""
-        opts, config = self.options, self.config
+        opts, config = self.resolved, self.config
         text = parts.config.text_config
-        layout = KVLayout.build(text, opts.block_size, self.max_len)
+        layout = KVLayout.build(text, opts.block_size, opts.max_model_len)
         sampler = Sampler(text.vocab_size, self.eos_ids, device)
         runner = ModelRunner(
             parts,
@@ -111,30 +108,26 @@ class FastEngine(Engine):
             torch_dtype(config.dtype),
             opts.overlap_vision,
             pixel_lut=self.inputs.pixel_spec.lut,
-            paged_suffix=opts.paged_suffix(self.cuda),
+            paged_suffix=opts.paged_prefill_tokens,
         )
-        vision_batch = opts.vision_batch(self.cuda)
-        compile_vision, compile_text = opts.compiles(self.cuda)
-        if compile_vision:
-            runner.compile_vision(vision_batch)
-        if compile_text:
+        if opts.compile_vision:
+            runner.compile_vision(opts.vision_batch_size)
+        if opts.compile_text:
             runner.compile_text()
         num_pages = plan_pages(
             runner,
             override=opts.num_kv_blocks,
             max_batch=config.max_batch_size,
-            max_len=self.max_len,
-            vision_batch=vision_batch,
-            prefill_tokens=self.prefill_tokens,
+            max_len=opts.max_model_len,
+            vision_batch=opts.vision_batch_size,
+            prefill_tokens=opts.max_prefill_tokens,
             utilization=opts.gpu_memory_utilization,
-            reserve=opts.vision_cache(self.cuda, config.cache),
+            reserve=opts.vision_cache_bytes,
         )
         runner.allocate_cache(num_pages)
-        if self.cuda and opts.cuda_graphs:
-            runner.capture_graphs(
-                opts.graph_sizes(config.max_batch_size), opts.prefill_graph_sizes(self.prefill_tokens)
-            )
-        if self.cuda:
+        if opts.cuda_graphs:
+            runner.capture_graphs(list(opts.graph_batch_sizes), list(opts.graph_prefill_tokens))
+        if opts.cuda:
             torch.cuda.synchronize()  # setup ran on the default stream; steps run on others
         return runner, BlockManager(num_pages, build_prefix_cache(opts, num_pages, layout))
 
@@ -175,6 +168,9 @@ class FastEngine(Engine):
             log.exception("fast engine step failed; failing %d requests", len(self.unfinished))
             done += self._fail_all(error)
         return done
+
+    def describe(self) -> dict:
+        return {**super().describe(), **asdict(self.resolved)}
 
     def stats(self) -> dict:
         report = self.counters.report(self.runner, self.blocks, self.planner)
