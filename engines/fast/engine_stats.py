@@ -28,7 +28,7 @@ class EngineStats:
         self.prefill_batches += 1
         self.prefilled += len(seqs)
         self.prompt_tokens += sum(s.prompt_len for s in seqs)
-        self.cached_prompt_tokens += sum(s.prefix_len for s in seqs)
+        self.cached_prompt_tokens += sum(s.cache.prefix_len for s in seqs)
 
     def record_decode(self, batch: int, graphed: bool) -> None:
         self.decode_steps += 1
