@@ -276,3 +276,20 @@ def test_an_image_asked_about_twice_counts_once_in_a_vision_batch():
     assert sched.schedule_vision(1) == seqs[:3]
     assert sched.schedule_vision(1, allow_partial=False) == []  # one image left: partial
     assert sched.schedule_vision(1) == seqs[3:]
+
+
+def test_a_sequence_stopped_before_its_prefill_takes_its_unwritten_blocks_out():
+    sched, blocks = scheduler()
+    first = sequence("a", range(10))
+    admit(sched, first)
+    assert len(blocks.cache) == 2 and not first.cache.others_wait
+    sched.finish(first, SeqStatus.ABORTED)
+    assert len(blocks.cache) == 0 and blocks.num_free == 199 and blocks.cache.policy.num_pinned == 0
+    again = sequence("b", range(10))
+    admit(sched, again)
+    assert again.cache.prefix_len == 0  # nothing stale to wait for
+    follow_up = sequence("c", [*range(8), 50, 51])
+    admit(sched, follow_up)
+    assert follow_up.cache.reads == again.cache.writes and again.cache.others_wait  # c waits on b
+    sched.prefilled([again])
+    assert not again.cache.others_wait

@@ -10,6 +10,8 @@ The prefix cache (`prefix_cache`, `tiers`) adds to a step: disk reads started fo
 sequences, restores from the host / disk tier queued for newly admitted ones, copies down for the
 blocks admission evicted (before anything can write their pages), and finished restores
 scattered into their pages before the prefill batch is picked.
+
+`abort` stops sequences between steps (`sequence` has the lifecycle and its exception).
 """
 
 from __future__ import annotations
@@ -18,13 +20,14 @@ import gc
 import logging
 import random
 from collections import deque
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from functools import partial
 
 import torch
 
-from wicore.engines.base import Completion, Engine, EngineConfig, EngineRequest, failed
+from wicore.engines.base import Completion, Engine, EngineConfig, EngineRequest, aborted, failed
 from wicore.engines.checkpoint import load_processor, torch_dtype
 from wicore.engines.fast.device_handles import Readback
 from wicore.engines.fast.engine_stats import EngineStats
@@ -35,7 +38,7 @@ from wicore.engines.fast.model_runner import ModelRunner
 from wicore.engines.fast.options import FastOptions
 from wicore.engines.fast.prompt_inputs import InputProcessor
 from wicore.engines.fast.sampler import Sampler
-from wicore.engines.fast.sequence import Sequence
+from wicore.engines.fast.sequence import SeqStatus, Sequence
 from wicore.engines.fast.step_planner import StepPlanner
 from wicore.engines.kvcache.block_manager import BlockManager
 from wicore.engines.kvcache.kv_layout import KVLayout
@@ -164,6 +167,22 @@ class FastEngine(Engine):
     def num_unfinished(self) -> int:
         return self.planner.num_unfinished
 
+    def abort(self, request_ids: Iterable[str]) -> list[Completion]:
+        """Stop requests between steps: a waiting one leaves the queue, an admitted one gives its
+        row and pages back now (a decode still in flight for it runs; its token is dropped). One
+        whose cached blocks other sequences wait to read stops once its prefill is launched and
+        its completion comes from that `step`. Ids it does not hold are ignored."""
+        wanted = set(request_ids)
+        done = []
+        for seq in self.planner.sequences():
+            if seq.id not in wanted or seq.abort_requested:
+                continue
+            if seq.cache.others_wait:
+                seq.abort_requested = True  # `_step` stops it after its prefill
+            else:
+                done.append(self._abort(seq))
+        return done
+
     def step(self) -> list[Completion]:
         done: list[Completion] = []
         try:
@@ -225,6 +244,7 @@ class FastEngine(Engine):
             self.readbacks.append(self.runner.prefill(prefill))
             self.counters.record_prefill(prefill)
             self.planner.prefilled(prefill)
+            done += [self._abort(seq) for seq in prefill if seq.abort_requested]
             launched += 1
         finished = self._read_tokens(keep=launched, done=done)
         if not launched and not finished:
@@ -261,6 +281,12 @@ class FastEngine(Engine):
         self.planner.finish(seq)
         self.counters.record_finish(len(ids))
         return Completion(seq.id, text, ids, reason, prompt_tokens=seq.prompt_len, engine_s=seq.age())
+
+    def _abort(self, seq: Sequence) -> Completion:
+        self.images.drop(seq)
+        self.planner.finish(seq, SeqStatus.ABORTED)
+        self.counters.aborted += 1
+        return aborted(seq.id, prompt_tokens=seq.prompt_len, engine_s=seq.age())
 
     def _wait_for_work(self) -> None:
         """Nothing ran this step: wait (briefly, so the worker can keep admitting) for what

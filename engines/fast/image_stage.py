@@ -161,6 +161,14 @@ class ImageStage:
         if self.jobs:
             self.jobs[0].wait(timeout)
 
+    def drop(self, seq: Sequence) -> None:
+        """A sequence that stops: it leaves the vision batches it waits on (they still run and
+        cache their embeddings for others) and lets go of its embeddings."""
+        for job in self.jobs:
+            job.seqs = [s for s in job.seqs if s is not seq]
+            job.attached = [(s, rows) for s, rows in job.attached if s is not seq]
+        seq.vision.embeds, seq.vision.event = None, None
+
     def reset(self) -> None:
         """Forget the vision batches in flight (after a failed step)."""
         self.jobs.clear()

@@ -17,6 +17,7 @@ that changes it: a move that `TRANSITIONS` does not list raises `IllegalTransiti
      v
   DECODE ---last token read back (length, EOS, stop string)---> FINISHED
 
+  WAITING, VISION, PREFILL, DECODE ---Engine.abort---> ABORTED
   WAITING, VISION, PREFILL, DECODE ---unreadable image, failed step---> FAILED
 
 WAITING: tokenized, in the FIFO queue, no KV pages; its inputs may still be on their way (pixels
@@ -24,8 +25,12 @@ resized and prefix keys hashed in threads, cached blocks read from disk). Admiss
 head once they are in (`admissible`) and a table row and every page it can ever need are free.
 VISION: admitted; its images wait for, or are in, a vision batch. PREFILL: its embeddings are on
 the device (or it needs none); its prefill waits for the token budget and for the cached blocks
-it reads (`CacheState.blocks_ready`). DECODE: one token per step. FINISHED and FAILED are
-final: row and pages are given back.
+it reads (`CacheState.blocks_ready`). DECODE: one token per step. FINISHED, ABORTED and FAILED
+are final: row and pages are given back.
+
+An abort stops a sequence between steps, except one whose cached blocks other sequences wait
+to read (it writes them, or restores them into its pages): that one is stopped once its prefill
+is launched (`abort_requested`).
 
 The fields are grouped by their owner: `kv` (the step planner's reservation), `vision` (the
 image stage's work), `cache` (the prefix cache's record), `tokens` (the decode's progress).
@@ -56,15 +61,17 @@ class SeqStatus(str, Enum):
     PREFILL = "prefill"  # embeddings on the device (or none needed); waits for its prefill
     DECODE = "decode"  # prefill launched; decoding
     FINISHED = "finished"  # ended by length, EOS or a stop string
+    ABORTED = "aborted"  # stopped by `Engine.abort`
     FAILED = "failed"  # its images could not be preprocessed, or a step failed under it
 
 
-FINAL = frozenset({SeqStatus.FINISHED, SeqStatus.FAILED})
+FINAL = frozenset({SeqStatus.FINISHED, SeqStatus.ABORTED, SeqStatus.FAILED})
+_STOPS = {SeqStatus.ABORTED, SeqStatus.FAILED}
 TRANSITIONS: dict[SeqStatus, frozenset[SeqStatus]] = {
-    SeqStatus.WAITING: frozenset({SeqStatus.VISION, SeqStatus.PREFILL, SeqStatus.FAILED}),
-    SeqStatus.VISION: frozenset({SeqStatus.PREFILL, SeqStatus.FAILED}),
-    SeqStatus.PREFILL: frozenset({SeqStatus.DECODE, SeqStatus.FAILED}),
-    SeqStatus.DECODE: frozenset({SeqStatus.FINISHED, SeqStatus.FAILED}),
+    SeqStatus.WAITING: frozenset({SeqStatus.VISION, SeqStatus.PREFILL, *_STOPS}),
+    SeqStatus.VISION: frozenset({SeqStatus.PREFILL, *_STOPS}),
+    SeqStatus.PREFILL: frozenset({SeqStatus.DECODE, *_STOPS}),
+    SeqStatus.DECODE: frozenset({SeqStatus.FINISHED, *_STOPS}),
     **{status: frozenset() for status in FINAL},
 }
 
@@ -123,6 +130,16 @@ class CacheState:
         """Every cached block its prefill reads is written (or queued before it on the stream)."""
         return not self.restores and all(block.ready for block in self.reads)
 
+    @property
+    def others_wait(self) -> bool:
+        """Other sequences read blocks it has still to write, or restores are on their way into its
+        pages: it cannot stop before its prefill."""
+        return bool(self.restores) or any(b.users > 1 and not b.ready for b in self.writes)
+
+    def unwritten(self) -> list[CachedBlock]:
+        """Blocks it registered, never wrote, and no one else uses: they leave the cache with it."""
+        return [b for b in self.writes if not b.ready and b.users == 1]
+
 
 @dataclass
 class TokenState:
@@ -141,6 +158,7 @@ class Sequence:
     vision: VisionWork = field(default_factory=VisionWork)
     cache: CacheState = field(default_factory=CacheState)
     tokens: TokenState = field(default_factory=TokenState)
+    abort_requested: bool = False  # stop once its prefill is launched (module docstring)
     added_at: float = field(default_factory=time.perf_counter)
     _status: SeqStatus = field(default=SeqStatus.WAITING, init=False, repr=False)
 

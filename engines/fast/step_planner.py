@@ -171,9 +171,10 @@ class StepPlanner:
 
     def finish(self, seq: Sequence, status: SeqStatus = SeqStatus.FINISHED) -> None:
         """The sequence ends with `status`. A waiting one leaves the queue; an admitted one gives
-        its pages and row back. Its cached blocks stay (evictable once no one uses them). Work
-        already queued on the device for it runs before anything queued later, so the next owner
-        of its pages cannot be overwritten."""
+        its pages and row back. Its cached blocks stay (evictable once no one uses them), but for
+        blocks it registered and never wrote (it stopped before its prefill), which leave the
+        cache. Work already queued on the device for it runs before anything queued later, so
+        the next owner of its pages cannot be overwritten."""
         waiting = seq.status == SeqStatus.WAITING
         seq.move(status)
         if waiting:
@@ -181,7 +182,10 @@ class StepPlanner:
             return
         self.admitted.remove(seq)
         self.blocks.release(seq.kv.pages)
-        self.blocks.release_blocks(seq.cache.held)
+        unwritten = seq.cache.unwritten()
+        dropped = {id(block) for block in unwritten}
+        self.blocks.release_blocks([b for b in seq.cache.held if id(b) not in dropped])
+        self.blocks.forget(unwritten)
         self.free_rows.append(seq.kv.row)
         seq.kv, seq.cache.reads, seq.cache.writes, seq.cache.restores = KVSlot(), [], [], []
 
