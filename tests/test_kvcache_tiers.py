@@ -1,5 +1,5 @@
 """KV blocks down to the host and disk tiers and back into pages, exactly, on CPU; the disk
-tier's threads; the restore-bandwidth probe."""
+tier's threads."""
 
 from __future__ import annotations
 
@@ -9,11 +9,9 @@ import threading
 import torch
 
 from tests.test_fast_prefix_cache import layout
-from wicore.bench.restore_probe import measure_h2d, measure_restore
 from wicore.engines.base import EngineRequest
 from wicore.engines.fast.prompt_inputs import Prompt
 from wicore.engines.fast.sequence import Sequence
-from wicore.engines.kvcache.block_manager import BlockManager
 from wicore.engines.kvcache.disk_io import AsyncDiskTier
 from wicore.engines.kvcache.disk_tier import DiskTier
 from wicore.engines.kvcache.eviction import LRU
@@ -119,15 +117,6 @@ def test_disk_writes_beyond_the_queue_are_dropped_and_failures_logged(tmp_path, 
     disk.flush()
     assert "writing block" in caplog.text
     disk.close()
-
-
-def test_restore_probe_borrows_free_pages():
-    cache = kv_cache()
-    blocks = BlockManager(32)
-    shape = cache.layout.block_shape(HEADS, DIM)
-    assert measure_restore(cache, blocks, shape, 4, repeats=2) > 0
-    assert blocks.num_free == 31
-    assert measure_h2d(4096, torch.device("cpu")) > 0
 
 
 def test_restores_beyond_the_staging_budget_wait_with_their_host_blocks_pinned():
