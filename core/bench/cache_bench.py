@@ -125,8 +125,8 @@ def run_config(name: str, model_dir: Path, bench: CacheBench, request_sets, warm
 
 
 def run_cache_bench(bench: CacheBench) -> dict:
+    from wicore.bench.eviction_sim import simulate, standard_specs
     from wicore.bench.roofline import measure_ceilings
-    from wicore.engines.kvcache.eviction_sim import simulate, standard_specs
     from wicore.models.gemma3 import make_gemma3_4b
 
     bench.workdir.mkdir(parents=True, exist_ok=True)
