@@ -4,13 +4,14 @@ An engine owns a model on a device. The worker feeds it with `add` whenever it r
 slots and calls `step` until it has nothing left; each `step` returns the requests that ended
 during it. A static-batch engine (reference) finishes everything it holds in one step; a
 continuous-batching engine (fast) returns sequences as they end and takes new ones between
-steps. Engines never import Redis or RQ.
+steps. `abort` cancels requests between steps. Engines never import Redis or RQ.
 """
 
 from __future__ import annotations
 
 import abc
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -52,6 +53,14 @@ def failed(request_id: str, error: BaseException | str, *, input_error: bool) ->
     return Completion(id=request_id, error=message, input_error=input_error)
 
 
+ABORTED = "aborted: the request was canceled before it finished"
+
+
+def aborted(request_id: str, prompt_tokens: int = 0, engine_s: float = 0.0) -> Completion:
+    """The completion of a request `Engine.abort` stopped: an error, never retried."""
+    return Completion(request_id, error=ABORTED, input_error=True, prompt_tokens=prompt_tokens, engine_s=engine_s)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model_dir: str
@@ -88,6 +97,12 @@ class Engine(abc.ABC):
     def num_unfinished(self) -> int:
         """Requests taken and not yet returned."""
 
+    @abc.abstractmethod
+    def abort(self, request_ids: Iterable[str]) -> list[Completion]:
+        """Cancel requests taken and not yet returned (call it between steps). Returns a
+        completion (error `ABORTED`) for each request stopped now; an engine may stop one later
+        instead, and then a later `step` returns it. Ids it does not hold are ignored."""
+
     def free_slots(self) -> int:
         return max(0, self.config.max_batch_size - self.num_unfinished())
 
@@ -113,6 +128,34 @@ class Engine(abc.ABC):
 
     def close(self) -> None:
         """Release the device. Engines hold no other resources."""
+
+
+class StaticBatchEngine(Engine):
+    """An engine whose `step` runs every request it holds to the end: between steps no request
+    has started, so `abort` drops the requests it names at once."""
+
+    def __init__(self, config: EngineConfig):
+        super().__init__(config)
+        self.pending: list[EngineRequest] = []
+
+    def add(self, requests: list[EngineRequest]) -> list[Completion]:
+        self.requests_seen += len(requests)
+        self.pending.extend(requests)
+        return []
+
+    def num_unfinished(self) -> int:
+        return len(self.pending)
+
+    def take_pending(self) -> list[EngineRequest]:
+        """The requests of the next step, in arrival order."""
+        requests, self.pending = self.pending, []
+        return requests
+
+    def abort(self, request_ids: Iterable[str]) -> list[Completion]:
+        wanted = set(request_ids)
+        stopped = [r for r in self.pending if r.id in wanted]
+        self.pending = [r for r in self.pending if r.id not in wanted]
+        return [aborted(r.id) for r in stopped]
 
 
 class Stopwatch:

@@ -184,7 +184,7 @@ def test_padded_decode_rows_do_not_change_results(fast):
     while not any(s.wants_decode for s in fast.planner.admitted):
         fast.step()
     seqs = [s for s in fast.planner.admitted if s.wants_decode]
-    rows = torch.tensor([s.row for s in seqs])
+    rows = torch.tensor([s.kv.row for s in seqs])
     positions = torch.tensor([s.next_position for s in seqs])
     null = torch.full((5,), fast.runner.null_row)
     with torch.inference_mode():

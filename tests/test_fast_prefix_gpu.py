@@ -8,6 +8,7 @@ import torch
 
 from tests.fast_requests import mismatches, mixed_requests
 from tests.test_fast_prefix_parity import several_images, vqa
+from wicore.bench.restore_probe import h2d_bandwidth, restore_bandwidth
 from wicore.engines.base import EngineConfig
 from wicore.engines.fast import FastEngine
 from wicore.engines.fast.options import FastOptions
@@ -69,6 +70,6 @@ def test_cuda_cache_steps_never_synchronize_implicitly(model_dir, expected):
 
 def test_cuda_restore_probe(model_dir):
     fast = engine(model_dir, num_kv_blocks=4096)
-    restore, h2d = fast.measure_restore(1024), fast.measure_h2d(1024 * fast.tiers.block_bytes)
+    restore, h2d = restore_bandwidth(fast, 1024), h2d_bandwidth(fast, 1024 * fast.tiers.block_bytes)
     assert restore > 0 and h2d > 0
     print(f"restore {restore / 1e9:.2f} GB/s, pinned h2d {h2d / 1e9:.2f} GB/s, ratio {restore / h2d:.2f}")

@@ -95,6 +95,13 @@ class BlockManager:
         for block in blocks:
             self.cache.release(block)
 
+    def forget(self, blocks: Sequence[CachedBlock]) -> None:
+        """Blocks registered for a sequence that stopped before writing them, with no other user:
+        they leave the cache (their pages hold nothing), and the cache's page references go."""
+        for block in blocks:
+            self.cache.discard(block)
+            self.release(block.pages)
+
     def take_evicted(self) -> list[CachedBlock]:
         evicted, self.evicted = self.evicted, []
         return evicted
