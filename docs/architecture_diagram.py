@@ -1,5 +1,6 @@
 """Draws docs/architecture.png: one caption job's path through wicore's folders, as a sequence
-diagram (a column per folder, a row per step; the step numbers are those of docs/architecture.md).
+diagram: a column per folder, a row per step of docs/architecture-steps.txt (the step numbers are
+those of docs/architecture.md).
 
     python docs/architecture_diagram.py          # needs matplotlib (the `bench` or `test` extra)
 """
@@ -26,42 +27,6 @@ COLUMNS = [
     ("ops/attention/", "wicore.ops.attention", "no Redis", "#b08a35"),
 ]
 
-# (step, from column, to column, what happens): a step within one folder is drawn as a note.
-# fmt: off
-STEPS = [
-    ("1", "producer/", "producer/", "Producer.submit_many: prepare_image (sha256 of the bytes);\n"
-                                    "CaptionJob.job_id = sha256 of image, chat, params and model"),
-    ("1", "producer/", "scheduler/", "ShapeRules.bucket(job).queue_name:\n"
-                                     "wicore.<model>.<lane>.c<crops>.p<prompt>.n<new>"),
-    ("1", "producer/", "Redis", "one pipeline: SET NX wicore:submitted:<id>, blob by sha256,\n"
-                                "Queue.enqueue_many (JSON serializer), ring the doorbell"),
-    ("2", "worker/", "scheduler/", "BatchingWorker._admit: BucketQueues.heads (one Lua read of\n"
-                                   "every bucket's length and head age), then choose → Take | Wait"),
-    ("3", "worker/", "Redis", "RQBridge.claim: Lua LMOVEs ≤ n ids into wicore:claims:<worker>\n"
-                              "and marks them started as RQ's worker would"),
-    ("4", "worker/", "Redis", "InputLoader.submit: one MGET of the blobs"),
-    ("4", "worker/", "ops/", "InputLoader._load_one (threads): sha256 check,\n"
-                             "decode_image with byte and pixel limits"),
-    ("5", "worker/", "engines/fast/", "_hand_over_loaded: FastEngine.add(requests)"),
-    ("5", "engines/fast/", "ops/", "ImageStage.prepare: vision cache,\n"
-                                   "else resized_images in the pool"),
-    ("6", "worker/", "engines/fast/", "FastEngine.step(): StepPlanner picks admissions, a vision batch,\n"
-                                      "the prefill batch and the decode batch"),
-    ("6", "engines/fast/", "engines/kvcache/", "admission: place_cached (prefix hits) or\n"
-                                               "BlockManager.allocate; KVTiers prefetch, start, land, demote"),
-    ("6", "engines/fast/", "engines/fast/model/", "ModelRunner: encode_images (vision tower),\n"
-                                                  "prefill and decode (text decoder), sample"),
-    ("6", "engines/fast/", "ops/attention/", "each layer (attention_backends.py): store_kv, then a GroupedBatch\n"
-                                             "with Gemma-3's prefill masks, or paged_attention (Triton on CUDA)"),
-    ("7", "engines/fast/", "worker/", "step returns the Completions of the sequences that ended\n"
-                                      "(_read_tokens → _finish: EOS, max_new_tokens, stop string)"),
-    ("7", "worker/", "Redis", "_finish → RQBridge.finish: Lua writes the result stream,\n"
-                              "finished registry, TTLs, counters; RPUSH notify"),
-    ("8", "Redis", "producer/", "Producer.result: XREAD on rq:results:<id>;\n"
-                                "wait: BLPOP on its notify list"),
-]
-# fmt: on
-
 X_STEP = 2.05  # inches between lifelines
 Y_STEP = 0.62  # inches between steps
 TOP = 1.55  # inches above the first step: title and column heads
@@ -69,9 +34,16 @@ BLUE = "#1f5fa8"
 LABEL = {"boxstyle": "square,pad=0.08", "facecolor": "white", "edgecolor": "none"}  # hides the lifelines behind text
 
 
-def draw(out: Path) -> None:
+def read_steps(path: Path) -> list[tuple[str, str, str, str]]:
+    """(step, from column, to column, what happens) per line of `path`: `step | from | to | text`."""
+    rows = [line for line in path.read_text().splitlines() if line.strip() and not line.startswith("#")]
+    steps = [tuple(part.strip() for part in row.split(" | ", 3)) for row in rows]
+    return [(step, source, target, text.replace("\\n", "\n")) for step, source, target, text in steps]
+
+
+def draw(steps: list[tuple[str, str, str, str]], out: Path) -> None:
     width = X_STEP * len(COLUMNS) + 0.4
-    height = TOP + Y_STEP * len(STEPS) + 0.45
+    height = TOP + Y_STEP * len(steps) + 0.45
     fig = plt.figure(figsize=(width, height), dpi=100)
     ax = fig.add_axes((0, 0, 1, 1))
     ax.set_xlim(0, width)
@@ -82,7 +54,7 @@ def draw(out: Path) -> None:
     ax.text(width / 2, 0.32, title, ha="center", fontsize=17, weight="bold")
     for name, module, boundary, colour in COLUMNS:
         _column(ax, xs[name], height, name, module, boundary, colour)
-    for row, (step, source, target, text) in enumerate(STEPS):
+    for row, (step, source, target, text) in enumerate(steps):
         y = TOP + Y_STEP * (row + 0.6)
         if source == target:
             _note(ax, xs[source], y, step, text)
@@ -120,4 +92,5 @@ def _badge(ax, x: float, y: float, step: str) -> None:
 
 
 if __name__ == "__main__":
-    draw(Path(__file__).with_name("architecture.png"))
+    here = Path(__file__).parent
+    draw(read_steps(here / "architecture-steps.txt"), here / "architecture.png")
