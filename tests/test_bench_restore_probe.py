@@ -9,6 +9,7 @@ from tests.test_kvcache_tiers import DIM, HEADS, kv_cache
 from wicore.bench.restore_probe import h2d_bandwidth, measure_h2d, measure_restore, restore_bandwidth
 from wicore.engines.base import EngineConfig
 from wicore.engines.fast import FastEngine
+from wicore.engines.fast.options import FastOptions
 from wicore.engines.kvcache.block_manager import BlockManager
 
 
@@ -22,7 +23,7 @@ def test_restore_probe_borrows_free_pages():
 
 
 def test_probes_run_on_an_idle_fast_engine(tiny_model_dir):
-    engine = FastEngine(EngineConfig(str(tiny_model_dir), max_batch_size=2, options={"num_kv_blocks": 64}))
+    engine = FastEngine(EngineConfig(str(tiny_model_dir), max_batch_size=2, options=FastOptions(num_kv_blocks=64)))
     free = engine.blocks.num_free
     assert restore_bandwidth(engine, 4, repeats=1) > 0 and engine.blocks.num_free == free
     assert h2d_bandwidth(engine, 4096, repeats=1) > 0

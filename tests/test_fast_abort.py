@@ -13,6 +13,7 @@ from tests.fast_requests import mismatches, mixed_requests, one_torch_thread, re
 from tests.test_fast_prefix_parity import vqa
 from wicore.engines.base import ABORTED, EngineConfig
 from wicore.engines.fast import FastEngine
+from wicore.engines.fast.options import FastOptions
 from wicore.engines.fast.sequence import SeqStatus
 from wicore.engines.null import NullEngine
 
@@ -28,7 +29,7 @@ def model_dir(tmp_path_factory):
 
 
 def engine(model_dir, **options) -> FastEngine:
-    return FastEngine(EngineConfig(str(model_dir), max_batch_size=4, options=options))
+    return FastEngine(EngineConfig(str(model_dir), max_batch_size=4, options=FastOptions(**options)))
 
 
 def step_until(fast: FastEngine, condition) -> list:
