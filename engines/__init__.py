@@ -1,5 +1,10 @@
 """Engines by name, imported lazily: an engine's optional dependencies cost nothing until it is
-chosen. Engines never import Redis or RQ. (A TensorRT engine is planned: not built yet.)"""
+chosen. Engines never import Redis or RQ.
+
+There is no TensorRT engine: no machine this project runs on can install TensorRT's builder
+(PyPI's full `tensorrt` packages are source distributions that fetch the wheels from an index
+these machines cannot reach; the lean and dispatch runtimes cannot build engines; TensorRT-RTX
+does not support Hopper). One would register here by name like the others."""
 
 from __future__ import annotations
 

@@ -19,14 +19,15 @@ from pathlib import Path
 
 from PIL import Image, ImageOps, UnidentifiedImageError
 
+from wicore import defaults
 from wicore.errors import ConfigError, ImageError, ImageTooLarge
 from wicore.ops.rgb import to_rgb
 
 
 @dataclass(frozen=True)
 class ImageLimits:
-    max_bytes: int = 32 * 2**20  # encoded size
-    max_pixels: int = 50_000_000  # per image, width * height, judged from the header
+    max_bytes: int = defaults.MAX_IMAGE_BYTES  # encoded size
+    max_pixels: int = defaults.MAX_IMAGE_PIXELS  # per image, width * height, judged from the header
 
     def __post_init__(self) -> None:
         if self.max_bytes < 1 or self.max_pixels < 1:

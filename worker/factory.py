@@ -3,6 +3,8 @@ CUDA and float32 on CPU, the fast engine on CUDA and the reference engine on CPU
 
 from __future__ import annotations
 
+import json
+import logging
 from pathlib import Path
 
 from redis import Redis
@@ -14,6 +16,8 @@ from wicore.ops.image_decode import ImageLimits
 from wicore.scheduler.policy import BatchPolicy
 from wicore.worker.job_inputs import InputConfig
 from wicore.worker.loop import BatchingWorker, WorkerConfig
+
+log = logging.getLogger(__name__)
 
 
 def resolve_device(device: str) -> str:
@@ -54,7 +58,7 @@ def resolve_engine(engine: str, device: str) -> str:
     return "fast" if device.startswith("cuda") else "reference"
 
 
-def build_engine(settings: Settings, model_dir: Path, options: dict | None = None) -> Engine:
+def build_engine(settings: Settings, model_dir: Path) -> Engine:
     device = resolve_device(settings.device)
     config = EngineConfig(
         model_dir=str(model_dir),
@@ -62,9 +66,9 @@ def build_engine(settings: Settings, model_dir: Path, options: dict | None = Non
         dtype=resolve_dtype(settings.dtype, device),
         max_batch_size=settings.batch_size,
         cache=not settings.no_cache,
-        options=options or {},
+        options=settings.engine.options(),
     )
-    return create_engine(resolve_engine(settings.engine, device), config)
+    return create_engine(resolve_engine(settings.engine.name, device), config)
 
 
 def attach_shared_caches(settings: Settings, connection: Redis, engine: Engine, model_id: str) -> None:
@@ -94,6 +98,7 @@ def build_worker(
         limits=ImageLimits(max_bytes=settings.max_image_bytes, max_pixels=settings.max_image_pixels),
     )
     attach_shared_caches(settings, connection, engine, model_id)
+    log_config(settings, engine)
     config = WorkerConfig(
         model_id=model_id,
         name=name,
@@ -106,3 +111,10 @@ def build_worker(
         max_jobs=max_jobs,
     )
     return BatchingWorker(connection, engine, config)
+
+
+def log_config(settings: Settings, engine: Engine) -> None:
+    """The configuration a worker runs with, once at start: the settings (credentials masked)
+    and the engine's, every device-dependent default resolved."""
+    config = {"settings": settings.public(), "engine": engine.describe()}
+    log.info("config: %s", json.dumps(config, sort_keys=True))

@@ -24,7 +24,7 @@ from pydantic import ValidationError
 from redis import Redis
 from rq.serializers import JSONSerializer
 
-from wicore import keys
+from wicore import defaults, keys
 from wicore.engines.base import Completion, Engine
 from wicore.errors import DeadlineExceeded, ShutdownRequested
 from wicore.scheduler.policy import BatchPolicy, Take, Wait, choose, split_expired
@@ -45,11 +45,11 @@ class WorkerConfig:
     name: str | None = None
     policy: BatchPolicy = field(default_factory=BatchPolicy)
     inputs: InputConfig = field(default_factory=InputConfig)
-    liveness_ttl_s: float = 15.0  # a worker silent this long is dead; its jobs are requeued
+    liveness_ttl_s: float = defaults.LIVENESS_TTL_S  # a worker silent this long is dead; its jobs are requeued
     heartbeat_s: float = 3.0
     reap_every_s: float = 5.0
     idle_wait_s: float = 1.0  # longest doorbell wait before looking at the queues again
-    result_ttl_s: int = 86_400
+    result_ttl_s: int = defaults.RESULT_TTL_S
     burst: bool = False  # exit once the queues are empty and the engine is idle
     max_jobs: int | None = None  # exit after this many jobs ended (tests, benchmarks)
 

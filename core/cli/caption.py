@@ -87,8 +87,8 @@ def caption(
     to a folder per run under the cache dir (~/.cache/wicore/logs)."""
     raise_on_signals(signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
     settings = settings_from(
-        config, redis_url=redis_url, model=model, model_id=model_id, engine=engine, device=device,
-        dtype=dtype, batch_size=batch_size, no_cache=no_cache, log_level=debug_level(debug),
+        config, engine_option=engine_option, redis_url=redis_url, model=model, model_id=model_id, engine=engine,
+        device=device, dtype=dtype, batch_size=batch_size, no_cache=no_cache, log_level=debug_level(debug),
     )  # fmt: skip
     todo, done = plan(expand_inputs(inputs), output, skip_errors)
     if not todo:
@@ -99,8 +99,7 @@ def caption(
         from wicore.cli.redis_check import connect
 
         connect(settings.redis_url).close()
-    extra = [arg for pair in engine_option or [] for arg in ("--engine-option", pair)]
-    extra += ["--allow-random-weights"] if allow_random_weights else []
+    extra = ["--allow-random-weights"] if allow_random_weights else []  # engine options travel in the settings
     config = RunConfig(settings, model_dir, served_id, output, prompt, max_new_tokens, workers, redis_dir, tuple(extra))
     run = CaptionRun(config)
     run.run(todo)
@@ -182,10 +181,17 @@ class CaptionRun:
         with contextlib.ExitStack() as stack:
             stack.callback(group.kill)  # the last word: nothing of this run outlives it
             url = self._redis(stack, group)
-            producer = Producer(url, model=self.config.model_id, config=ProducerConfig(by_path=self.config.embedded))
+            settings = self.config.settings
+            config = ProducerConfig(
+                by_path=self.config.embedded, result_ttl_s=settings.result_ttl_s, retries=settings.retries
+            )
+            producer = Producer(url, model=self.config.model_id, config=config)
             stack.push(lambda *exc: self._leave(producer, exc[1]))  # runs once the workers have stopped
             self.log_dir = run_log_dir(Path(self.config.settings.cache_dir) / "logs", self.run_id)
-            pool = WorkerPool(self.config.workers, self._worker_args(url, todo), self.log_dir, group, self.run_id)
+            settings = self._worker_settings(url, todo)
+            pool = WorkerPool(
+                self.config.workers, settings, list(self.config.extra_args), self.log_dir, group, self.run_id
+            )
             stack.enter_context(pool)
             sink = stack.enter_context(self.config.output.open("a"))
             stack.callback(hold_signals)  # the first step of the way out: a second Ctrl-C cannot cut it short
@@ -199,17 +205,12 @@ class CaptionRun:
         keep = self.config.redis_dir is not None
         return stack.enter_context(EmbeddedRedis(self.config.redis_dir, persist=keep, spawn=group.popen)).url
 
-    def _worker_args(self, url: str, todo: list[InputItem]) -> list[str]:
-        settings = self.config.settings
-        args = ["--redis-url", url, "--model", str(self.config.model_dir), "--model-id", self.config.model_id]
-        for flag in ("engine", "device", "dtype", "batch_size"):
-            args += [f"--{flag.replace('_', '-')}", str(getattr(settings, flag))]
-        roots = sorted({str(item.path.resolve().parent) for item in todo if item.path is not None})
-        for root in roots if self.config.embedded else []:
-            args += ["--allow-root", root]
-        if settings.no_cache:
-            args.append("--no-cache")
-        return args + list(self.config.extra_args)
+    def _worker_settings(self, url: str, todo: list[InputItem]) -> Settings:
+        """This run's settings as its workers take them (a 0600 file, not the environment)."""
+        served = {"redis_url": url, "model": self.config.model_dir, "model_id": self.config.model_id}
+        if self.config.embedded:  # the workers read the inputs from where they lie
+            served["allowed_roots"] = sorted({item.path.resolve().parent for item in todo if item.path is not None})
+        return self.config.settings.model_copy(update=served)
 
     def _caption(self, producer, pool: WorkerPool, todo: list[InputItem], sink) -> None:
         from wicore.cli.submitting import submit_items

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -11,7 +10,7 @@ from rich.console import Console
 
 from wicore.cli.failures import friendly_errors  # noqa: F401 (every verb takes it from here)
 from wicore.cli.logs import configure_logging
-from wicore.config import CONFIG_ENV, Settings, load_settings
+from wicore.config import Settings, load_settings, read_settings_file
 
 # Messages on stderr; when that is a file or a pipe, lines are never wrapped at 80 columns.
 console = Console(stderr=True, soft_wrap=True, width=None if sys.stderr.isatty() else 1000)
@@ -29,10 +28,16 @@ ModelIdOption = typer.Option(
 )
 
 
-def settings_from(config: Path | None, **flags) -> Settings:
-    if config is not None:
-        os.environ[CONFIG_ENV] = str(config)
-    settings = load_settings(**flags)
+def settings_from(
+    config: Path | None, *, engine_option: list[str] | None = None, settings_file: Path | None = None, **flags
+) -> Settings:
+    """Settings from the flags given (None: not given) over the environment and the config file;
+    or, for a process that `wicore caption` started, over its parent's settings file."""
+    options = engine_options(engine_option)
+    if settings_file is not None:
+        settings = read_settings_file(settings_file, engine_options=options, **flags)
+    else:
+        settings = load_settings(config, engine_options=options, **flags)
     configure_logging(settings.log_level)
     return settings
 
@@ -56,7 +61,7 @@ def checked_model(settings: Settings, allow_random_weights: bool) -> tuple[Path,
 
     model_dir, model_id = model_dir_and_id(settings)
     check_model_dir(model_dir, allow_random_weights=allow_random_weights)
-    check_engine_name(settings.engine)
+    check_engine_name(settings.engine.name)
     return model_dir, model_id
 
 

@@ -19,7 +19,6 @@ from wicore.cli.common import (
     RedisOption,
     checked_model,
     console,
-    engine_options,
     friendly_errors,
     settings_from,
 )
@@ -50,11 +49,14 @@ def worker(
     allow_random_weights: bool = AllowRandomWeightsOption,
     config: Path = ConfigOption,
     debug: bool = DebugOption,
+    settings_file: Path = typer.Option(None, hidden=True, help="Settings from `wicore caption` (its workers)."),
 ) -> None:
     """Serve caption jobs from Redis: take batches by shape bucket, run them, write results.
     Logs one INFO line per batch and one WARNING per failed job (WICORE_LOG_LEVEL=warning: fewer)."""
     settings = settings_from(
         config,
+        engine_option=engine_option,
+        settings_file=settings_file,
         redis_url=redis_url,
         model=model,
         model_id=model_id,
@@ -73,7 +75,7 @@ def worker(
     connection = connect(settings.redis_url)  # before the model loads: a bad URL fails in a second
     from wicore.worker.factory import build_engine, build_worker
 
-    engine_obj = build_engine(settings, model_dir, engine_options(engine_option))
+    engine_obj = build_engine(settings, model_dir)
     worker_obj = build_worker(settings, connection, engine_obj, served_id, name=name, burst=burst, max_jobs=max_jobs)
     where = f"{engine_obj.name} engine on {engine_obj.config.device} ({engine_obj.config.dtype})"
     console.print(f"worker {worker_obj.name}: serving model {served_id} ({model_dir}), {where}", markup=False)

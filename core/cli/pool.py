@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 from wicore.cli.failures import ExitCode
 from wicore.cli.process_group import ProcessGroup
+from wicore.config import Settings, write_settings_file
 from wicore.errors import WicoreError
 
 WARM_STOP_S = 60.0  # a clean end: workers finish what they hold (nothing, normally) and exit
@@ -26,14 +30,20 @@ class WorkersDied(WicoreError):
 
 class WorkerPool:
     """`count` x `wicore worker` subprocesses (each loads the model once; none forks), in the
-    run's process group, each writing its log to `log_dir`."""
+    run's process group, each writing its log to `log_dir`. They get `settings` in a 0600 file of
+    a private folder and none of this process's WICORE_ variables: a worker runs with exactly the
+    settings it was given (and no password shows in its argv)."""
 
-    def __init__(self, count: int, worker_args: list[str], log_dir: Path, group: ProcessGroup, run_id: str):
+    def __init__(
+        self, count: int, settings: Settings, worker_args: list[str], log_dir: Path, group: ProcessGroup, run_id: str
+    ):
+        self.settings = settings
         self.worker_args = worker_args
         self.log_dir = log_dir
         self.group = group
         self.names = [f"caption-{run_id}-{i}" for i in range(count)]
         self.processes: list[subprocess.Popen] = []
+        self.settings_dir: Path | None = None
 
     @property
     def logs(self) -> list[Path]:
@@ -41,10 +51,14 @@ class WorkerPool:
 
     def __enter__(self) -> WorkerPool:
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.settings_dir = Path(tempfile.mkdtemp(prefix="wicore-settings-"))  # mode 0700
+        settings_file = write_settings_file(self.settings, self.settings_dir)
+        env = {k: v for k, v in os.environ.items() if not k.upper().startswith("WICORE_")}
         for name, log in zip(self.names, self.logs):
-            args = [sys.executable, "-m", "wicore.cli.main", "worker", *self.worker_args, "--name", name]
+            args = [sys.executable, "-m", "wicore.cli.main", "worker", "--settings-file", str(settings_file)]
+            args += [*self.worker_args, "--name", name]
             with open(log, "wb") as sink:
-                self.processes.append(self.group.popen(args, stdout=sink, stderr=subprocess.STDOUT))
+                self.processes.append(self.group.popen(args, stdout=sink, stderr=subprocess.STDOUT, env=env))
         return self
 
     def check(self) -> None:
@@ -57,7 +71,14 @@ class WorkerPool:
         raise WorkersDied(f"the workers exited before the work was done: {reason} (log: {self.logs[0]})", exit_code)
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None:
+        try:
+            self.shut_down(warm=exc_type is None)
+        finally:
+            if self.settings_dir is not None:
+                shutil.rmtree(self.settings_dir, ignore_errors=True)
+
+    def shut_down(self, warm: bool) -> None:
+        if warm:
             self.stop(signal.SIGTERM, WARM_STOP_S)
             return
         self.stop(signal.SIGTERM, 0.0)  # the first SIGTERM asks for a warm stop,
