@@ -20,8 +20,10 @@ NOTIFY = NOTIFY_PREFIX + "{session}"
 # Queue entries that name no job a worker could fail through RQ's records (a stream: id, queue,
 # reason, worker, at).
 DEAD_LETTER = PREFIX + ":dead-letter"
-# Per-worker engine and cache counters (JSON), for `wicore status`.
+# Per-worker model, engine, device and dtype, engine and cache counters (JSON), for `wicore status`.
 STATS = PREFIX + ":stats:{worker}"
+# Set and deleted at once by a verb's start-up check that Redis takes writes.
+PROBE = PREFIX + ":probe:{token}"
 
 # RQ queue names of wicore's bucket queues start with this (see scheduler.buckets).
 QUEUE_PREFIX = PREFIX
@@ -49,3 +51,7 @@ def notify(session: str) -> str:
 
 def stats(worker: str) -> str:
     return STATS.format(worker=worker)
+
+
+def probe(token: str) -> str:
+    return PROBE.format(token=token)

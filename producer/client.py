@@ -74,13 +74,14 @@ class Producer:
         blobs = {job.image.sha256: data for job, data in prepared if data is not None}
         new_ids, stored = self._claim_new([job.job_id for job in jobs], list(blobs))
         new_jobs = list({job.job_id: job for job in jobs if job.job_id in new_ids}.values())
+        labels = {job.job_id: s.label for job, s in zip(jobs, submissions)}
         with self.connection.pipeline(transaction=True) as pipe:  # all of the chunk is enqueued, or none
             for sha in {job.image.sha256 for job in new_jobs if job.image.is_blob}:
                 if sha in stored:
                     pipe.expire(keys.blob(sha), self.config.blob_ttl_s)
                 else:
                     pipe.set(keys.blob(sha), blobs[sha], ex=self.config.blob_ttl_s)
-            self._enqueue(new_jobs, pipe)
+            self._enqueue(new_jobs, pipe, labels)
             pipe.execute()
         return [job.job_id for job in jobs]
 
@@ -116,21 +117,21 @@ class Producer:
         new_ids = {job_id for job_id, first, job in zip(unique, marks[::2], marks[1::2]) if first or not job}
         return new_ids, {sha for sha, n in zip(blob_shas, present) if n}
 
-    def _enqueue(self, jobs: list[CaptionJob], pipe) -> None:
+    def _enqueue(self, jobs: list[CaptionJob], pipe, labels: dict[str, str | None]) -> None:
         by_queue: dict[str, list[CaptionJob]] = defaultdict(list)
         for job in jobs:
             by_queue[self.rules.bucket(job).queue_name].append(job)
         for queue_name, queue_jobs in by_queue.items():
             queue = Queue(queue_name, connection=self.connection, serializer=JSONSerializer)
             pipe.delete(*(f"rq:results:{job.job_id}" for job in queue_jobs))  # a rerun starts a fresh stream
-            queue.enqueue_many([self._rq_data(job) for job in queue_jobs], pipeline=pipe)
+            queue.enqueue_many([self._rq_data(job, labels.get(job.job_id)) for job in queue_jobs], pipeline=pipe)
         if jobs:
             bell = keys.doorbell(self.model)
             pipe.lpush(bell, *(["1"] * min(len(jobs), 16)))
             pipe.ltrim(bell, 0, 63)
             pipe.expire(bell, 60)
 
-    def _rq_data(self, job: CaptionJob):
+    def _rq_data(self, job: CaptionJob, label: str | None):
         return Queue.prepare_data(
             TASK,
             args=[job.model_dump(mode="json")],
@@ -140,8 +141,28 @@ class Producer:
             failure_ttl=self.config.failure_ttl_s,
             retry=Retry(max=self.config.retries) if self.config.retries else None,
             meta={"notify": self.notify_key},
-            description=f"caption {job.image.path or job.image.sha256[:12]}",
+            description=f"caption {label or job.image.path or job.image.sha256[:12]}",
         )
+
+    def cancel(self, job_ids: Iterable[str]) -> int:
+        """Take back the jobs this producer enqueued that no worker has started: removed from
+        their queue and Redis, with their dedup mark, so submitting the same work again enqueues
+        it anew. Jobs enqueued by another producer, or already started, are left alone. Returns
+        how many were removed."""
+        ids = list(dict.fromkeys(job_ids))
+        with self.connection.pipeline(transaction=False) as pipe:
+            for job_id in ids:
+                pipe.get(keys.submitted(job_id))
+            marks = pipe.execute()
+        mine = [job_id for job_id, mark in zip(ids, marks) if mark is not None and mark.decode() == self.session]
+        jobs = Job.fetch_many(mine, connection=self.connection, serializer=JSONSerializer)
+        unstarted = [job for job in jobs if job is not None and job.get_status(refresh=False) == JobStatus.QUEUED]
+        with self.connection.pipeline() as pipe:
+            for job in unstarted:
+                job.delete(pipeline=pipe, remove_from_queue=True)
+                pipe.delete(keys.submitted(job.id))
+            pipe.execute()
+        return len(unstarted)
 
     # -- results ----------------------------------------------------------------------------
 

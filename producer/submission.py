@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from wicore import defaults
 from wicore.schemas import ChatMessage, GenerationParams, Lane
 
 
@@ -18,14 +19,21 @@ class Submission:
     priority: Lane = Lane.NORMAL
     deadline: float | None = None  # unix seconds
     metadata: dict[str, Any] = field(default_factory=dict)
+    name: str | None = None  # for people (the job's description in rq-dashboard); default: the path
+
+    @property
+    def label(self) -> str | None:
+        if self.name is not None:
+            return self.name
+        return None if isinstance(self.image, bytes | bytearray | memoryview) else str(self.image)
 
 
 @dataclass(frozen=True)
 class ProducerConfig:
     by_path: bool = False  # send paths (workers must see the same files) instead of blobs
-    result_ttl_s: int = 86_400  # results (and the dedup mark) live this long
+    result_ttl_s: int = defaults.RESULT_TTL_S  # results (and the dedup mark) live this long
     failure_ttl_s: int = 7 * 86_400
     blob_ttl_s: int = 86_400
-    retries: int = 2  # re-runs after a transient failure or a dead worker
+    retries: int = defaults.RETRIES  # re-runs after a transient failure or a dead worker
     job_timeout_s: int = 3_600
-    max_image_bytes: int = 32 * 2**20
+    max_image_bytes: int = defaults.MAX_IMAGE_BYTES

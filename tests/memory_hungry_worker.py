@@ -31,7 +31,7 @@ class MemoryHungryEngine(NullEngine):
     name = "memory-hungry"
 
     def step(self) -> list[Completion]:
-        batch, self.pending = self.pending, []
+        batch = self.take_pending()
         need = sum(HUGE if "huge" in json.dumps(r.chat) else PER_REQUEST for r in batch)
         try:
             block = torch.empty(need, dtype=torch.uint8)  # address space only: never touched

@@ -9,6 +9,7 @@ import pytest
 from rq.job import Job
 
 from tests.helpers import png_bytes
+from wicore.cli.failures import ExitCode
 from wicore.engines import EngineConfig
 from wicore.engines.null import NullEngine
 from wicore.producer import Producer, Submission
@@ -186,7 +187,7 @@ def test_dashboard_never_unpickles_guards_writes_and_hides_passwords(guarded_red
     assert not marker.exists(), "the dashboard unpickled a job's meta"
     for secret in (REDIS_PASSWORD, DASH_PASSWORD):
         assert secret not in output and not any(secret in body for body in bodies)
-    assert f"redis://***@127.0.0.1:{url.rsplit(':', 1)[1]}" in output
+    assert f"redis://:***@127.0.0.1:{url.rsplit(':', 1)[1]}" in output
 
 
 @pytest.mark.faults
@@ -197,13 +198,13 @@ def test_dashboard_refuses_to_start_without_redis_in_one_line(guarded_redis):
     url, _ = guarded_redis
     wrong = url.replace(REDIS_PASSWORD, "not-the-password")
     for bad_url, says in (
-        (wrong, "refused the credentials"),
+        (wrong, "refused the user name or password"),
         (f"redis://:pw@127.0.0.1:{free_port()}/0", "cannot reach"),
     ):
         result = wicore("dashboard", "--redis-url", bad_url, "--port", str(free_port()), check=False, timeout=60)
         output = result.stdout + result.stderr
-        assert result.returncode == 2 and says in output, output
+        assert result.returncode == ExitCode.REDIS and says in output, output
         assert output.count("error:") == 1 and "Traceback" not in output  # one message (the console may wrap it)
         assert "not-the-password" not in output and ":pw@" not in output
     exposed = wicore("dashboard", "--redis-url", url, "--host", "0.0.0.0", check=False, timeout=60)
-    assert exposed.returncode == 2 and "--auth" in exposed.stderr
+    assert exposed.returncode == ExitCode.USAGE and "--auth" in exposed.stderr

@@ -51,12 +51,19 @@ def test_fast_engine_batch_past_free_gpu_memory_is_split_and_none_fail(redis_con
         pytest.skip("needs CUDA")
     from wicore.engines.base import EngineConfig
     from wicore.engines.fast import FastEngine
+    from wicore.engines.fast.options import FastOptions
     from wicore.models.gemma3 import make_gemma3_4b
     from wicore.scheduler.policy import BatchPolicy
     from wicore.worker.loop import BatchingWorker, WorkerConfig
 
-    options = {"max_prefill_tokens": 131_072, "cuda_graphs": False, "compile_text": False, "compile_vision": False}
-    options |= {"prefix_cache": False, "vision_cache_bytes": 0}
+    options = FastOptions(
+        max_prefill_tokens=131_072,
+        cuda_graphs=False,
+        compile_text=False,
+        compile_vision=False,
+        prefix_cache=False,
+        vision_cache_bytes=0,
+    )
     model_dir = str(make_gemma3_4b(tmp_path / "g4b"))
     engine = FastEngine(EngineConfig(model_dir, device="cuda", dtype="bfloat16", max_batch_size=32, options=options))
     producer = Producer(redis_conn, model="g4b", config=ProducerConfig(retries=0))

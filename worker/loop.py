@@ -31,12 +31,13 @@ from enum import Enum
 from redis import Redis
 from rq.serializers import JSONSerializer
 
-from wicore import keys
+from wicore import defaults, keys
 from wicore.engines.base import Completion, Engine
 from wicore.errors import ShutdownRequested
 from wicore.scheduler.policy import BatchPolicy, Take, Wait, choose, split_expired
 from wicore.scheduler.queues import BucketQueues
 from wicore.schemas import CaptionJob, Timings
+from wicore.worker.batch_log import BatchLog
 from wicore.worker.engine_gate import EngineGate
 from wicore.worker.job_inputs import InputConfig, InputLoader, Loaded, deadline_message, parse_payloads
 from wicore.worker.liveness import Heartbeat, reap_dead_workers, take_over_name
@@ -62,11 +63,11 @@ class WorkerConfig:
     name: str | None = None
     policy: BatchPolicy = field(default_factory=BatchPolicy)
     inputs: InputConfig = field(default_factory=InputConfig)
-    liveness_ttl_s: float = 15.0  # a worker silent this long is dead; its jobs are requeued
+    liveness_ttl_s: float = defaults.LIVENESS_TTL_S  # a worker silent this long is dead; its jobs are requeued
     heartbeat_s: float = 3.0
     reap_every_s: float = 5.0
     idle_wait_s: float = 1.0  # longest doorbell wait before looking at the queues again
-    result_ttl_s: int = 86_400
+    result_ttl_s: int = defaults.RESULT_TTL_S
     burst: bool = False  # exit once the queues are empty and the engine is idle
     max_jobs: int | None = None  # exit after this many jobs ended (tests, benchmarks)
 
@@ -99,6 +100,7 @@ class BatchingWorker:
         self.gate = EngineGate(engine)
         self.in_flight: dict[str, InFlight] = {}
         self.unwritten: list[Finished] = []  # ended here, not yet written to Redis
+        self.batch_log = BatchLog()
         self.jobs_done = 0
         self.stopping = False
         self.state = WorkerState.STARTING
@@ -204,7 +206,9 @@ class BatchingWorker:
             log.warning("worker %s: gave back %d claimed jobs it did not hold", self.name, count)
 
     def _publish_stats(self) -> None:
-        stats = {"jobs_done": self.jobs_done, "in_flight": len(self.in_flight), **self.engine.stats()}
+        identity = {"model": self.config.model_id, "engine": self.engine.name}
+        identity |= {"device": self.engine.config.device, "dtype": self.engine.config.dtype}
+        stats = {**identity, "jobs_done": self.jobs_done, "in_flight": len(self.in_flight), **self.engine.stats()}
         self.connection.set(keys.stats(self.name), json.dumps(stats), ex=max(60, int(self.config.liveness_ttl_s * 4)))
 
     def _idle(self) -> bool:
@@ -280,6 +284,7 @@ class BatchingWorker:
         if not isinstance(decision, Take):
             return False
         claimed = self.bridge.claim(decision.queue_name, decision.count)
+        self.batch_log.claimed(claimed)
         self._submit(claimed)
         return bool(claimed)
 
@@ -336,6 +341,7 @@ class BatchingWorker:
 
     def _end(self, items: list[Finished]) -> None:
         self.unwritten += items
+        self.batch_log.ended(items)
         self.jobs_done += len(items)
 
     def _flush(self) -> None:

@@ -33,7 +33,7 @@ from rq.serializers import JSONSerializer
 from rq.utils import now, utcformat
 from rq.worker import BaseWorker
 
-from wicore import keys
+from wicore import defaults, keys
 from wicore.errors import InvalidJob
 from wicore.producer.client import TASK
 from wicore.worker import rq_scripts
@@ -182,7 +182,7 @@ def exc_string(message: str) -> str:
 
 
 class RQBridge:
-    def __init__(self, record: RQWorkerRecord, *, result_ttl: int = 86_400):
+    def __init__(self, record: RQWorkerRecord, *, result_ttl: int = defaults.RESULT_TTL_S):
         self.record = record
         self.connection: Redis = record.connection
         self.result_ttl = result_ttl

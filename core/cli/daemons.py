@@ -7,6 +7,7 @@ from pathlib import Path
 import typer
 
 from wicore.cli.common import (
+    AllowRandomWeightsOption,
     BatchSizeOption,
     ConfigOption,
     DeviceOption,
@@ -16,12 +17,15 @@ from wicore.cli.common import (
     ModelOption,
     NoCacheOption,
     RedisOption,
+    checked_model,
     console,
-    engine_options,
     friendly_errors,
-    model_dir_and_id,
     settings_from,
 )
+from wicore.cli.failures import DebugOption, debug_level
+from wicore.cli.logs import configure_logging, level_or, quiet_progress_bars
+from wicore.cli.redis_check import connect
+from wicore.config import redact_url
 from wicore.errors import ConfigError
 
 
@@ -43,11 +47,17 @@ def worker(
     max_jobs: int = typer.Option(None, help="Exit after this many jobs."),
     no_cache: bool = NoCacheOption,
     engine_option: list[str] = EngineOption,
+    allow_random_weights: bool = AllowRandomWeightsOption,
     config: Path = ConfigOption,
+    debug: bool = DebugOption,
+    settings_file: Path = typer.Option(None, hidden=True, help="Settings from `wicore caption` (its workers)."),
 ) -> None:
-    """Serve caption jobs from Redis: take batches by shape bucket, run them, write results."""
+    """Serve caption jobs from Redis: take batches by shape bucket, run them, write results.
+    Logs one INFO line per batch and one WARNING per failed job (WICORE_LOG_LEVEL=warning: fewer)."""
     settings = settings_from(
         config,
+        engine_option=engine_option,
+        settings_file=settings_file,
         redis_url=redis_url,
         model=model,
         model_id=model_id,
@@ -58,20 +68,23 @@ def worker(
         max_queue_delay_ms=max_queue_delay_ms,
         allowed_roots=allow_root or None,
         no_cache=no_cache,
+        log_level=debug_level(debug),
     )
-    if not settings.redis_url:
-        raise ConfigError("wicore worker needs --redis-url or WICORE_REDIS_URL")
-    from wicore.worker.factory import build_engine, build_worker
-    from wicore.worker.redis_link import check_redis, connect
+    configure_logging(level_or(settings, "INFO"))  # a worker's log is its output
+    quiet_progress_bars()
+    model_dir, served_id = checked_model(settings, allow_random_weights)
+    from wicore.worker.redis_link import client_options
 
-    check_redis(settings.redis_url)
-    model_dir, served_id = model_dir_and_id(settings)
-    engine_obj = build_engine(settings, model_dir, engine_options(engine_option))
-    connection = connect(settings.redis_url)
+    # Checked before the model loads (a bad URL fails in a second); a client that notices outages.
+    connection = connect(settings.redis_url, **client_options())
+    from wicore.worker.factory import build_engine, build_worker
+
+    engine_obj = build_engine(settings, model_dir)
     worker_obj = build_worker(settings, connection, engine_obj, served_id, name=name, burst=burst, max_jobs=max_jobs)
-    console.print(f"worker [bold]{worker_obj.name}[/bold]: model {served_id} ({model_dir}) on {engine_obj.name}")
+    where = f"{engine_obj.name} engine on {engine_obj.config.device} ({engine_obj.config.dtype})"
+    console.print(f"worker {worker_obj.name}: serving model {served_id} ({model_dir}), {where}", markup=False)
     done = worker_obj.run()
-    console.print(f"worker {worker_obj.name}: {done} jobs done, stopped")
+    console.print(f"worker {worker_obj.name}: {done} jobs done, stopped", markup=False)
 
 
 @friendly_errors
@@ -87,19 +100,16 @@ def dashboard(
     """rq-dashboard on the same Redis, reading wicore's jobs as JSON only; write actions need
     the page's token, and every page the login when --auth is given."""
     settings = settings_from(config, redis_url=redis_url, dashboard_auth=auth)
-    if not settings.redis_url:
-        raise ConfigError("wicore dashboard needs --redis-url or WICORE_REDIS_URL")
-    from wicore.worker.dashboard import BasicAuth, make_app, serve
-    from wicore.worker.redis_link import check_redis, redact_url
-
     credentials = settings.dashboard_auth.get_secret_value() if settings.dashboard_auth else None
     if credentials is None and not is_loopback(host):
         raise ConfigError(
             f"listening on {host} without --auth would open the queues to the network: add --auth USER:PASS"
         )
-    check_redis(settings.redis_url)
+    connect(settings.redis_url, write=False).close()
+    from wicore.worker.dashboard import BasicAuth, make_app, serve
+
     app = make_app(settings.redis_url, BasicAuth.parse(credentials) if credentials else None)
-    console.print(f"dashboard on http://{host}:{port}/ for {redact_url(settings.redis_url)}")
+    console.print(f"dashboard on http://{host}:{port}/ for {redact_url(settings.redis_url)}", markup=False)
     serve(app, host, port)
 
 
