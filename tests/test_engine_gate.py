@@ -12,8 +12,26 @@ import sys
 import pytest
 
 from tests.helpers import png_bytes
+from wicore.engines.base import ABORTED, EngineConfig, EngineRequest
+from wicore.engines.null import NullEngine
 from wicore.producer import Producer, ProducerConfig, Submission
 from wicore.schemas import GenerationParams
+from wicore.worker.engine_gate import EngineGate
+
+
+def request(rid: str) -> EngineRequest:
+    return EngineRequest(rid, [], [], GenerationParams(max_new_tokens=1))
+
+
+def test_abort_stops_requests_waiting_in_the_gate_and_in_the_engine():
+    gate = EngineGate(NullEngine(EngineConfig(model_dir="", max_batch_size=2)))
+    assert gate.add([request(f"r{i}") for i in range(4)]) == []  # r0, r1 in the engine; r2, r3 wait
+    stopped = gate.abort(["r0", "r2", "not-held"])
+    assert sorted(c.id for c in stopped) == ["r0", "r2"] and all(c.error == ABORTED for c in stopped)
+    ended = []
+    while gate.busy():
+        ended += [c.id for c in gate.step()]
+    assert ended == ["r1", "r3"]
 
 
 def outcomes(producer: Producer, ids: list[str]) -> dict:
@@ -49,7 +67,6 @@ def test_fast_engine_batch_past_free_gpu_memory_is_split_and_none_fail(redis_con
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    from wicore.engines.base import EngineConfig
     from wicore.engines.fast import FastEngine
     from wicore.engines.fast.options import FastOptions
     from wicore.models.gemma3 import make_gemma3_4b

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from collections.abc import Iterable
 
-from wicore.engines.base import Completion, Engine, EngineRequest, failed
+from wicore.engines.base import Completion, Engine, EngineRequest, aborted, failed
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +46,17 @@ class EngineGate:
         holds = self.held or self.engine.num_unfinished()  # the engine may hold what a failed add left
         done = self._settle(self._run(self.engine.step, list(self.held.values()))) if holds else []
         return done + self._feed()
+
+    def abort(self, request_ids: Iterable[str]) -> list[Completion]:
+        """`Engine.abort` for the requests in the gate's hands too: those still waiting stop now;
+        the engine's stop now or in a later step, as the engine decides."""
+        wanted = set(request_ids)
+        stopped = [aborted(r.id) for r in self.waiting if r.id in wanted]
+        self.waiting = deque(r for r in self.waiting if r.id not in wanted)
+        for completion in self.engine.abort(wanted):
+            self.held.pop(completion.id, None)
+            stopped.append(completion)
+        return stopped
 
     def _feed(self) -> list[Completion]:
         room = min(self.engine.free_slots(), self.limit - len(self.held))
