@@ -200,11 +200,12 @@ def _validated(build: Callable[[], Settings]) -> Settings:
 
 
 def write_settings_file(settings: Settings, folder: Path) -> Path:
-    """The settings, complete, in a JSON file only this user can read (it may hold a Redis
-    password): what a child process is started with instead of the parent's environment."""
+    """The settings in a JSON file only this user can read (it may hold a Redis password): what a
+    child process is started with instead of the parent's environment. All but the dashboard's
+    login: no child serves the dashboard, and pydantic writes a SecretStr masked."""
     fd, name = tempfile.mkstemp(prefix="settings-", suffix=".json", dir=folder)  # mode 0600
     with os.fdopen(fd, "w") as sink:
-        sink.write(settings.model_dump_json())
+        sink.write(settings.model_dump_json(exclude={"dashboard_auth"}))
     return Path(name)
 
 

@@ -22,6 +22,9 @@ class ConfigError(WicoreError):
         return cls("bad configuration: " + "; ".join(_describe(error, model, what) for error in exc.errors()))
 
 
+SECRET_KEYS = ("url", "dashboard_auth")  # settings whose values may hold a password: never echoed
+
+
 def _describe(error: dict, model, what: str) -> str:
     loc = [str(part) for part in error["loc"]]
     key = ".".join(loc) or "(settings)"
@@ -30,7 +33,7 @@ def _describe(error: dict, model, what: str) -> str:
         return f"unknown {what} {key!r} (known: {known})"
     message = error["msg"].removeprefix("Value error, ")
     given = error.get("input")
-    if isinstance(given, int | float | str) and not key.endswith("url") and "got" not in message:
+    if isinstance(given, int | float | str) and not key.endswith(SECRET_KEYS) and "got" not in message:
         message += f" (got {given!r})"
     return f"{what} {key}: {message}"
 

@@ -147,6 +147,16 @@ def test_settings_file_round_trip_ignores_the_environment(tmp_path, monkeypatch)
     assert read_settings_file(path, batch_size=5, engine_options={"vision_batch_size": 2}).engine.block_size == 4
 
 
+def test_the_dashboard_login_stays_out_of_settings_files_and_error_lines(tmp_path):
+    settings = load_settings(dashboard_auth="admin:hunter2")
+    path = write_settings_file(settings, tmp_path)
+    assert "hunter2" not in path.read_text() and "*****" not in path.read_text()
+    assert read_settings_file(path).dashboard_auth is None
+    with pytest.raises(ConfigError) as error:
+        load_settings(toml(tmp_path, "dashboard_auth = 314159\n"))
+    assert "dashboard_auth" in str(error.value) and "314159" not in str(error.value)
+
+
 def test_credentials_are_masked():
     assert redact_url("redis://user:secret@host:6379/0") == "redis://user:***@host:6379/0"
     assert redact_url("rediss://:secret@host/0?password=also&ssl_cert_reqs=none") == (
