@@ -33,6 +33,26 @@ from wicore.schemas import CaptionJob, CaptionResult
 
 TASK = "wicore.worker.tasks.caption"  # by name: the producer never imports the worker
 
+# ARGV: this producer's session, the dedup marks' key prefix, then job ids. A job goes only if
+# its mark is this session's, its status is queued and its id was still in its queue (LREM; a
+# key of another type answers an error, which pcall turns into "not there").
+_CANCEL_LUA = """
+local session, marks, taken = ARGV[1], ARGV[2], 0
+for i = 3, #ARGV do
+  local id = ARGV[i]
+  local job = 'rq:job:' .. id
+  local f = redis.call('HMGET', job, 'status', 'origin')
+  if redis.call('GET', marks .. id) == session and f[1] == 'queued' and f[2] then
+    local removed = redis.pcall('LREM', 'rq:queue:' .. f[2], 0, id)
+    if type(removed) == 'number' and removed > 0 then
+      redis.call('DEL', job, 'rq:results:' .. id, job .. ':dependents', job .. ':dependencies', marks .. id)
+      taken = taken + 1
+    end
+  end
+end
+return taken
+"""
+
 
 class Producer:
     def __init__(
@@ -49,6 +69,7 @@ class Producer:
         self.rules = rules or ShapeRules()
         self.session = uuid.uuid4().hex
         self.notify_key = keys.notify(self.session)
+        self._cancel = self.connection.register_script(_CANCEL_LUA)
 
     # -- submitting -------------------------------------------------------------------------
 
@@ -147,22 +168,13 @@ class Producer:
     def cancel(self, job_ids: Iterable[str]) -> int:
         """Take back the jobs this producer enqueued that no worker has started: removed from
         their queue and Redis, with their dedup mark, so submitting the same work again enqueues
-        it anew. Jobs enqueued by another producer, or already started, are left alone. Returns
-        how many were removed."""
+        it anew. Jobs enqueued by another producer, or already started, are left alone. One
+        server-side call: a worker cannot claim a job between its check and its removal, and no
+        job hash is parsed here. Returns how many were removed."""
         ids = list(dict.fromkeys(job_ids))
-        with self.connection.pipeline(transaction=False) as pipe:
-            for job_id in ids:
-                pipe.get(keys.submitted(job_id))
-            marks = pipe.execute()
-        mine = [job_id for job_id, mark in zip(ids, marks) if mark is not None and mark.decode() == self.session]
-        jobs = Job.fetch_many(mine, connection=self.connection, serializer=JSONSerializer)
-        unstarted = [job for job in jobs if job is not None and job.get_status(refresh=False) == JobStatus.QUEUED]
-        with self.connection.pipeline() as pipe:
-            for job in unstarted:
-                job.delete(pipeline=pipe, remove_from_queue=True)
-                pipe.delete(keys.submitted(job.id))
-            pipe.execute()
-        return len(unstarted)
+        if not ids:
+            return 0
+        return int(self._cancel(args=[self.session, keys.submitted(""), *ids]))
 
     # -- results ----------------------------------------------------------------------------
 

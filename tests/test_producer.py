@@ -10,7 +10,7 @@ from redis.exceptions import OutOfMemoryError
 from tests.helpers import png_bytes
 from wicore import keys
 from wicore.embedded import EmbeddedRedis
-from wicore.producer import Producer
+from wicore.producer import Producer, Submission
 
 
 def queued_ids(connection: Redis) -> list[bytes]:
@@ -43,3 +43,20 @@ def test_a_mark_without_a_job_is_a_submission_that_never_happened(redis_conn):
     assert producer.submit(png_bytes(2), "orphaned mark") == job_id
     assert queued_ids(redis_conn) == [job_id.encode()], "enqueued again, and only once"
     assert producer.outcome(job_id).status == "queued"
+
+
+def test_cancel_takes_back_only_this_producers_unstarted_jobs_whatever_their_hashes_hold(redis_conn):
+    """A job hash RQ could not restore (a bad date, a missing `data`) is taken back like any
+    other; a started job, another producer's job and an unknown id stay as they are."""
+    producer, other = Producer(redis_conn, model="m"), Producer(redis_conn, model="m")
+    ids = producer.submit_many([Submission(png_bytes(10 + i), f"job {i}") for i in range(4)])
+    foreign = other.submit(png_bytes(20), "another producer's")
+    redis_conn.hset(f"rq:job:{ids[0]}", "created_at", "not a date")
+    redis_conn.hdel(f"rq:job:{ids[1]}", "data")
+    redis_conn.hset(f"rq:job:{ids[2]}", "status", "started")  # a worker took it
+    assert producer.cancel([*ids, foreign, "no-such-job", ids[0]]) == 3
+    assert queued_ids(redis_conn) == [ids[2].encode(), foreign.encode()]
+    for job_id in (ids[0], ids[1], ids[3]):
+        assert not redis_conn.exists(f"rq:job:{job_id}", keys.submitted(job_id))
+    assert redis_conn.exists(f"rq:job:{ids[2]}", keys.submitted(ids[2]), f"rq:job:{foreign}") == 3
+    assert producer.submit(png_bytes(13), "job 3") == ids[3] and ids[3].encode() in queued_ids(redis_conn)
