@@ -96,10 +96,11 @@ def dashboard(
         None, help="Require HTTP basic auth USER:PASSWORD (also WICORE_DASHBOARD_AUTH).", show_default=False
     ),
     config: Path = ConfigOption,
+    debug: bool = DebugOption,
 ) -> None:
     """rq-dashboard on the same Redis, reading wicore's jobs as JSON only; write actions need
     the page's token, and every page the login when --auth is given."""
-    settings = settings_from(config, redis_url=redis_url, dashboard_auth=auth)
+    settings = settings_from(config, redis_url=redis_url, dashboard_auth=auth, log_level=debug_level(debug))
     credentials = settings.dashboard_auth.get_secret_value() if settings.dashboard_auth else None
     if credentials is None and not is_loopback(host):
         raise ConfigError(

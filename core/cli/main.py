@@ -27,7 +27,7 @@ app.command(epilog=exit_codes_help(E.USAGE, E.REDIS, E.INTERRUPTED))(daemons.wor
 app.command(epilog=exit_codes_help(E.FAILED, E.USAGE, E.REDIS))(jobs.enqueue)
 app.command(epilog=exit_codes_help(E.FAILED, E.USAGE, E.UNFINISHED, E.REDIS))(jobs.result)
 app.command(epilog=exit_codes_help(E.USAGE, E.REDIS))(jobs.status)
-app.command()(daemons.dashboard)
+app.command(epilog=exit_codes_help(E.USAGE, E.REDIS, E.INTERRUPTED))(daemons.dashboard)
 app.command("make-model", epilog=exit_codes_help(E.USAGE))(models.make_model)
 app.command(epilog=exit_codes_help(E.USAGE))(formats.schema)
 app.add_typer(bench.app, name="bench")
