@@ -16,6 +16,8 @@ CLAIMANTS = PREFIX + ":claimants"
 DOORBELL = PREFIX + ":doorbell:{model}"
 # Completion notices for a waiting producer (a list per producer session).
 NOTIFY = PREFIX + ":notify:{session}"
+# Job ids a worker must stop (a set per worker): `Producer.cancel` adds, the worker takes them.
+CANCEL = PREFIX + ":cancel:{worker}"
 # Per-worker engine and cache counters (JSON), for `wicore status`.
 STATS = PREFIX + ":stats:{worker}"
 
@@ -45,3 +47,7 @@ def notify(session: str) -> str:
 
 def stats(worker: str) -> str:
     return STATS.format(worker=worker)
+
+
+def cancel(worker: str) -> str:
+    return CANCEL.format(worker=worker)

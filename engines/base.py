@@ -86,6 +86,10 @@ class Engine(abc.ABC):
     def num_unfinished(self) -> int:
         """Requests taken and not yet returned."""
 
+    def abort(self, request_ids: list[str]) -> list[Completion]:
+        """Stop these requests at the next step boundary; engines that cannot stop early return []."""
+        return []
+
     def free_slots(self) -> int:
         return max(0, self.config.max_batch_size - self.num_unfinished())
 

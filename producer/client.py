@@ -19,13 +19,13 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 
 from redis import Redis
 from rq import Queue, Retry
-from rq.exceptions import NoSuchJobError
+from rq.exceptions import InvalidJobOperation, NoSuchJobError
 from rq.job import Job, JobStatus
 from rq.results import Result
 from rq.serializers import JSONSerializer
 
 from wicore import keys
-from wicore.errors import JobFailed, ResultTimeout, UnknownJob
+from wicore.errors import JobCanceled, JobFailed, ResultTimeout, UnknownJob
 from wicore.producer.image_refs import prepare_image
 from wicore.producer.outcome import Outcome, outcome_of
 from wicore.producer.submission import ProducerConfig, Submission
@@ -33,6 +33,13 @@ from wicore.scheduler.buckets import ShapeRules
 from wicore.schemas import CaptionJob, CaptionResult
 
 TASK = "wicore.worker.tasks.caption"  # by name: the producer never imports the worker
+ENDED = frozenset({JobStatus.FINISHED.value, JobStatus.FAILED.value, JobStatus.STOPPED.value, JobStatus.CANCELED.value})
+NO_ENTRY = "0-0"  # a stream id before every entry
+
+
+def result_stream(job_id: str) -> str:
+    """The job's RQ result stream: workers add an entry when it ends (XREAD on it to wait)."""
+    return Result.get_key(job_id)
 
 
 class Producer:
@@ -147,27 +154,33 @@ class Producer:
     def outcome(self, job_id: str, timeout: float | None = None) -> Outcome:
         """The job's outcome now; with `timeout`, block on its RQ result stream (XREAD, no
         polling) until it ends or the time is up. A 'retried' entry is not an end."""
-        try:
-            job = Job.fetch(job_id, connection=self.connection, serializer=JSONSerializer)
-        except NoSuchJobError as exc:
-            raise UnknownJob(f"no job {job_id} in Redis (never submitted, or expired)") from exc
         deadline = time.monotonic() + (timeout or 0.0)
-        last_seen = "0-0"
         while True:
-            latest = Result.fetch_latest(job, serializer=JSONSerializer)
-            outcome = outcome_of(job_id, job.get_status(), latest)
+            outcome, last_seen = self.poll(job_id)
             left = deadline - time.monotonic()
             if outcome.done or left <= 0:
                 return outcome
-            last_seen = latest.id if latest else last_seen
             # Block in slices: redis-py's default socket timeout (5 s) would cut a longer wait.
-            self.connection.xread({Result.get_key(job_id): last_seen}, block=max(1, int(min(left, 2.0) * 1000)))
+            self.connection.xread({result_stream(job_id): last_seen}, block=max(1, int(min(left, 2.0) * 1000)))
+
+    def poll(self, job_id: str) -> tuple[Outcome, str]:
+        """The job's outcome now, and the id of the newest entry of its result stream: a waiter
+        blocks on `result_stream(job_id)` for entries after it."""
+        job = self._fetch(job_id)
+        latest = Result.fetch_latest(job, serializer=JSONSerializer)
+        return outcome_of(job_id, job.get_status(refresh=False), latest), latest.id if latest else NO_ENTRY
+
+    def _fetch(self, job_id: str) -> Job:
+        try:
+            return Job.fetch(job_id, connection=self.connection, serializer=JSONSerializer)
+        except NoSuchJobError as exc:
+            raise UnknownJob(f"no job {job_id} in Redis (never submitted, or expired)") from exc
 
     def result(self, job_id: str, timeout: float | None = None) -> CaptionResult:
-        """The job's result; raises JobFailed, ResultTimeout or UnknownJob."""
+        """The job's result; raises JobFailed (JobCanceled), ResultTimeout or UnknownJob."""
         outcome = self.outcome(job_id, timeout)
         if outcome.error is not None:
-            raise JobFailed(job_id, outcome.error)
+            raise (JobCanceled if outcome.canceled else JobFailed)(job_id, outcome.error)
         if outcome.result is None:
             raise ResultTimeout(f"job {job_id} is {outcome.status} after waiting {timeout or 0}s")
         return outcome.result
@@ -211,11 +224,39 @@ class Producer:
             for job_id in ids:
                 pipe.hget(f"rq:job:{job_id}", "status")
             statuses = pipe.execute()
-        ended = {JobStatus.FINISHED.value, JobStatus.FAILED.value, JobStatus.STOPPED.value, JobStatus.CANCELED.value}
         outcomes = []
         for job_id, status in zip(ids, statuses):
             if status is None:
                 outcomes.append(Outcome(job_id, "missing", error="job no longer in Redis (expired or deleted)"))
-            elif status.decode() in ended:
+            elif status.decode() in ENDED:
                 outcomes.append(self.outcome(job_id))
         return outcomes
+
+    # -- canceling --------------------------------------------------------------------------
+
+    def cancel(self, job_id: str) -> str:
+        """Cancel a job through RQ (`Job.cancel`): a queued job leaves its queue and never runs;
+        a running one is stopped by its worker at the engine's next step boundary. Returns the
+        job's status afterwards: 'canceled', or the status it had already ended with."""
+        job = self._fetch(job_id)
+        status = str(getattr(job.get_status(refresh=False), "value", "unknown"))
+        if status in ENDED:
+            return status
+        try:
+            job.cancel()
+        except InvalidJobOperation:  # canceled by someone else in between
+            return JobStatus.CANCELED.value
+        # Read after the cancel committed: a worker that claimed the job before that has its name
+        # set, and one that claims it afterwards skips it (the claim checks for 'canceled').
+        worker = self.connection.hget(job.key, "worker_name")
+        notify = str(job.meta.get("notify") or "")
+        with self.connection.pipeline(transaction=False) as pipe:
+            if worker:
+                pipe.sadd(keys.cancel(worker.decode()), job_id)
+                pipe.expire(keys.cancel(worker.decode()), self.config.result_ttl_s)
+            pipe.delete(keys.submitted(job_id))  # submitting the same work again runs it
+            if notify:
+                pipe.rpush(notify, job_id)
+                pipe.expire(notify, 3_600)
+            pipe.execute()
+        return JobStatus.CANCELED.value

@@ -2,6 +2,7 @@
 engine, write each job's result the moment its sequence ends.
 
     while running:
+        cancel()       # jobs canceled while in hand leave the engine at this step boundary
         admit()        # scheduler picks a bucket; claim, start, load images, engine.add
         step()         # engine.step(); finish what ended
         or idle()      # nothing to do: wait on the doorbell
@@ -36,6 +37,8 @@ from wicore.worker.results import caption_result
 from wicore.worker.rq_bridge import Claimed, Finished, RQBridge, RQWorkerRecord
 
 log = logging.getLogger(__name__)
+
+CANCELS_PER_TAKE = 1024  # cancel requests read per loop iteration (the rest wait for the next)
 
 
 @dataclass(frozen=True)
@@ -89,6 +92,7 @@ class BatchingWorker:
         try:
             while not (self.stopping and not self.in_flight):
                 self._maintain()
+                self._cancel()
                 admitted = self._admit() if not self.stopping else False
                 self._hand_over_loaded()
                 if self.engine.num_unfinished():
@@ -143,6 +147,28 @@ class BatchingWorker:
     def _wait_for_work(self, seconds: float) -> None:
         # Redis reads a timeout under 1 ms as 0, which would block forever.
         self.connection.blpop([keys.doorbell(self.config.model_id)], timeout=max(seconds, 0.002))
+
+    # -- canceling jobs -----------------------------------------------------------------------
+
+    def _cancel(self) -> None:
+        """Jobs RQ canceled while this worker held them (`Producer.cancel` names them in our
+        cancel set): the engine aborts them, and their late completions, if any, are dropped
+        as they are no longer in flight. One SPOP a loop iteration while jobs are in hand."""
+        if not self.in_flight:
+            return
+        taken = self.connection.spop(keys.cancel(self.name), CANCELS_PER_TAKE) or []
+        held = [self.in_flight.pop(raw.decode()) for raw in taken if raw.decode() in self.in_flight]
+        if not held:
+            return
+        in_engine = [flight.claimed.id for flight in held if flight.loading is None]
+        if in_engine:
+            self.engine.abort(in_engine)
+        for flight in held:
+            if flight.loading is not None:
+                flight.loading.cancel()
+        self.bridge.finish([Finished(flight.claimed, canceled=True) for flight in held])
+        self.jobs_done += len(held)
+        log.info("worker %s: canceled %d jobs in hand", self.name, len(held))
 
     # -- taking jobs --------------------------------------------------------------------------
 

@@ -4,12 +4,14 @@ against RQ's own readers (Job.fetch, results, registries, Worker.all, executions
 RQ has no API to take or finish several jobs at once, and its per-job Python bookkeeping costs
 more than the work of a small job. So the common paths run server-side, one Lua call per batch:
 
-- `claim`: LMOVE up to N job ids from a bucket queue into this worker's claims list, mark each
-  started exactly as RQ's worker does (job status/started_at/worker_name, an execution hash,
+- `claim`: LMOVE up to N job ids from a bucket queue into this worker's claims list (a job RQ
+  has canceled is dropped, never started), mark each started exactly as RQ's worker does (job status/started_at/worker_name, an execution hash,
   the job's execution registry, the queue's started registry, the worker's executions index)
   and return the fields the worker needs.
 - `finish` (successes): status finished, the RQ result stream entry, the finished registry,
   TTLs, execution records removed, worker counters, claims list and producer notifications.
+  A job canceled while it ran (`Job.cancel` set its status and its canceled-registry entry) ends
+  through the same call with no result: only its execution records and claim are removed.
 
 Failures, retries and requeues are rare and go through RQ's own Python methods.
 The scripts touch keys they compute (rq:job:<id>, ...): fine on one Redis, not on Redis Cluster.
@@ -47,8 +49,8 @@ for i = 1, n do
   local id = redis.call('LMOVE', KEYS[1], KEYS[2], 'LEFT', 'RIGHT')
   if not id then break end
   local job = 'rq:job:' .. id
-  local f = redis.call('HMGET', job, 'data', 'meta', 'origin', 'retries_left', 'result_ttl', 'timeout')
-  if not f[1] then
+  local f = redis.call('HMGET', job, 'data', 'meta', 'origin', 'retries_left', 'result_ttl', 'timeout', 'status')
+  if not f[1] or f[7] == 'canceled' then
     redis.call('LREM', KEYS[2], 1, id)
   else
     local eid = ARGV[4 + i]
@@ -82,24 +84,27 @@ return out
 #   id, execution id, origin, result ttl, return value (b64 JSON), started (unix), notify key.
 _FINISH_OK_LUA = """
 local worker, now, now_text = ARGV[1], tonumber(ARGV[2]), ARGV[3]
-local worked = 0
+local worked, succeeded = 0, 0
 for i = 4, #ARGV, 7 do
   local id, eid, origin, ttl = ARGV[i], ARGV[i + 1], ARGV[i + 2], tonumber(ARGV[i + 3])
   local started, notify = tonumber(ARGV[i + 5]), ARGV[i + 6]
   local job, results, comp = 'rq:job:' .. id, 'rq:results:' .. id, id .. ':' .. eid
-  redis.call('HSET', job, 'status', 'finished', 'ended_at', now_text)
-  redis.call('XADD', results, 'MAXLEN', '~', 10, '*', 'type', 1, 'worker_name', worker,
-             'return_value', ARGV[i + 4], 'execution_id', eid,
-             'execution_started_at', ARGV[i + 5], 'execution_ended_at', ARGV[2])
-  if ttl == 0 then
-    redis.call('DEL', job, results)
-  elseif ttl < 0 then
-    redis.call('PERSIST', results)
-    redis.call('ZADD', 'rq:finished:' .. origin, '+inf', id)
-  else
-    redis.call('EXPIRE', results, ttl)
-    redis.call('EXPIRE', job, ttl)
-    redis.call('ZADD', 'rq:finished:' .. origin, now + ttl, id)
+  if redis.call('HGET', job, 'status') ~= 'canceled' then
+    succeeded = succeeded + 1
+    redis.call('HSET', job, 'status', 'finished', 'ended_at', now_text)
+    redis.call('XADD', results, 'MAXLEN', '~', 10, '*', 'type', 1, 'worker_name', worker,
+               'return_value', ARGV[i + 4], 'execution_id', eid,
+               'execution_started_at', ARGV[i + 5], 'execution_ended_at', ARGV[2])
+    if ttl == 0 then
+      redis.call('DEL', job, results)
+    elseif ttl < 0 then
+      redis.call('PERSIST', results)
+      redis.call('ZADD', 'rq:finished:' .. origin, '+inf', id)
+    else
+      redis.call('EXPIRE', results, ttl)
+      redis.call('EXPIRE', job, ttl)
+      redis.call('ZADD', 'rq:finished:' .. origin, now + ttl, id)
+    end
   end
   redis.call('DEL', 'rq:execution:' .. comp)
   redis.call('ZREM', 'rq:wip:' .. origin, comp)
@@ -112,7 +117,7 @@ for i = 4, #ARGV, 7 do
   end
   worked = worked + (now - started)
 end
-redis.call('HINCRBY', KEYS[3], 'successful_job_count', (#ARGV - 3) / 7)
+redis.call('HINCRBY', KEYS[3], 'successful_job_count', succeeded)
 redis.call('HINCRBYFLOAT', KEYS[3], 'total_working_time', worked)
 if redis.call('SCARD', KEYS[2]) == 0 then redis.call('HSET', KEYS[3], 'state', 'idle') end
 return 1
@@ -173,6 +178,7 @@ class Finished:
     result: dict[str, Any] | None = None  # JSON-able return value
     error: str | None = None
     retry: bool = False  # transient failure: run it again if it has retries left
+    canceled: bool = False  # RQ canceled it while it ran (only after `Job.cancel` committed)
 
 
 def decode_claimed(row: list[bytes], started_at: float) -> Claimed:
@@ -218,11 +224,12 @@ class RQBridge:
     # -- finishing jobs -----------------------------------------------------------------------
 
     def finish(self, items: list[Finished]) -> None:
-        """Successes in one Lua call; failures and retries through RQ's own methods."""
-        ok = [item for item in items if item.result is not None]
+        """Successes and cancellations in one Lua call; failures and retries through RQ's own
+        methods."""
+        ok = [item for item in items if item.result is not None or item.canceled]
         if ok:
             self._finish_successes(ok)
-        failed = [item for item in items if item.result is None]
+        failed = [item for item in items if item.result is None and not item.canceled]
         if failed:
             self._finish_failures(failed)
 
@@ -232,7 +239,7 @@ class RQBridge:
         for item in items:
             c = item.claimed
             ttl = c.result_ttl if c.result_ttl is not None else self.result_ttl
-            value = b64encode(JSONSerializer.dumps(item.result)).decode()
+            value = b64encode(JSONSerializer.dumps(item.result)).decode() if item.result is not None else ""
             args += [c.id, c.execution_id, c.origin, ttl, value, c.started_at, c.notify]
         self._finish_ok(keys=self._worker_keys(), args=args)
 
@@ -294,6 +301,8 @@ class RQBridge:
                 elif status == JobStatus.STARTED:
                     self._forget_executions(job, pipe)
                     self._retry_abandoned(job, pipe)
+                elif status == JobStatus.CANCELED:  # canceled while its worker held it: stays canceled
+                    self._forget_executions(job, pipe)
             pipe.delete(claims_key)
             pipe.execute()
         for origin, job_ids in unstarted.items():

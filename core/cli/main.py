@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from wicore.cli import bench, caption, daemons, jobs, models
+from wicore.cli import bench, caption, daemons, gateway, jobs, models
 
 app = typer.Typer(
     name="wicore",
@@ -18,6 +18,7 @@ app.command()(daemons.worker)
 app.command()(jobs.enqueue)
 app.command()(jobs.result)
 app.command()(jobs.status)
+app.command()(gateway.cancel)
 app.command()(daemons.dashboard)
 app.command("make-model")(models.make_model)
 app.add_typer(bench.app, name="bench")
