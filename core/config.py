@@ -6,10 +6,10 @@ from __future__ import annotations
 import os
 import tomllib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, ValidationError
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+from pydantic import Field, SecretStr, ValidationError, field_validator
+from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict
 
 from wicore.errors import ConfigError
 
@@ -38,6 +38,19 @@ class Settings(BaseSettings):
     vision_cache_redis_bytes: int = Field(2**30, ge=0)  # Redis-shared image embeddings (0 = not shared)
     vision_cache_ttl_s: float = Field(86_400, gt=0)
     log_level: str = "WARNING"
+    # The HTTP gateway (`wicore serve`) and the workers' Prometheus endpoints.
+    host: str = "127.0.0.1"  # interface `wicore serve` and a worker's metrics listen on
+    port: int = Field(8000, ge=1, le=65535)  # `wicore serve`
+    metrics_port: int | None = Field(None, ge=1, le=65535)  # `wicore worker`: serve /metrics here
+    api_keys: Annotated[list[SecretStr], NoDecode] = []  # bearer keys the gateway accepts (none: open)
+    max_request_bytes: int = Field(64 * 2**20, ge=1024)  # largest HTTP request body the gateway reads
+    request_timeout_s: float = Field(300.0, gt=0)  # longest a chat completion waits for its job
+
+    @field_validator("api_keys", mode="before")
+    @classmethod
+    def _comma_separated(cls, value: Any) -> Any:
+        """WICORE_API_KEYS=key1,key2 (the TOML file and flags give lists)."""
+        return [k.strip() for k in value.split(",") if k.strip()] if isinstance(value, str) else value
 
     @classmethod
     def settings_customise_sources(

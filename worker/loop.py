@@ -33,6 +33,7 @@ from wicore.scheduler.queues import BucketQueues
 from wicore.schemas import CaptionJob, Timings
 from wicore.worker.job_inputs import InputConfig, InputLoader, Loaded
 from wicore.worker.liveness import Heartbeat, reap_dead_workers
+from wicore.worker.metrics import WorkerMetrics
 from wicore.worker.results import caption_result
 from wicore.worker.rq_bridge import Claimed, Finished, RQBridge, RQWorkerRecord
 
@@ -75,6 +76,7 @@ class BatchingWorker:
         self.inputs = InputLoader(connection, config.inputs)
         self.heartbeat = Heartbeat(self.record, heartbeat_s=config.heartbeat_s, ttl_s=config.liveness_ttl_s)
         self.in_flight: dict[str, InFlight] = {}
+        self.metrics = WorkerMetrics(config.model_id)
         self.jobs_done = 0
         self.stopping = False
         self._next_reap = 0.0
@@ -96,7 +98,7 @@ class BatchingWorker:
                 admitted = self._admit() if not self.stopping else False
                 self._hand_over_loaded()
                 if self.engine.num_unfinished():
-                    self._finish(self.engine.step())
+                    self._finish(self._step())
                 elif self._loading():
                     wait([f.loading for f in self._loading()], timeout=0.01, return_when=FIRST_COMPLETED)
                 elif not admitted and not self._idle():
@@ -131,8 +133,16 @@ class BatchingWorker:
         self._publish_stats()
         self._next_reap = time.monotonic() + self.config.reap_every_s
 
+    def _step(self) -> list[Completion]:
+        running, start = self.engine.num_unfinished(), time.perf_counter()
+        done = self.engine.step()
+        self.metrics.stepped(running, len(self._loading()), time.perf_counter() - start)
+        return done
+
     def _publish_stats(self) -> None:
-        stats = {"jobs_done": self.jobs_done, "in_flight": len(self.in_flight), **self.engine.stats()}
+        stats = {"model": self.config.model_id, "jobs_done": self.jobs_done, "in_flight": len(self.in_flight)}
+        stats |= self.engine.stats()
+        self.metrics.engine_stats(stats, self.engine.num_unfinished(), len(self._loading()))
         self.connection.set(keys.stats(self.name), json.dumps(stats), ex=max(60, int(self.config.liveness_ttl_s * 4)))
 
     def _idle(self) -> bool:
@@ -168,6 +178,7 @@ class BatchingWorker:
                 flight.loading.cancel()
         self.bridge.finish([Finished(flight.claimed, canceled=True) for flight in held])
         self.jobs_done += len(held)
+        self.metrics.canceled(len(held))
         log.info("worker %s: canceled %d jobs in hand", self.name, len(held))
 
     # -- taking jobs --------------------------------------------------------------------------
@@ -197,6 +208,7 @@ class BatchingWorker:
         unrunnable = invalid + [(c, deadline_message(p)) for c, p in expired]
         self.bridge.finish([Finished(c, error=reason) for c, reason in unrunnable])
         self.jobs_done += len(unrunnable)
+        self.metrics.failed("input", len(unrunnable))
         futures = self.inputs.submit([(c.id, payload) for c, payload in live])
         for (c, payload), future in zip(live, futures):
             self.in_flight[c.id] = InFlight(c, payload, loading=future)
@@ -218,6 +230,7 @@ class BatchingWorker:
             else:
                 requests.append(loaded.request)
         if bad or requests:
+            self.metrics.admitted(sum(len(r.images) for r in requests))
             self._finish(bad + (self.engine.add(requests) if requests else []))
 
     # -- finishing jobs -----------------------------------------------------------------------
@@ -230,6 +243,7 @@ class BatchingWorker:
     def _finished(self, completion: Completion) -> Finished:
         flight = self.in_flight.pop(completion.id)
         if not completion.ok:
+            self.metrics.failed("input" if completion.input_error else "transient")
             return Finished(flight.claimed, error=completion.error, retry=not completion.input_error)
         submitted = flight.payload.submitted_at
         timings = Timings(
@@ -241,6 +255,7 @@ class BatchingWorker:
         result = caption_result(
             completion, timings, worker=self.name, engine=self.engine.name, model=self.config.model_id
         )
+        self.metrics.succeeded(completion, timings)
         return Finished(flight.claimed, result=result.model_dump(mode="json"))
 
     # -- signals ------------------------------------------------------------------------------

@@ -42,6 +42,7 @@ def worker(
     name: str = typer.Option(None, help="Worker name (default: random)."),
     burst: bool = typer.Option(False, help="Exit once the queues are empty."),
     max_jobs: int = typer.Option(None, help="Exit after this many jobs."),
+    metrics_port: int = typer.Option(None, help="Serve Prometheus /metrics on this port.", show_default=False),
     no_cache: bool = NoCacheOption,
     engine_option: list[str] = EngineOption,
     config: Path = ConfigOption,
@@ -59,6 +60,7 @@ def worker(
         max_queue_delay_ms=max_queue_delay_ms,
         allowed_roots=allow_root or None,
         no_cache=no_cache,
+        metrics_port=metrics_port,
     )
     if not settings.redis_url:
         raise ConfigError("wicore worker needs --redis-url or WICORE_REDIS_URL")
@@ -69,6 +71,9 @@ def worker(
     connection = Redis.from_url(settings.redis_url)
     worker_obj = build_worker(settings, connection, engine_obj, served_id, name=name, burst=burst, max_jobs=max_jobs)
     console.print(f"worker [bold]{worker_obj.name}[/bold]: model {served_id} ({model_dir}) on {engine_obj.name}")
+    if settings.metrics_port is not None:
+        worker_obj.metrics.serve(settings.metrics_port, settings.host)
+        console.print(f"metrics on http://{settings.host}:{settings.metrics_port}/metrics")
     done = worker_obj.run()
     console.print(f"worker {worker_obj.name}: {done} jobs done, stopped")
 
