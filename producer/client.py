@@ -77,7 +77,11 @@ class Producer:
         return ids + (self._submit_chunk(batch) if batch else [])
 
     def _submit_chunk(self, submissions: list[Submission]) -> list[str]:
-        prepared = [self._prepare(s) for s in submissions]
+        return self.enqueue_prepared([self.prepare(s) for s in submissions])
+
+    def enqueue_prepared(self, prepared: list[tuple[CaptionJob, bytes | None]]) -> list[str]:
+        """Enqueue jobs made by `prepare` (a caller that wants each submission's own error
+        prepares them one by one first). One job id per job, in order."""
         jobs = [job for job, _ in prepared]
         blobs = {job.image.sha256: data for job, data in prepared if data is not None}
         new_ids, stored = self._claim_new([job.job_id for job in jobs], list(blobs))
@@ -92,8 +96,9 @@ class Producer:
             pipe.execute()
         return [job.job_id for job in jobs]
 
-    def _prepare(self, submission: Submission) -> tuple[CaptionJob, bytes | None]:
-        """The job, and the image bytes when they travel as a blob."""
+    def prepare(self, submission: Submission) -> tuple[CaptionJob, bytes | None]:
+        """The job, and the image bytes when they travel as a blob. Raises ImageError or
+        pydantic's ValidationError for a submission that cannot become a job."""
         ref, data = prepare_image(submission.image, by_path=self.config.by_path, limit=self.config.max_image_bytes)
         job = CaptionJob(
             image=ref,
@@ -145,7 +150,7 @@ class Producer:
             result_ttl=self.config.result_ttl_s,
             failure_ttl=self.config.failure_ttl_s,
             retry=Retry(max=self.config.retries) if self.config.retries else None,
-            meta={"notify": self.notify_key},
+            meta={"notify": self.notify_key} if self.config.notify else {},
             description=f"caption {job.image.path or job.image.sha256[:12]}",
         )
 

@@ -29,3 +29,4 @@ class ProducerConfig:
     retries: int = 2  # re-runs after a transient failure or a dead worker
     job_timeout_s: int = 3_600
     max_image_bytes: int = 32 * 2**20
+    notify: bool = True  # workers push each ended job to this producer's list (`wait` reads it)

@@ -57,6 +57,32 @@ def start_worker(*args: str, env: dict | None = None, log: Path | None = None) -
     )
 
 
+def start_gateway(*args: str, env: dict | None = None, log: Path | None = None) -> subprocess.Popen:
+    """`wicore serve` in a subprocess; pair it with `wait_http` on its /health/live."""
+    sink = open(log, "wb") if log else subprocess.DEVNULL  # noqa: SIM115 (closed with the process)
+    return subprocess.Popen(
+        [sys.executable, "-m", "wicore.cli.main", "serve", *args],
+        env={**os.environ, **(env or {})},
+        stdout=sink,
+        stderr=subprocess.STDOUT,
+    )
+
+
+def wait_http(url: str, timeout: float, process: subprocess.Popen | None = None) -> None:
+    """Until `url` answers 200 (fails early if `process` exits)."""
+    import urllib.request
+
+    def answers() -> bool:
+        if process is not None and process.poll() is not None:
+            raise AssertionError(f"the process serving {url} exited with {process.returncode}")
+        try:
+            return urllib.request.urlopen(url, timeout=2).status == 200
+        except OSError:
+            return False
+
+    wait_until(answers, timeout, 0.1, f"{url} to answer")
+
+
 def stop(process: subprocess.Popen, sig: int = signal.SIGTERM, timeout: float = 60) -> int:
     if process.poll() is None:
         process.send_signal(sig)

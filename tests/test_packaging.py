@@ -32,6 +32,13 @@ def test_producer_and_scheduler_import_neither_torch_nor_transformers():
     assert not {"torch", "transformers", "PIL"} & modules
 
 
+def test_the_gateway_imports_neither_torch_nor_transformers():
+    """`wicore serve` holds no model: a gateway host needs no torch."""
+    modules = imported_modules("import wicore.gateway.app, wicore.cli.gateway")
+    assert {"fastapi", "prometheus_client"} <= modules
+    assert not {"torch", "transformers", "PIL"} & modules
+
+
 def test_engines_and_ops_import_neither_redis_nor_rq():
     modules = imported_modules("import wicore.engines.reference, wicore.engines.null, wicore.ops.image_preprocess")
     assert not {"redis", "rq"} & modules
