@@ -134,15 +134,17 @@ class BatchingWorker:
         self._next_reap = time.monotonic() + self.config.reap_every_s
 
     def _step(self) -> list[Completion]:
-        running, start = self.engine.num_unfinished(), time.perf_counter()
+        batch, start = self.engine.num_unfinished(), time.perf_counter()
         done = self.engine.step()
-        self.metrics.stepped(running, len(self._loading()), time.perf_counter() - start)
+        self.metrics.stepped(batch, time.perf_counter() - start)
+        self.metrics.in_hand(self.engine.num_unfinished(), len(self._loading()))
         return done
 
     def _publish_stats(self) -> None:
         stats = {"model": self.config.model_id, "jobs_done": self.jobs_done, "in_flight": len(self.in_flight)}
         stats |= self.engine.stats()
-        self.metrics.engine_stats(stats, self.engine.num_unfinished(), len(self._loading()))
+        self.metrics.engine.stats = stats
+        self.metrics.in_hand(self.engine.num_unfinished(), len(self._loading()))
         self.connection.set(keys.stats(self.name), json.dumps(stats), ex=max(60, int(self.config.liveness_ttl_s * 4)))
 
     def _idle(self) -> bool:

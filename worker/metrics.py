@@ -73,9 +73,11 @@ class WorkerMetrics:
 
     # -- what the worker reports ----------------------------------------------------------------
 
-    def stepped(self, running: int, waiting: int, seconds: float) -> None:
+    def stepped(self, batch: int, seconds: float) -> None:
         self.step_time.labels(self.model).observe(seconds)
-        self.batch_size.labels(self.model).observe(running)
+        self.batch_size.labels(self.model).observe(batch)
+
+    def in_hand(self, running: int, waiting: int) -> None:
         self.running.labels(self.model).set(running)
         self.waiting.labels(self.model).set(waiting)
 
@@ -95,11 +97,6 @@ class WorkerMetrics:
 
     def canceled(self, count: int) -> None:
         self.canceled_jobs.labels(self.model).inc(count)
-
-    def engine_stats(self, stats: dict[str, Any], running: int, waiting: int) -> None:
-        self.engine.stats = stats
-        self.running.labels(self.model).set(running)
-        self.waiting.labels(self.model).set(waiting)
 
     def serve(self, port: int, host: str) -> None:
         """Serve /metrics on `host:port` from a daemon thread."""
