@@ -45,6 +45,34 @@ def queue(
 
 @app.command()
 @friendly_errors
+def http(
+    jobs: int = typer.Option(2000, help="Jobs per side."),
+    redis_url: str = typer.Option(None, help="Redis to use (default: a fresh embedded one)."),
+    as_json: bool = typer.Option(False, "--json", help="End with one JSON line."),
+    out: Path = typer.Option(Path("bench/results"), help="Folder for http-<host>.json and .png."),
+) -> None:
+    """Submitting through the gateway (`wicore serve`) vs the Python producer, on the same jobs."""
+    from wicore.bench.http_bench import run_bench, write_results
+    from wicore.embedded import redis_url_or_embedded
+
+    with redis_url_or_embedded(redis_url) as url:
+        report = run_bench(url, jobs)
+    console.print(
+        f"producer: {report['producer_jobs_per_s']:.0f} jobs/s one by one (p50 {report['producer_p50_ms']} ms, "
+        f"p99 {report['producer_p99_ms']} ms), {report['producer_bulk_jobs_per_s']:.0f} jobs/s with submit_many\n"
+        f"gateway:  {report['gateway_jobs_per_s']:.0f} jobs/s one by one (p50 {report['gateway_p50_ms']} ms, "
+        f"p99 {report['gateway_p99_ms']} ms), {report['gateway_bulk_jobs_per_s']:.0f} jobs/s with /v1/jobs/batch\n"
+        f"ratio: the gateway costs {report['jobs_per_s_ratio']:.1f}x the producer one by one "
+        f"(p50 latency {report['latency_ratio_p50']:.1f}x), {report['bulk_jobs_per_s_ratio']:.1f}x in bulk"
+    )
+    for path in write_results(report, out):
+        console.print(f"wrote {path}")
+    if as_json:
+        typer.echo(json.dumps(report))
+
+
+@app.command()
+@friendly_errors
 def caption(
     preset: str = typer.Option("gemma3-4b", help="Model shape (only gemma3-4b)."),
     images: int = typer.Option(1024, help="Timed images (distinct, mixed sizes)."),

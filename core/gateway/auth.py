@@ -14,7 +14,8 @@ from wicore.gateway.errors import ApiError
 CHALLENGE = {"WWW-Authenticate": "Bearer"}
 
 
-def require_key(request: Request) -> None:
+# async: FastAPI runs a plain `def` dependency on its thread pool, a hop per request for a dict lookup.
+async def require_key(request: Request) -> None:
     keys: frozenset[str] = request.app.state.gateway.config.api_keys
     if not keys:
         return
