@@ -47,25 +47,43 @@ def wicore(
     return result
 
 
-def start_worker(*args: str, env: dict | None = None, log: Path | None = None) -> subprocess.Popen:
+def start_cli(verb: str, *args: str, env: dict | None = None, log: Path | None = None) -> subprocess.Popen:
+    """A long-running `wicore <verb>` in a subprocess, its output into `log`."""
     sink = open(log, "wb") if log else subprocess.DEVNULL  # noqa: SIM115 (closed with the process)
     return subprocess.Popen(
-        [sys.executable, "-m", "wicore.cli.main", "worker", *args],
+        [sys.executable, "-m", "wicore.cli.main", verb, *args],
         env={**os.environ, **(env or {})},
         stdout=sink,
         stderr=subprocess.STDOUT,
     )
+
+
+def start_worker(*args: str, env: dict | None = None, log: Path | None = None) -> subprocess.Popen:
+    return start_cli("worker", *args, env=env, log=log)
 
 
 def start_gateway(*args: str, env: dict | None = None, log: Path | None = None) -> subprocess.Popen:
     """`wicore serve` in a subprocess; pair it with `wait_http` on its /health/live."""
-    sink = open(log, "wb") if log else subprocess.DEVNULL  # noqa: SIM115 (closed with the process)
-    return subprocess.Popen(
-        [sys.executable, "-m", "wicore.cli.main", "serve", *args],
-        env={**os.environ, **(env or {})},
-        stdout=sink,
-        stderr=subprocess.STDOUT,
-    )
+    return start_cli("serve", *args, env=env, log=log)
+
+
+def scrape_metrics(url: str) -> dict[tuple[str, tuple], float]:
+    """A Prometheus page parsed with prometheus_client's text parser: {(sample, labels): value}."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def metric_total(samples: dict, name: str, **labels) -> float:
+    """The sum of `name`'s samples whose labels include `labels`."""
+    return sum(v for (n, ls), v in samples.items() if n == name and set(labels.items()) <= set(ls))
 
 
 def wait_http(url: str, timeout: float, process: subprocess.Popen | None = None) -> None:

@@ -17,9 +17,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
-from tests.helpers import start_gateway, start_worker, stop, wait_http, wait_until
+from tests.helpers import metric_total, scrape_metrics, start_gateway, start_worker, stop, wait_http, wait_until
 from wicore.embedded import EmbeddedRedis, free_port
 
 pytestmark = pytest.mark.slow
@@ -249,33 +248,22 @@ def test_readme_examples_run_verbatim(keyed):
     assert python.stdout.strip() == "a red star on a purple background"
 
 
-def scrape(url: str) -> dict[tuple[str, tuple], float]:
-    text = httpx.get(url).text
-    return {
-        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-    }
-
-
-def total(samples: dict, name: str, **labels) -> float:
-    return sum(v for (n, ls), v in samples.items() if n == name and set(labels.items()) <= set(ls))
-
-
 def test_metrics_count_the_jobs_of_a_run(gateway, worker):
     worker_url = f"http://127.0.0.1:{worker[1]}/metrics"
-    wait_until(lambda: total(scrape(worker_url), "wicore:num_requests_running") == 0, 60, 0.2, "an idle worker")
-    before, gateway_before = scrape(worker_url), scrape(str(gateway.base_url) + "/metrics")
+    wait_until(
+        lambda: metric_total(scrape_metrics(worker_url), "wicore:num_requests_running") == 0, 60, 0.2, "an idle worker"
+    )
+    before, gateway_before = scrape_metrics(worker_url), scrape_metrics(str(gateway.base_url) + "/metrics")
     seed = int(time.time())  # new work: the ids differ from every earlier test's
     ids = [
         gateway.post("/v1/jobs", json={"image": b64(p), "params": {"seed": seed + i}}).json()["job_id"]
         for i, p in enumerate(sorted(IMAGES.iterdir()))
     ]
     assert all(wait_job(gateway, job_id)["status"] == "finished" for job_id in ids)
-    after, gateway_after = scrape(worker_url), scrape(str(gateway.base_url) + "/metrics")
+    after, gateway_after = scrape_metrics(worker_url), scrape_metrics(str(gateway.base_url) + "/metrics")
 
     def delta(name: str, new: dict = after, old: dict = before, **labels) -> float:
-        return total(new, name, **labels) - total(old, name, **labels)
+        return metric_total(new, name, **labels) - metric_total(old, name, **labels)
 
     assert delta("wicore:request_success_total", model_name=MODEL) == len(ids)
     assert delta("wicore:e2e_request_latency_seconds_count") == len(ids)
@@ -284,8 +272,8 @@ def test_metrics_count_the_jobs_of_a_run(gateway, worker):
     gw = {"new": gateway_after, "old": gateway_before}
     assert delta("wicore:http_requests_total", handler="/v1/jobs", method="POST", status="202", **gw) == len(ids)
     assert delta("wicore:jobs_submitted_total", model_name=MODEL, **gw) == len(ids)
-    assert total(gateway_after, "wicore:workers", model_name=MODEL) == 1
-    assert total(gateway_after, "wicore:queue_jobs", status="finished") >= len(ids)
+    assert metric_total(gateway_after, "wicore:workers", model_name=MODEL) == 1
+    assert metric_total(gateway_after, "wicore:queue_jobs", status="finished") >= len(ids)
 
 
 def test_docs_and_openapi(gateway):

@@ -42,6 +42,11 @@ def gateway(tmp_path_factory):
         assert stop(process) in (0, -signal.SIGTERM), log.read_text()[-3000:]  # uvicorn re-raises SIGTERM
 
 
+def raw(body: bytes, content_type: str = "application/json") -> dict:
+    """A body sent as bytes under `content_type`."""
+    return {"content": body, "headers": {"content-type": content_type}}
+
+
 def job(**fields) -> dict:
     return {"image": GOOD_IMAGE, **fields}
 
@@ -75,11 +80,11 @@ CASES = [
     (
         "POST",
         "/v1/jobs",
-        {"content": b"{not json", "headers": {"content-type": "application/json"}},
+        raw(b"{not json"),
         400,
         "not valid JSON",
     ),
-    ("POST", "/v1/jobs", {"content": b"", "headers": {"content-type": "application/json"}}, 400, "empty"),
+    ("POST", "/v1/jobs", raw(b""), 400, "empty"),
     ("POST", "/v1/jobs", {"json": [1, 2]}, 400, "request body: Input should be a valid dictionary"),
     ("POST", "/v1/jobs", {"json": "a string"}, 400, "valid dictionary"),
     ("POST", "/v1/jobs", {"json": 42}, 400, "valid dictionary"),
@@ -132,11 +137,11 @@ CASES = [
     (
         "POST",
         "/v1/jobs",
-        {"content": b"x" * (MAX_REQUEST + 1), "headers": {"content-type": "application/json"}},
+        raw(b"x" * (MAX_REQUEST + 1)),
         413,
         "max_request_bytes",
     ),
-    ("POST", "/v1/jobs", {"content": b"image=1", "headers": {"content-type": "text/plain"}}, 415, "Content-Type"),
+    ("POST", "/v1/jobs", raw(b"image=1", "text/plain"), 415, "Content-Type"),
     ("POST", "/v1/jobs", multipart({"prompt": "hi"}, with_image=False), 400, "attach the image as a file"),
     ("POST", "/v1/jobs", multipart({"image": "not a file"}, with_image=False), 400, "attach the image as a file"),
     ("POST", "/v1/jobs", multipart({"params": "{max_new_tokens: 3}"}), 400, "params: not valid JSON"),
@@ -147,7 +152,7 @@ CASES = [
     (
         "POST",
         "/v1/jobs",
-        {"content": b"--xyz\r\nbroken", "headers": {"content-type": "multipart/form-data"}},
+        raw(b"--xyz\r\nbroken", "multipart/form-data"),
         400,
         "multipart",
     ),
@@ -156,18 +161,18 @@ CASES = [
     (
         "POST",
         "/v1/jobs/batch",
-        {"content": b"", "headers": {"content-type": "application/jsonl"}},
+        raw(b"", "application/jsonl"),
         400,
         "batch is empty",
     ),
     (
         "POST",
         "/v1/jobs/batch",
-        {"content": b"[1,", "headers": {"content-type": "application/json"}},
+        raw(b"[1,"),
         400,
         "not valid JSON",
     ),
-    ("POST", "/v1/jobs/batch", {"content": b"a,b", "headers": {"content-type": "text/csv"}}, 415, "Content-Type"),
+    ("POST", "/v1/jobs/batch", raw(b"a,b", "text/csv"), 415, "Content-Type"),
     ("GET", "/v1/jobs/wc-unknown", {}, 404, "no job wc-unknown"),
     ("GET", "/v1/jobs/bad id!", {}, 400, "job_id"),
     ("GET", "/v1/jobs/wc-unknown", {"params": {"wait": -1}}, 400, "wait"),
@@ -213,11 +218,11 @@ CASES = [
     (
         "POST",
         "/v1/chat/completions",
-        {"content": b"{", "headers": {"content-type": "application/json"}},
+        raw(b"{"),
         400,
         "not valid JSON",
     ),
-    ("POST", "/v1/chat/completions", {"content": b"", "headers": {"content-type": "application/json"}}, 400, "body"),
+    ("POST", "/v1/chat/completions", raw(b""), 400, "body"),
     ("GET", "/v1/nothing-here", {}, 404, "no route GET /v1/nothing-here"),
     ("PUT", "/v1/jobs", {"json": job()}, 405, "not allowed on"),
     ("GET", "/v1/chat/completions", {}, 405, "not allowed on"),
@@ -243,3 +248,6 @@ def test_openapi_documents_the_error_shape_and_bodies(gateway):
     spec = gateway.get("/openapi.json").json()
     assert "multipart/form-data" in spec["paths"]["/v1/jobs"]["post"]["requestBody"]["content"]
     assert "application/jsonl" in spec["paths"]["/v1/jobs/batch"]["post"]["requestBody"]["content"]
+    operations = [op for path in spec["paths"].values() for op in path.values()]
+    assert all("422" not in op["responses"] and "4XX" in op["responses"] for op in operations)
+    assert {"JobRequest", "OpenAIBatchLine", "ErrorBody"} <= set(spec["components"]["schemas"])

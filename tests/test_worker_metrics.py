@@ -3,11 +3,7 @@ text parser, its counters equal what happened to the jobs."""
 
 from __future__ import annotations
 
-import urllib.request
-
-from prometheus_client.parser import text_string_to_metric_families
-
-from tests.helpers import png_bytes
+from tests.helpers import metric_total, png_bytes, scrape_metrics
 from wicore.embedded import free_port
 from wicore.engines import EngineConfig
 from wicore.engines.fast import FastEngine
@@ -17,20 +13,6 @@ from wicore.schemas import GenerationParams
 from wicore.worker.loop import BatchingWorker, WorkerConfig
 
 MODEL = "tiny"
-
-
-def scrape(url: str) -> dict[tuple[str, tuple], float]:
-    """{(sample name, sorted labels): value} of every sample on the page."""
-    text = urllib.request.urlopen(url, timeout=10).read().decode()
-    return {
-        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-    }
-
-
-def total(samples: dict, name: str, **labels) -> float:
-    return sum(v for (n, ls), v in samples.items() if n == name and set(labels.items()) <= set(ls))
 
 
 def test_worker_metrics_count_the_jobs_it_ran(redis_conn, tiny_model_dir):
@@ -47,26 +29,29 @@ def test_worker_metrics_count_the_jobs_it_ran(redis_conn, tiny_model_dir):
     worker.metrics.serve(port, "127.0.0.1")
     worker.run()
     results = {o.job_id: o for o in producer.wait(ids, timeout=10)}
-    samples = scrape(f"http://127.0.0.1:{port}/metrics")
+    samples = scrape_metrics(f"http://127.0.0.1:{port}/metrics")
+    stats = engine.stats()  # the engine is idle: what the worker's last snapshot holds
     engine.close()
 
-    assert total(samples, "wicore:request_success_total", model_name=MODEL) == 6
-    assert total(samples, "wicore:request_success_total", finished_reason="length") == 6
+    assert metric_total(samples, "wicore:request_success_total", model_name=MODEL) == 6
+    assert metric_total(samples, "wicore:request_success_total", finished_reason="length") == 6
     assert (
-        total(samples, "wicore:request_failure_total", kind="input") == 1 == sum(1 for o in results.values() if o.error)
+        metric_total(samples, "wicore:request_failure_total", kind="input")
+        == 1
+        == sum(1 for o in results.values() if o.error)
     )
-    assert total(samples, "wicore:generation_tokens_total") == 30
+    assert metric_total(samples, "wicore:generation_tokens_total") == 30
     prompt_tokens = sum(o.result.prompt_tokens for o in results.values() if o.result)
-    assert total(samples, "wicore:prompt_tokens_total") == prompt_tokens
-    assert total(samples, "wicore:images_processed_total") == 6
-    assert total(samples, "wicore:e2e_request_latency_seconds_count") == 6
-    assert total(samples, "wicore:request_queue_time_seconds_count") == 6
-    assert total(samples, "wicore:engine_step_duration_seconds_count") >= 5, "a step per token at least"
-    assert total(samples, "wicore:num_requests_running") == 0
+    assert metric_total(samples, "wicore:prompt_tokens_total") == prompt_tokens
+    assert metric_total(samples, "wicore:images_processed_total") == 6
+    assert metric_total(samples, "wicore:e2e_request_latency_seconds_count") == 6
+    assert metric_total(samples, "wicore:request_queue_time_seconds_count") == 6
+    assert metric_total(samples, "wicore:engine_step_duration_seconds_count") >= 5, "a step per token at least"
+    assert metric_total(samples, "wicore:num_requests_running") == 0
     # The engine's own counters, from the snapshot the worker published when it stopped.
-    assert 0 <= total(samples, "wicore:gpu_cache_usage_perc") <= 1
-    vision_hits, vision_queries = (total(samples, f"wicore:vision_cache_{s}_total") for s in ("hits", "queries"))
-    assert 1 <= vision_hits < vision_queries <= 6, "three questions about one image, three other images"
-    assert total(samples, "wicore:gpu_prefix_cache_queries_total") >= total(
-        samples, "wicore:gpu_prefix_cache_hits_total"
-    )
+    assert metric_total(samples, "wicore:gpu_cache_usage_perc") == stats["kv_pages_used"] / stats["kv_pages"]
+    vision, gpu = stats["vision_cache"], stats["cache"]["gpu"]
+    assert metric_total(samples, "wicore:vision_cache_hits_total") == vision["hits"]
+    assert metric_total(samples, "wicore:vision_cache_queries_total") == vision["hits"] + vision["misses"] >= 4
+    assert metric_total(samples, "wicore:gpu_prefix_cache_hits_total") == gpu["hits"]
+    assert metric_total(samples, "wicore:gpu_prefix_cache_queries_total") == gpu["hits"] + gpu["misses"]

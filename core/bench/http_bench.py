@@ -23,7 +23,7 @@ from pathlib import Path
 
 from redis import Redis
 
-from wicore.bench.plots import bar_plot
+from wicore.bench.plots import write_report
 from wicore.bench.queue_bench import tiny_png
 from wicore.embedded import free_port
 from wicore.engines import EngineConfig
@@ -181,15 +181,11 @@ def run_bench(redis_url: str, jobs: int) -> dict:
 
 
 def write_results(report: dict, folder: Path) -> list[Path]:
-    folder.mkdir(parents=True, exist_ok=True)
-    stem = folder / f"http-{os.cpu_count()}cpu"
-    json_path = stem.with_suffix(".json")
-    json_path.write_text(json.dumps(report, indent=2) + "\n")
-    png = bar_plot(
-        stem.with_suffix(".png"),
-        f"{report['jobs']} submits: gateway costs {report['jobs_per_s_ratio']:.1f}x the producer (one by one)",
-        ["producer\none by one", "gateway\none by one", "producer\nsubmit_many", "gateway\n/v1/jobs/batch"],
-        [report[f"{side}_jobs_per_s"] for side in ("producer", "gateway", "producer_bulk", "gateway_bulk")],
-        "jobs / s",
-    )
-    return [json_path, png]
+    bars = {
+        "producer\none by one": report["producer_jobs_per_s"],
+        "gateway\none by one": report["gateway_jobs_per_s"],
+        "producer\nsubmit_many": report["producer_bulk_jobs_per_s"],
+        "gateway\n/v1/jobs/batch": report["gateway_bulk_jobs_per_s"],
+    }
+    title = f"{report['jobs']} submits: the gateway costs {report['jobs_per_s_ratio']:.1f}x the producer one by one"
+    return write_report(report, folder / f"http-{os.cpu_count()}cpu", title, bars, "jobs / s")

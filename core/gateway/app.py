@@ -10,13 +10,17 @@ from fastapi.openapi.utils import get_openapi
 from pydantic.json_schema import models_json_schema
 
 from wicore.gateway import jobs, openai_routes, service
-from wicore.gateway.errors import install_error_handlers
+from wicore.gateway.errors import ErrorBody, install_error_handlers
 from wicore.gateway.limits import BodyLimit, BodyTooLarge, too_large
 from wicore.gateway.metrics import HttpMetrics
 from wicore.gateway.schemas import JobRequest, OpenAIBatchLine
 from wicore.gateway.state import Gateway, GatewayConfig
 
-DOCUMENTED_BODIES = (JobRequest, OpenAIBatchLine)  # bodies read by Content-Type, not by signature
+DOCUMENTED = (JobRequest, OpenAIBatchLine, ErrorBody)  # bodies read by Content-Type, and the error shape
+ERRORS = {
+    "description": "Bad request, key or route: the message says what to fix",
+    "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorBody"}}},
+}
 
 
 def create_app(config: GatewayConfig) -> FastAPI:
@@ -44,12 +48,19 @@ def create_app(config: GatewayConfig) -> FastAPI:
 
 
 def openapi(app: FastAPI) -> dict:
-    """FastAPI's schema, plus the bodies the routes read by Content-Type."""
+    """FastAPI's schema, plus the bodies the routes read by Content-Type, with every error in
+    the shape the gateway answers (FastAPI's own 422 shape is never sent)."""
     if app.openapi_schema is None:
         schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
         _, defs = models_json_schema(
-            [(m, "validation") for m in DOCUMENTED_BODIES], ref_template="#/components/schemas/{model}"
+            [(m, "validation") for m in DOCUMENTED], ref_template="#/components/schemas/{model}"
         )
-        schema.setdefault("components", {}).setdefault("schemas", {}).update(defs.get("$defs", {}))
+        schemas = schema.setdefault("components", {}).setdefault("schemas", {})
+        schemas.update(defs.get("$defs", {}))
+        for name in ("HTTPValidationError", "ValidationError"):
+            schemas.pop(name, None)
+        for operation in (op for path in schema["paths"].values() for op in path.values()):
+            operation["responses"].pop("422", None)
+            operation["responses"]["4XX"] = ERRORS
         app.openapi_schema = schema
     return app.openapi_schema

@@ -14,7 +14,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from starlette.exceptions import HTTPException
@@ -37,9 +37,20 @@ class ApiError(Exception):
         self.headers = headers
 
 
+class ErrorDetail(BaseModel):
+    message: str  # what is wrong and what to send instead
+    type: str  # OpenAI's error type: invalid_request_error, authentication_error, ...
+    param: str | None = None  # the field at fault, when there is one
+    code: int  # the HTTP status
+
+
+class ErrorBody(BaseModel):
+    error: ErrorDetail
+
+
 def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
     kind = ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
-    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
+    return ErrorBody(error=ErrorDetail(message=message, type=kind, param=param, code=status)).model_dump()
 
 
 def error_response(status: int, message: str, param: str | None = None, headers: dict | None = None) -> JSONResponse:
