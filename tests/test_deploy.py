@@ -61,14 +61,16 @@ def exported_names(redis_conn) -> set[str]:
     """Every sample name the worker and the gateway can export."""
     worker = WorkerMetrics("m")
     tier = {"hits": 1, "misses": 1}
-    worker.engine.stats = {
-        "kv_pages": 8,
-        "kv_pages_used": 2,
-        "peak_gpu_bytes": 1,
-        "vision_cache": tier,
-        "vision_cache_shared": tier,
-        "cache": {"gpu": tier, "host": tier, "disk": tier},
-    }
+    worker.engine_snapshot(
+        {
+            "kv_pages": 8,
+            "kv_pages_used": 2,
+            "peak_gpu_bytes": 1,
+            "vision_cache": tier,
+            "vision_cache_shared": tier,
+            "cache": {"gpu": tier, "host": tier, "disk": tier},
+        }
+    )
     families = [*worker.registry.collect(), *GatewayMetrics(redis_conn).registry.collect()]
     suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_count", "_sum"), "gauge": ("",)}
     return {family.name + suffix for family in families for suffix in suffixes[family.type]}

@@ -143,7 +143,7 @@ class BatchingWorker:
     def _publish_stats(self) -> None:
         stats = {"model": self.config.model_id, "jobs_done": self.jobs_done, "in_flight": len(self.in_flight)}
         stats |= self.engine.stats()
-        self.metrics.engine.stats = stats
+        self.metrics.engine_snapshot(stats)
         self.metrics.in_hand(self.engine.num_unfinished(), len(self._loading()))
         self.connection.set(keys.stats(self.name), json.dumps(stats), ex=max(60, int(self.config.liveness_ttl_s * 4)))
 

@@ -98,6 +98,10 @@ class WorkerMetrics:
     def canceled(self, count: int) -> None:
         self.canceled_jobs.labels(self.model).inc(count)
 
+    def engine_snapshot(self, stats: dict[str, Any]) -> None:
+        """The engine's counters as the worker last published them (read at scrape time)."""
+        self.engine.stats = stats
+
     def serve(self, port: int, host: str) -> None:
         """Serve /metrics on `host:port` from a daemon thread."""
         start_http_server(port, addr=host, registry=self.registry)
