@@ -173,7 +173,9 @@ class Producer:
         blocks on `result_stream(job_id)` for entries after it."""
         job = self._fetch(job_id)
         latest = Result.fetch_latest(job, serializer=JSONSerializer)
-        return outcome_of(job_id, job.get_status(refresh=False), latest), latest.id if latest else NO_ENTRY
+        # The status is read again after the result: read before it, a job that ended in between
+        # would show its result under its old status.
+        return outcome_of(job_id, job.get_status(), latest), latest.id if latest else NO_ENTRY
 
     def _fetch(self, job_id: str) -> Job:
         try:

@@ -65,7 +65,7 @@ def worker(redis_server, tmp_path_factory):
         str(metrics_port),
         "--allow-root",
         str(IMAGES),
-        env={"WICORE_LIVENESS_TTL_S": "2"},
+        env={"WICORE_LIVENESS_TTL_S": "4"},  # short, for the readiness test; heartbeats every 1.3 s
         log=log,
     )
     wait_http(f"http://127.0.0.1:{metrics_port}/metrics", 120, process)
@@ -259,7 +259,8 @@ def test_metrics_count_the_jobs_of_a_run(gateway, worker):
         gateway.post("/v1/jobs", json={"image": b64(p), "params": {"seed": seed + i}}).json()["job_id"]
         for i, p in enumerate(sorted(IMAGES.iterdir()))
     ]
-    assert all(wait_job(gateway, job_id)["status"] == "finished" for job_id in ids)
+    ended = [wait_job(gateway, job_id) for job_id in ids]
+    assert [job["status"] for job in ended] == ["finished"] * len(ids), ended
     after, gateway_after = scrape_metrics(worker_url), scrape_metrics(str(gateway.base_url) + "/metrics")
 
     def delta(name: str, new: dict = after, old: dict = before, **labels) -> float:
@@ -283,7 +284,7 @@ def test_docs_and_openapi(gateway):
 
 
 def test_ready_turns_503_when_the_worker_dies(gateway, worker):
-    """Last in this module: it kills the module's worker (its key expires after liveness_ttl_s = 2 s)."""
+    """Last in this module: it kills the module's worker (its key expires after liveness_ttl_s = 4 s)."""
     assert gateway.get("/health/ready").status_code == 200
     stop(worker[0], signal.SIGKILL)
     wait_until(lambda: gateway.get("/health/ready").status_code == 503, 30, 0.2, "readiness to drop")
