@@ -77,12 +77,14 @@ def test_the_claim_skips_a_canceled_job_still_in_its_queue(redis_conn, reference
 
 
 def cancel_once_running(redis_url: str, job_id: str, engine, batch: int) -> threading.Thread:
-    """From another thread (the worker runs in this one): cancel `job_id` once the engine holds
-    the whole batch of `batch` requests."""
+    """From another thread (the worker runs in this one): cancel `job_id` once all `batch`
+    requests have been handed to the engine (the long one is then decoding)."""
     from redis import Redis
 
+    handed_over = engine.requests_seen + batch
+
     def run():
-        wait_until(lambda: engine.num_unfinished() == batch, 60, 0.002, "the batch in the engine")
+        wait_until(lambda: engine.requests_seen >= handed_over, 60, 0.002, "the batch in the engine")
         Producer(Redis.from_url(redis_url), model=MODEL).cancel(job_id)
 
     thread = threading.Thread(target=run, daemon=True)
