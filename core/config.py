@@ -1,50 +1,104 @@
-"""Settings shared by every verb: flags > environment (`WICORE_*`) > config file (TOML) >
-defaults. Unknown keys fail loudly, in the file and in the environment alike."""
+"""Settings shared by every verb, one typed tree. Each key comes from the first of: flags >
+environment (`WICORE_*`) > config file (TOML) > defaults, key by key, nested keys too (an engine
+option from the file survives a flag that sets another one). Unknown keys fail loudly, in the
+file and in the environment alike, nested ones too.
+
+The `engine` section is the engine's name and the fast engine's options (FastOptions documents
+each). Flags: `--engine NAME`, `--engine-option KEY=VALUE`. Environment: `WICORE_ENGINE=NAME`
+and `WICORE_ENGINE__KEY=VALUE` (pydantic-settings' nested delimiter `__`); engine values are
+read as JSON, else as a string, as `--engine-option` reads them. File: `engine = "NAME"` or an
+`[engine]` table (`[wicore.engine]` when the keys sit under `[wicore]`).
+
+A process started by another gets the parent's settings in a file (`write_settings_file`), not
+through its environment.
+"""
 
 from __future__ import annotations
 
+import json
 import os
+import tempfile
 import tomllib
+from collections.abc import Callable
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Annotated, Any, Literal
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
-from pydantic import Field, SecretStr, ValidationError, field_validator
-from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict
+from pydantic import (
+    Field,
+    SecretStr,
+    SerializationInfo,
+    ValidationError,
+    field_serializer,
+    field_validator,
+    model_validator,
+)
+from pydantic_settings import BaseSettings, EnvSettingsSource, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict
 
+from wicore import defaults
+from wicore.engines import ENGINES
+from wicore.engines.fast.options import FastOptions
 from wicore.errors import ConfigError
 
-CONFIG_ENV = "WICORE_CONFIG"  # path of a TOML file; `--config` sets it too
+CONFIG_ENV = "WICORE_CONFIG"  # path of a TOML file; `--config` wins over it
+ENGINE_NAMES = ("auto", *ENGINES)  # auto: fast on CUDA, else reference
+REVEAL_SECRETS = "reveal_secrets"  # a serialization context key: write the API keys themselves
+_config_file: ContextVar[Path | None] = ContextVar("config_file", default=None)  # `--config`, while loading
+
+
+class EngineSettings(FastOptions):
+    """The `[engine]` section: which engine serves, and the fast engine's options. A bare string
+    (`engine = "fast"`, `WICORE_ENGINE=fast`, `--engine fast`) is the name alone."""
+
+    name: str = Field("auto", description="auto | fast | reference | null. Default auto: fast on CUDA, else reference.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _name_alone(cls, value: Any) -> Any:
+        return {"name": value} if isinstance(value, str) else value
+
+    @field_validator("name")
+    @classmethod
+    def _known_engine(cls, value: str) -> str:
+        if value not in ENGINE_NAMES:
+            raise ValueError(f"unknown engine {value!r}; choose one of {', '.join(ENGINE_NAMES)}")
+        return value
+
+    def options(self) -> FastOptions:
+        """The fast engine's options (the section less its name)."""
+        return FastOptions.model_validate(self.model_dump(exclude={"name"}))
 
 
 class Settings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="WICORE_", extra="forbid", frozen=True)
+    model_config = SettingsConfigDict(env_prefix="WICORE_", env_nested_delimiter="__", extra="forbid", frozen=True)
 
-    redis_url: str | None = None  # None: `wicore caption` starts an embedded redis-server
+    redis_url: str | None = None  # redis:// or rediss:// URL; None: `wicore caption` starts an embedded server
     model: Path | None = None  # checkpoint directory; None: the bundled demo captioner
-    model_id: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9_-]*$")  # default: from the dir
-    engine: str = "auto"  # auto: fast on CUDA, reference on CPU
-    device: str = "auto"  # auto: cuda if available, else cpu
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: bfloat16 on CUDA
-    batch_size: int = Field(8, ge=1, le=4096)
-    max_queue_delay_ms: float = Field(5.0, ge=0)
-    allowed_roots: list[Path] = []  # path-referenced images must live under one of these
-    max_image_bytes: int = Field(32 * 2**20, ge=1)
-    max_image_pixels: int = Field(50_000_000, ge=1)
-    liveness_ttl_s: float = Field(15.0, gt=0)
-    result_ttl_s: int = Field(86_400, ge=1)
-    retries: int = Field(2, ge=0)
-    cache_dir: Path = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "wicore"
-    no_cache: bool = False  # turn off the KV / vision-embedding caches
-    vision_cache_redis_bytes: int = Field(2**30, ge=0)  # Redis-shared image embeddings (0 = not shared)
-    vision_cache_ttl_s: float = Field(86_400, gt=0)
-    log_level: str = "WARNING"
+    model_id: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9_-]*$")  # name jobs use; default: from the dir
+    engine: EngineSettings = EngineSettings()  # the engine and its options (`[engine]`, `WICORE_ENGINE__*`)
+    device: str = "auto"  # cpu, cuda, cuda:1 ...; auto: cuda if available, else cpu
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
+    batch_size: int = Field(defaults.BATCH_SIZE, ge=1, le=4096)  # most jobs in one engine batch; 8
+    max_queue_delay_ms: float = Field(defaults.MAX_QUEUE_DELAY_S * 1000, ge=0)  # a partial batch's longest wait; 5
+    allowed_roots: list[Path] = []  # path-referenced images must live under one of these; none by default
+    max_image_bytes: int = Field(defaults.MAX_IMAGE_BYTES, ge=1)  # an image's encoded size; 32 MiB
+    max_image_pixels: int = Field(defaults.MAX_IMAGE_PIXELS, ge=1)  # width x height of an image; 50 M
+    liveness_ttl_s: float = Field(defaults.LIVENESS_TTL_S, gt=0)  # a silent worker is dead after this; 15 s
+    result_ttl_s: int = Field(defaults.RESULT_TTL_S, ge=1)  # results live this long; one day
+    retries: int = Field(defaults.RETRIES, ge=0)  # re-runs after a transient failure or a dead worker; 2
+    cache_dir: Path = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "wicore"  # built models
+    no_cache: bool = False  # turn off the KV / vision-embedding caches; caches on by default
+    vision_cache_redis_bytes: int = Field(2**30, ge=0)  # Redis-shared image embeddings (0 = not shared); 1 GiB
+    vision_cache_ttl_s: float = Field(86_400, gt=0)  # a shared embedding lives this long unread; one day
+    log_level: str = "WARNING"  # DEBUG | INFO | WARNING | ERROR
     # The HTTP gateway (`wicore serve`) and the workers' Prometheus endpoints.
-    host: str = "127.0.0.1"  # interface `wicore serve` and a worker's metrics listen on
-    port: int = Field(8000, ge=1, le=65535)  # `wicore serve`
-    metrics_port: int | None = Field(None, ge=1, le=65535)  # `wicore worker`: serve /metrics here
-    api_keys: Annotated[list[SecretStr], NoDecode] = []  # bearer keys the gateway accepts (none: open)
-    max_request_bytes: int = Field(64 * 2**20, ge=1024)  # largest HTTP request body the gateway reads
-    request_timeout_s: float = Field(300.0, gt=0)  # longest a chat completion waits for its job
+    host: str = "127.0.0.1"  # interface `wicore serve` and a worker's /metrics listen on
+    port: int = Field(8000, ge=1, le=65535)  # `wicore serve`'s port; 8000
+    metrics_port: int | None = Field(None, ge=1, le=65535)  # `wicore worker` serves /metrics here; none by default
+    api_keys: Annotated[list[SecretStr], NoDecode] = []  # bearer keys the gateway accepts; none: open
+    max_request_bytes: int = Field(64 * 2**20, ge=1024)  # largest HTTP request body the gateway reads; 64 MiB
+    request_timeout_s: float = Field(300.0, gt=0)  # longest a chat completion waits for its job; 5 min
 
     @field_validator("api_keys", mode="before")
     @classmethod
@@ -61,39 +115,135 @@ class Settings(BaseSettings):
         dotenv_settings: PydanticBaseSettingsSource,
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
-        return (init_settings, env_settings, TomlFile(settings_cls))
+        return (init_settings, Environment(settings_cls), TomlFile(settings_cls))
+
+    @field_serializer("api_keys", when_used="json")
+    def _masked_keys(self, keys: list[SecretStr], info: SerializationInfo) -> list[str]:
+        """'***' per key in JSON (logs, `public`); the keys themselves only when the context
+        asks for them (`write_settings_file`)."""
+        reveal = bool(info.context and info.context.get(REVEAL_SECRETS))
+        return [key.get_secret_value() if reveal else "***" for key in keys]
+
+    def public(self) -> dict[str, Any]:
+        """The settings as JSON-able values, fit for a log: the Redis URL's password and the API
+        keys are masked."""
+        values = self.model_dump(mode="json")
+        if self.redis_url:
+            values["redis_url"] = redact_url(self.redis_url)
+        return values
+
+
+class Environment(EnvSettingsSource):
+    """`WICORE_*`, nested keys after `__`. `WICORE_ENGINE=NAME` is the engine's name; the other
+    engine values are read as JSON, else as a string (the engine `null` is a name, not None)."""
+
+    def prepare_field_value(self, field_name: str, field, value: Any, value_is_complex: bool) -> Any:
+        if field_name == "engine" and isinstance(value, str) and not value.lstrip().startswith("{"):
+            value = json.dumps({"name": value})
+        prepared = super().prepare_field_value(field_name, field, value, value_is_complex)
+        if field_name == "engine" and isinstance(prepared, dict):
+            prepared = {key: raw if key == "name" else json_or_text(raw) for key, raw in prepared.items()}
+        return prepared
 
 
 class TomlFile(PydanticBaseSettingsSource):
-    """The `[wicore]` table (or the top level) of the file named by WICORE_CONFIG."""
+    """The `[wicore]` table (or the top level) of the file given by `--config` or WICORE_CONFIG."""
 
     def get_field_value(self, field, field_name):  # required by the base class; unused
         return None, field_name, False
 
     def __call__(self) -> dict[str, Any]:
-        path = os.environ.get(CONFIG_ENV)
+        path = _config_file.get() or os.environ.get(CONFIG_ENV)
         if not path:
             return {}
         try:
             data = tomllib.loads(Path(path).read_text())
         except (OSError, tomllib.TOMLDecodeError) as exc:
             raise ConfigError(f"cannot read config file {path}: {exc}") from exc
-        return data.get("wicore", data)
+        data = data.get("wicore", data)
+        if isinstance(data.get("engine"), str):  # merges with engine keys from other sources
+            data["engine"] = {"name": data["engine"]}
+        return data
+
+
+def json_or_text(raw: Any) -> Any:
+    """'16' -> 16, 'false' -> False, '[1, 2]' -> [1, 2], '/tmp/kv' -> '/tmp/kv'."""
+    if not isinstance(raw, str):
+        return raw
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError:
+        return raw
+
+
+def redact_url(url: str) -> str:
+    """`redis://user:secret@host/0?password=x` -> `redis://user:***@host/0?password=***`."""
+    parts = urlsplit(url)
+    netloc = parts.netloc
+    if parts.password is not None:
+        netloc = netloc.replace(f":{parts.password}@", ":***@", 1)
+    query = [(k, "***" if k.lower() == "password" else v) for k, v in parse_qsl(parts.query, keep_blank_values=True)]
+    return urlunsplit(parts._replace(netloc=netloc, query=urlencode(query, safe="*")))
+
+
+def environment_names() -> set[str]:
+    """Every WICORE_ variable a setting is read from, nested engine keys included."""
+    names = {"WICORE_" + name.upper() for name in Settings.model_fields} | {CONFIG_ENV}
+    return names | {"WICORE_ENGINE__" + name.upper() for name in EngineSettings.model_fields}
 
 
 def check_environment() -> None:
     """A misspelt WICORE_ variable is an error, not a silently ignored setting."""
-    known = {"WICORE_" + name.upper() for name in Settings.model_fields} | {CONFIG_ENV}
-    unknown = sorted(k for k in os.environ if k.startswith("WICORE_") and k not in known)
+    known = environment_names()
+    unknown = sorted(k for k in os.environ if k.upper().startswith("WICORE_") and k.upper() not in known)
     if unknown:
         raise ConfigError(f"unknown environment setting(s): {', '.join(unknown)}")
 
 
-def load_settings(**flags: Any) -> Settings:
-    """Settings with the flags that were given (None = not given) on top."""
+def load_settings(config: Path | None = None, *, engine_options: dict | None = None, **flags: Any) -> Settings:
+    """Settings with the flags that were given (None = not given) on top. `config`: the TOML
+    file of `--config` (else WICORE_CONFIG's); `engine_options`: `--engine-option` pairs."""
     check_environment()
-    given = {k: v for k, v in flags.items() if v is not None}
+    token = _config_file.set(config)
     try:
-        return Settings(**given)
+        given = _given(flags, engine_options)
+        return _validated(lambda: Settings(**given))
+    finally:
+        _config_file.reset(token)
+
+
+def _given(flags: dict[str, Any], engine_options: dict | None) -> dict[str, Any]:
+    given = {k: v for k, v in flags.items() if v is not None}
+    engine = {"name": given.pop("engine")} if "engine" in given else {}
+    engine.update(engine_options or {})
+    if engine:  # a dict, so that it merges with the engine keys of the environment and the file
+        given["engine"] = engine
+    return given
+
+
+def _validated(build: Callable[[], Settings]) -> Settings:
+    try:
+        return build()
     except ValidationError as exc:
-        raise ConfigError(f"bad configuration:\n{exc}") from exc
+        raise ConfigError.from_validation(exc, Settings) from None
+
+
+def write_settings_file(settings: Settings, folder: Path) -> Path:
+    """The settings, complete, in a JSON file only this user can read (it may hold a Redis
+    password): what a child process is started with instead of the parent's environment."""
+    fd, name = tempfile.mkstemp(prefix="settings-", suffix=".json", dir=folder)  # mode 0600
+    with os.fdopen(fd, "w") as sink:
+        sink.write(settings.model_dump_json(context={REVEAL_SECRETS: True}))
+    return Path(name)
+
+
+def read_settings_file(path: Path, *, engine_options: dict | None = None, **flags: Any) -> Settings:
+    """Settings from `write_settings_file`, with flags on top. Neither the environment nor a
+    config file is read: the parent already merged them."""
+    try:
+        values = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"cannot read settings file {path}: {exc}") from exc
+    given = _given(flags, engine_options)
+    engine = {**values.get("engine", {}), **given.pop("engine", {})}
+    return _validated(lambda: Settings.model_validate({**values, **given, "engine": engine}))

@@ -10,7 +10,7 @@ import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from wicore.errors import ConfigError
@@ -42,7 +42,17 @@ class EmbeddedRedis:
     """A redis-server child process. `persist=True` keeps an append-only file in `data_dir`, so
     a later run on the same folder finds its queues again."""
 
-    def __init__(self, data_dir: str | Path | None = None, *, persist: bool = False, port: int | None = None):
+    def __init__(
+        self,
+        data_dir: str | Path | None = None,
+        *,
+        persist: bool = False,
+        port: int | None = None,
+        spawn: Callable[..., subprocess.Popen] = subprocess.Popen,
+        password: str | None = None,
+    ):
+        self.spawn = spawn  # `wicore caption` starts it in its process group
+        self.password = password  # requirepass (tests of password-protected servers)
         self._owns_dir = data_dir is None
         self.data_dir = Path(data_dir) if data_dir else Path(tempfile.mkdtemp(prefix="wicore-redis-"))
         self.persist = persist
@@ -51,7 +61,8 @@ class EmbeddedRedis:
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        auth = f":{self.password}@" if self.password else ""
+        return f"redis://{auth}127.0.0.1:{self.port}/0"
 
     def start(self, timeout: float = 10.0) -> EmbeddedRedis:
         self.data_dir.mkdir(parents=True, exist_ok=True)
@@ -66,7 +77,8 @@ class EmbeddedRedis:
             "--loglevel", "warning",
             "--logfile", str(self.data_dir / "redis.log"),
         ]  # fmt: skip
-        self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        args += ["--requirepass", self.password] if self.password else []
+        self.process = self.spawn(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         self._wait_ready(timeout)
         return self
 
@@ -78,7 +90,7 @@ class EmbeddedRedis:
                 raise ConfigError(f"redis-server exited at start: {err or 'see ' + str(self.data_dir / 'redis.log')}")
             with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
                 s.sendall(b"PING\r\n")
-                if s.recv(16).startswith(b"+PONG"):
+                if s.recv(16).startswith((b"+PONG", b"-NOAUTH")):  # answering: up (NOAUTH: with a password)
                     return
             time.sleep(0.02)
         self.stop()

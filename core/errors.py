@@ -14,6 +14,37 @@ class WicoreError(Exception):
 class ConfigError(WicoreError):
     """A setting is missing, unknown or out of range."""
 
+    @classmethod
+    def from_validation(cls, exc, model, what: str = "setting") -> ConfigError:
+        """One line from a pydantic ValidationError of `model`: each bad key by its dotted name
+        (`engine.block_size`), what is wrong with it and the value given (never a URL's: it may
+        carry a password), and the keys known where one is unknown."""
+        return cls("bad configuration: " + "; ".join(_describe(error, model, what) for error in exc.errors()))
+
+
+def _describe(error: dict, model, what: str) -> str:
+    loc = [str(part) for part in error["loc"]]
+    key = ".".join(loc) or "(settings)"
+    if error["type"] == "extra_forbidden":
+        known = ", ".join(sorted(_model_at(model, loc[:-1]).model_fields))
+        return f"unknown {what} {key!r} (known: {known})"
+    message = error["msg"].removeprefix("Value error, ")
+    given = error.get("input")
+    if isinstance(given, int | float | str) and not key.endswith("url") and "got" not in message:
+        message += f" (got {given!r})"
+    return f"{what} {key}: {message}"
+
+
+def _model_at(model, path: list[str]):
+    """The nested model class that `path` (field names) leads to."""
+    for name in path:
+        model = model.model_fields[name].annotation
+    return model
+
+
+class RedisUnavailable(WicoreError):
+    """Redis cannot be reached, refuses the credentials, or refuses writes."""
+
 
 class JobInputError(WicoreError):
     """The job itself is bad; running it again cannot help."""

@@ -18,8 +18,10 @@ DOORBELL = PREFIX + ":doorbell:{model}"
 NOTIFY = PREFIX + ":notify:{session}"
 # Job ids a worker must stop (a set per worker): `Producer.cancel` adds, the worker takes them.
 CANCEL = PREFIX + ":cancel:{worker}"
-# Per-worker engine and cache counters (JSON), for `wicore status`.
+# Per-worker model, engine, device and dtype, engine and cache counters (JSON), for `wicore status`.
 STATS = PREFIX + ":stats:{worker}"
+# Set and deleted at once by a verb's start-up check that Redis takes writes.
+PROBE = PREFIX + ":probe:{token}"
 
 # RQ queue names of wicore's bucket queues start with this (see scheduler.buckets).
 QUEUE_PREFIX = PREFIX
@@ -51,3 +53,7 @@ def stats(worker: str) -> str:
 
 def cancel(worker: str) -> str:
     return CANCEL.format(worker=worker)
+
+
+def probe(token: str) -> str:
+    return PROBE.format(token=token)

@@ -160,3 +160,47 @@ class CaptionResult(Strict):
     worker: str
     engine: str
     model: str
+
+
+class ManifestEntry(BaseModel):
+    """One line of a JSONL manifest given to `wicore caption` or `wicore enqueue`. Keys not
+    listed here travel with the job as its metadata."""
+
+    model_config = ConfigDict(extra="allow", frozen=True, title="wicore manifest line")
+
+    image: str = Field(description="Image file; a relative path is relative to the manifest's folder.")
+    prompt: str | None = Field(None, description=f"Prompt (default: {DEFAULT_PROMPT!r}).")
+    max_new_tokens: int | None = Field(None, ge=1, le=32_768, description="Most tokens to generate.")
+    input: str | None = Field(None, description="Key of the result line (default: `image` as written).")
+
+    @property
+    def metadata(self) -> dict[str, Any]:
+        return dict(self.model_extra or {})
+
+
+ResultStatus = Literal["finished", "failed", "unfinished", "unknown"]
+
+
+class ResultLine(Strict):
+    """One line of `wicore caption`'s output file and of `wicore result`: every key on every
+    line, null where it does not apply."""
+
+    model_config = ConfigDict(title="wicore result line")
+
+    input: str | None = Field(description="The input as given (null when `wicore result` got bare job ids).")
+    job_id: str | None = Field(description="null when the input failed before a job was made.")
+    status: ResultStatus = Field(description="unfinished: not ended when the wait ran out; unknown: no such job.")
+    text: str | None = None
+    error: str | None = Field(None, description="Why the job failed, one line; null unless status is failed/unknown.")
+    finish_reason: FinishReason | None = None
+    prompt_tokens: int | None = None
+    output_tokens: int | None = None
+    timings: Timings | None = None
+    worker: str | None = None
+    engine: str | None = None
+    model: str | None = None
+
+    @classmethod
+    def of_result(cls, result: CaptionResult, input: str | None = None) -> ResultLine:
+        fields = result.model_dump(exclude={"token_ids"})
+        return cls(input=input, status="finished", **fields)

@@ -1,5 +1,10 @@
 """Engines by name, imported lazily: an engine's optional dependencies cost nothing until it is
-chosen. Engines never import Redis or RQ. (A TensorRT engine is planned: not built yet.)"""
+chosen. Engines never import Redis or RQ.
+
+There is no TensorRT engine: no machine this project runs on can install TensorRT's builder
+(PyPI's full `tensorrt` packages are source distributions that fetch the wheels from an index
+these machines cannot reach; the lean and dispatch runtimes cannot build engines; TensorRT-RTX
+does not support Hopper). One would register here by name like the others."""
 
 from __future__ import annotations
 
@@ -15,9 +20,14 @@ ENGINES = {
 }
 
 
+def check_engine_name(name: str) -> None:
+    """Cheap (imports no engine): the CLI checks the name before it starts anything slow."""
+    if name != "auto" and name not in ENGINES:
+        raise ConfigError(f"unknown engine {name!r}; choose one of auto, {', '.join(sorted(ENGINES))}")
+
+
 def engine_class(name: str) -> type[Engine]:
-    if name not in ENGINES:
-        raise ConfigError(f"unknown engine {name!r}; choose one of {', '.join(sorted(ENGINES))}")
+    check_engine_name(name)
     module_name, class_name = ENGINES[name].split(":")
     try:
         module = importlib.import_module(module_name)
@@ -30,4 +40,13 @@ def create_engine(name: str, config: EngineConfig) -> Engine:
     return engine_class(name)(config)
 
 
-__all__ = ["ENGINES", "Completion", "Engine", "EngineConfig", "EngineRequest", "create_engine", "engine_class"]
+__all__ = [
+    "ENGINES",
+    "Completion",
+    "Engine",
+    "EngineConfig",
+    "EngineRequest",
+    "check_engine_name",
+    "create_engine",
+    "engine_class",
+]

@@ -4,16 +4,20 @@ An engine owns a model on a device. The worker feeds it with `add` whenever it r
 slots and calls `step` until it has nothing left; each `step` returns the requests that ended
 during it. A static-batch engine (reference) finishes everything it holds in one step; a
 continuous-batching engine (fast) returns sequences as they end and takes new ones between
-steps. Engines never import Redis or RQ.
+steps. `abort` cancels requests between steps. Engines never import Redis or RQ.
 """
 
 from __future__ import annotations
 
 import abc
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from wicore import defaults
+from wicore.engines.fast.options import FastOptions
+from wicore.errors import ConfigError
 from wicore.schemas import FinishReason, GenerationParams
 
 if TYPE_CHECKING:
@@ -45,9 +49,26 @@ class Completion:
         return self.error is None
 
 
+def reject_options(config: EngineConfig, engine: str) -> None:
+    """For engines that take no options: a given option is an error, never silently ignored."""
+    defaults = FastOptions().model_dump()
+    given = sorted(k for k, v in config.options.model_dump().items() if v != defaults[k])
+    if given:
+        names = ", ".join(given)
+        raise ConfigError(f"the {engine} engine takes no --engine-option (got {names}); they are for --engine fast")
+
+
 def failed(request_id: str, error: BaseException | str, *, input_error: bool) -> Completion:
     message = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
     return Completion(id=request_id, error=message, input_error=input_error)
+
+
+ABORTED = "aborted: the request was canceled before it finished"
+
+
+def aborted(request_id: str, prompt_tokens: int = 0, engine_s: float = 0.0) -> Completion:
+    """The completion of a request `Engine.abort` stopped: an error, never retried."""
+    return Completion(request_id, error=ABORTED, input_error=True, prompt_tokens=prompt_tokens, engine_s=engine_s)
 
 
 @dataclass(frozen=True)
@@ -55,10 +76,10 @@ class EngineConfig:
     model_dir: str
     device: str = "cpu"
     dtype: str = "float32"  # "float32" | "bfloat16" | "float16"
-    max_batch_size: int = 8
+    max_batch_size: int = defaults.BATCH_SIZE
     seed: int = 0  # for config-only checkpoints whose weights are seeded at load time
     cache: bool = True  # the engine's KV / vision-embedding caches (`--no-cache` turns them off)
-    options: dict[str, Any] = field(default_factory=dict)  # engine-specific, validated by the engine
+    options: FastOptions = field(default_factory=FastOptions)  # the fast engine's; the others take none
 
 
 class Engine(abc.ABC):
@@ -86,9 +107,11 @@ class Engine(abc.ABC):
     def num_unfinished(self) -> int:
         """Requests taken and not yet returned."""
 
-    def abort(self, request_ids: list[str]) -> list[Completion]:
-        """Stop these requests at the next step boundary; engines that cannot stop early return []."""
-        return []
+    @abc.abstractmethod
+    def abort(self, request_ids: Iterable[str]) -> list[Completion]:
+        """Cancel requests taken and not yet returned (call it between steps). Returns a
+        completion (error `ABORTED`) for each request stopped now; an engine may stop one later
+        instead, and then a later `step` returns it. Ids it does not hold are ignored."""
 
     def free_slots(self) -> int:
         return max(0, self.config.max_batch_size - self.num_unfinished())
@@ -96,6 +119,11 @@ class Engine(abc.ABC):
     def attach_vision_cache(self, store) -> None:
         """A shared image-embedding store (the worker's Redis layer). Engines without a vision
         cache ignore it."""
+
+    def describe(self) -> dict[str, Any]:
+        """What this engine runs with, every default resolved (the worker logs it at start)."""
+        c = self.config
+        return {"name": self.name, "device": c.device, "dtype": c.dtype, "max_batch_size": c.max_batch_size}
 
     def stats(self) -> dict[str, Any]:
         """Counters for `wicore status` and benchmarks; engines add their own."""
@@ -110,6 +138,34 @@ class Engine(abc.ABC):
 
     def close(self) -> None:
         """Release the device. Engines hold no other resources."""
+
+
+class StaticBatchEngine(Engine):
+    """An engine whose `step` runs every request it holds to the end: between steps no request
+    has started, so `abort` drops the requests it names at once."""
+
+    def __init__(self, config: EngineConfig):
+        super().__init__(config)
+        self.pending: list[EngineRequest] = []
+
+    def add(self, requests: list[EngineRequest]) -> list[Completion]:
+        self.requests_seen += len(requests)
+        self.pending.extend(requests)
+        return []
+
+    def num_unfinished(self) -> int:
+        return len(self.pending)
+
+    def take_pending(self) -> list[EngineRequest]:
+        """The requests of the next step, in arrival order."""
+        requests, self.pending = self.pending, []
+        return requests
+
+    def abort(self, request_ids: Iterable[str]) -> list[Completion]:
+        wanted = set(request_ids)
+        stopped = [r for r in self.pending if r.id in wanted]
+        self.pending = [r for r in self.pending if r.id not in wanted]
+        return [aborted(r.id) for r in stopped]
 
 
 class Stopwatch:

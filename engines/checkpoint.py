@@ -1,35 +1,52 @@
 """Loading a Gemma-3 checkpoint directory: processor, config, and the HF model (from its
-safetensors, or seeded straight on the device for config-only directories)."""
+safetensors, or seeded straight on the device for config-only directories).
+
+Light to import (torch is imported where a model is loaded): the CLI checks a model directory
+with `check_model_dir` before it starts anything slow."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from wicore.errors import ConfigError
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+if TYPE_CHECKING:
+    import torch
+
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
 SEED_FILE = "wicore_init.json"
 
 
 def torch_dtype(name: str) -> torch.dtype:
-    if name not in DTYPES:
-        raise ConfigError(f"unknown dtype {name!r}; choose one of {sorted(DTYPES)}")
-    return DTYPES[name]
+    import torch
+
+    if name not in DTYPE_NAMES:
+        raise ConfigError(f"unknown dtype {name!r}; choose one of {', '.join(DTYPE_NAMES)}")
+    return getattr(torch, name)
 
 
 def has_weights(model_dir: str | Path) -> bool:
     return any(Path(model_dir).glob("*.safetensors"))
 
 
-def check_model_dir(model_dir: str | Path) -> Path:
+def check_model_dir(model_dir: str | Path, *, allow_random_weights: bool = True) -> Path:
+    """The directory, if a model loads from it. A config-only directory (`wicore make-model
+    gemma3-4b`) runs seeded random weights: its text is noise, so the CLI refuses it unless
+    asked (`allow_random_weights=False` there; benchmarks pass True)."""
     path = Path(model_dir)
+    if not path.is_dir():
+        raise ConfigError(f"--model {path}: no such directory (give a local Gemma-3 checkpoint folder)")
     if not (path / "config.json").is_file():
-        raise ConfigError(f"{path} is not a model directory (no config.json)")
+        raise ConfigError(f"--model {path} is not a model directory (no config.json in it)")
     if not has_weights(path) and not (path / SEED_FILE).is_file():
-        raise ConfigError(f"{path} has no *.safetensors weights")
+        raise ConfigError(f"--model {path} has no *.safetensors weights")
+    if not has_weights(path) and not allow_random_weights:
+        raise ConfigError(
+            f"--model {path} has a config but no weights (*.safetensors): it would run random weights and write "
+            "noise; pass --allow-random-weights to run it anyway (benchmarks)"
+        )
     return path
 
 

@@ -12,7 +12,15 @@ from collections import defaultdict
 
 import torch
 
-from wicore.engines.base import Completion, Engine, EngineConfig, EngineRequest, Stopwatch, failed
+from wicore.engines.base import (
+    Completion,
+    EngineConfig,
+    EngineRequest,
+    StaticBatchEngine,
+    Stopwatch,
+    failed,
+    reject_options,
+)
 from wicore.engines.checkpoint import load_hf_model, load_processor
 from wicore.engines.text import finish_sequence, stop_token_ids
 from wicore.errors import JobInputError, PromptTooLong
@@ -21,28 +29,20 @@ from wicore.schemas import GenerationParams
 log = logging.getLogger(__name__)
 
 
-class ReferenceEngine(Engine):
+class ReferenceEngine(StaticBatchEngine):
     name = "reference"
 
     def __init__(self, config: EngineConfig):
         super().__init__(config)
+        reject_options(config, self.name)
         self.processor = load_processor(config.model_dir)
         self.tokenizer = self.processor.tokenizer
         self.model = load_hf_model(config.model_dir, config.device, config.dtype, config.seed)
         self.eos_ids = stop_token_ids(config.model_dir, self.tokenizer)
         self.max_len = self.model.config.text_config.max_position_embeddings
-        self.pending: list[EngineRequest] = []
-
-    def add(self, requests: list[EngineRequest]) -> list[Completion]:
-        self.requests_seen += len(requests)
-        self.pending.extend(requests)
-        return []
-
-    def num_unfinished(self) -> int:
-        return len(self.pending)
 
     def step(self) -> list[Completion]:
-        requests, self.pending = self.pending, []
+        requests = self.take_pending()
         groups: dict[tuple, list[EngineRequest]] = defaultdict(list)
         for request in requests:
             groups[sampling_key(request.params)].append(request)

@@ -82,13 +82,6 @@ def pixel_values(images: Sequence[Image.Image], spec: PreprocessSpec) -> np.ndar
     return out
 
 
-def pixel_values_torch(images: Sequence[Image.Image], spec: PreprocessSpec) -> torch.Tensor:
-    """The same numbers as a CPU torch tensor (shares memory with the numpy result)."""
-    import torch
-
-    return torch.from_numpy(pixel_values(images, spec))
-
-
 def resized_images(images: Sequence[Image.Image], spec: PreprocessSpec) -> np.ndarray:
     """uint8 [N, H, W, 3]: each image converted to RGB as transformers does, then resized.
     Thread-safe."""

@@ -16,6 +16,7 @@ import time
 import uuid
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import suppress
 
 from redis import Redis
 from rq import Queue, Retry
@@ -24,17 +25,18 @@ from rq.job import Job, JobStatus
 from rq.results import Result
 from rq.serializers import JSONSerializer
 
-from wicore import keys
+from wicore import defaults, keys
 from wicore.errors import JobCanceled, JobFailed, ResultTimeout, UnknownJob
 from wicore.producer.image_refs import prepare_image
 from wicore.producer.outcome import Outcome, outcome_of
-from wicore.producer.submission import ProducerConfig, Submission
+from wicore.producer.submission import Prepared, ProducerConfig, Submission
 from wicore.scheduler.buckets import ShapeRules
 from wicore.schemas import CaptionJob, CaptionResult
 
 TASK = "wicore.worker.tasks.caption"  # by name: the producer never imports the worker
 ENDED = frozenset({JobStatus.FINISHED.value, JobStatus.FAILED.value, JobStatus.STOPPED.value, JobStatus.CANCELED.value})
 NO_ENTRY = "0-0"  # a stream id before every entry
+MISSING = "missing"  # the status of an id with no job in Redis (never submitted, expired or deleted)
 
 
 def result_stream(job_id: str) -> str:
@@ -79,26 +81,27 @@ class Producer:
     def _submit_chunk(self, submissions: list[Submission]) -> list[str]:
         return self.enqueue_prepared([self.prepare(s) for s in submissions])
 
-    def enqueue_prepared(self, prepared: list[tuple[CaptionJob, bytes | None]]) -> list[str]:
+    def enqueue_prepared(self, prepared: list[Prepared]) -> list[str]:
         """Enqueue jobs made by `prepare` (a caller that wants each submission's own error
         prepares them one by one first). One job id per job, in order."""
-        jobs = [job for job, _ in prepared]
-        blobs = {job.image.sha256: data for job, data in prepared if data is not None}
+        jobs = [p.job for p in prepared]
+        blobs = {p.job.image.sha256: p.blob for p in prepared if p.blob is not None}
         new_ids, stored = self._claim_new([job.job_id for job in jobs], list(blobs))
         new_jobs = list({job.job_id: job for job in jobs if job.job_id in new_ids}.values())
+        labels = {p.job.job_id: p.label for p in prepared}
         with self.connection.pipeline(transaction=False) as pipe:
             for sha in {job.image.sha256 for job in new_jobs if job.image.is_blob}:
                 if sha in stored:
                     pipe.expire(keys.blob(sha), self.config.blob_ttl_s)
                 else:
                     pipe.set(keys.blob(sha), blobs[sha], ex=self.config.blob_ttl_s)
-            self._enqueue(new_jobs, pipe)
+            self._enqueue(new_jobs, pipe, labels)
             pipe.execute()
         return [job.job_id for job in jobs]
 
-    def prepare(self, submission: Submission) -> tuple[CaptionJob, bytes | None]:
-        """The job, and the image bytes when they travel as a blob. Raises ImageError or
-        pydantic's ValidationError for a submission that cannot become a job."""
+    def prepare(self, submission: Submission) -> Prepared:
+        """The job, the image bytes when they travel as a blob, and its label. Raises ImageError
+        or pydantic's ValidationError for a submission that cannot become a job."""
         ref, data = prepare_image(submission.image, by_path=self.config.by_path, limit=self.config.max_image_bytes)
         job = CaptionJob(
             image=ref,
@@ -110,7 +113,7 @@ class Producer:
             deadline=submission.deadline,
             metadata=submission.metadata,
         )
-        return job, data
+        return Prepared(job, data, submission.label)
 
     def _claim_new(self, job_ids: Sequence[str], blob_shas: Sequence[str]) -> tuple[set[str], set[str]]:
         """(ids submitted for the first time, blobs already in Redis). SET NX per id: only the
@@ -127,21 +130,21 @@ class Producer:
         new_ids = {job_id for job_id, ok in zip(unique, claimed) if ok}
         return new_ids, {sha for sha, n in zip(blob_shas, present) if n}
 
-    def _enqueue(self, jobs: list[CaptionJob], pipe) -> None:
+    def _enqueue(self, jobs: list[CaptionJob], pipe, labels: dict[str, str | None]) -> None:
         by_queue: dict[str, list[CaptionJob]] = defaultdict(list)
         for job in jobs:
             by_queue[self.rules.bucket(job).queue_name].append(job)
         for queue_name, queue_jobs in by_queue.items():
             queue = Queue(queue_name, connection=self.connection, serializer=JSONSerializer)
             pipe.delete(*(f"rq:results:{job.job_id}" for job in queue_jobs))  # a rerun starts a fresh stream
-            queue.enqueue_many([self._rq_data(job) for job in queue_jobs], pipeline=pipe)
+            queue.enqueue_many([self._rq_data(job, labels.get(job.job_id)) for job in queue_jobs], pipeline=pipe)
         if jobs:
             bell = keys.doorbell(self.model)
             pipe.lpush(bell, *(["1"] * min(len(jobs), 16)))
             pipe.ltrim(bell, 0, 63)
             pipe.expire(bell, 60)
 
-    def _rq_data(self, job: CaptionJob):
+    def _rq_data(self, job: CaptionJob, label: str | None):
         return Queue.prepare_data(
             TASK,
             args=[job.model_dump(mode="json")],
@@ -151,7 +154,7 @@ class Producer:
             failure_ttl=self.config.failure_ttl_s,
             retry=Retry(max=self.config.retries) if self.config.retries else None,
             meta={"notify": self.notify_key} if self.config.notify else {},
-            description=f"caption {job.image.path or job.image.sha256[:12]}",
+            description=f"caption {label or job.image.path or job.image.sha256[:12]}",
         )
 
     # -- results ----------------------------------------------------------------------------
@@ -181,7 +184,7 @@ class Producer:
         try:
             return Job.fetch(job_id, connection=self.connection, serializer=JSONSerializer)
         except NoSuchJobError as exc:
-            raise UnknownJob(f"no job {job_id} in Redis (never submitted, or expired)") from exc
+            raise no_such_job(job_id) from exc
 
     def result(self, job_id: str, timeout: float | None = None) -> CaptionResult:
         """The job's result; raises JobFailed (JobCanceled), ResultTimeout or UnknownJob."""
@@ -234,36 +237,75 @@ class Producer:
         outcomes = []
         for job_id, status in zip(ids, statuses):
             if status is None:
-                outcomes.append(Outcome(job_id, "missing", error="job no longer in Redis (expired or deleted)"))
+                outcomes.append(Outcome(job_id, MISSING, error="job no longer in Redis (expired or deleted)"))
             elif status.decode() in ENDED:
                 outcomes.append(self.outcome(job_id))
         return outcomes
 
     # -- canceling --------------------------------------------------------------------------
 
-    def cancel(self, job_id: str) -> str:
-        """Cancel a job through RQ (`Job.cancel`): a queued job leaves its queue and never runs;
-        a running one is stopped by its worker at the engine's next step boundary. Returns the
-        job's status afterwards: 'canceled', or the status it had already ended with."""
-        job = self._fetch(job_id)
-        status = str(getattr(job.get_status(refresh=False), "value", "unknown"))
-        if status in ENDED:
-            return status
-        try:
-            job.cancel()
-        except InvalidJobOperation:  # canceled by someone else in between
-            return JobStatus.CANCELED.value
-        # Read after the cancel committed: a worker that claimed the job before that has its name
-        # set, and one that claims it afterwards skips it (the claim checks for 'canceled').
-        worker = self.connection.hget(job.key, "worker_name")
-        notify = str(job.meta.get("notify") or "")
+    def cancel(self, job_ids: Iterable[str], *, own_queued_only: bool = False) -> dict[str, str]:
+        """Cancel jobs through RQ (`Job.cancel`): a queued job leaves its queue and never runs; a
+        running one is stopped by its worker at the engine's next step boundary. Either reads
+        'canceled', its dedup mark goes (submitting the same work again runs it) and its producer's
+        `wait` hears of it. Returns each id's status afterwards: 'canceled', the status it had
+        already ended with, or 'missing'. `own_queued_only`: cancel only the jobs this producer
+        enqueued that no worker has started (what `wicore caption` takes back when it stops); the
+        others keep their status."""
+        ids = list(dict.fromkeys(job_ids))
+        found = Job.fetch_many(ids, connection=self.connection, serializer=JSONSerializer)
+        statuses = {job_id: MISSING if job is None else status_of(job) for job_id, job in zip(ids, found)}
+        chosen = [job for job in found if job is not None and statuses[job.id] not in ENDED]
+        if own_queued_only:
+            chosen = self._own_queued(chosen)
+        if chosen:
+            self._cancel_jobs(chosen)
+        return statuses | {job.id: JobStatus.CANCELED.value for job in chosen}
+
+    def _own_queued(self, jobs: list[Job]) -> list[Job]:
         with self.connection.pipeline(transaction=False) as pipe:
-            if worker:
-                pipe.sadd(keys.cancel(worker.decode()), job_id)
-                pipe.expire(keys.cancel(worker.decode()), self.config.result_ttl_s)
-            pipe.delete(keys.submitted(job_id))  # submitting the same work again runs it
-            if notify:
-                pipe.rpush(notify, job_id)
-                pipe.expire(notify, 3_600)
+            for job in jobs:
+                pipe.get(keys.submitted(job.id))
+            marks = pipe.execute()
+        mine = [job for job, mark in zip(jobs, marks) if mark is not None and mark.decode() == self.session]
+        return [job for job in mine if job.get_status(refresh=False) == JobStatus.QUEUED]
+
+    def _cancel_jobs(self, jobs: list[Job]) -> None:
+        with self.connection.pipeline() as pipe:  # MULTI ... EXEC
+            for job in jobs:
+                with suppress(InvalidJobOperation):  # canceled by someone else in between
+                    job.cancel(pipeline=pipe)
             pipe.execute()
-        return JobStatus.CANCELED.value
+        # Read after the cancel committed: a worker that claimed a job before that has its name
+        # set, and one that claims it afterwards skips it (the claim checks for 'canceled').
+        with self.connection.pipeline(transaction=False) as pipe:
+            for job in jobs:
+                pipe.hget(job.key, "worker_name")
+            workers = pipe.execute()
+        with self.connection.pipeline(transaction=False) as pipe:
+            for job, worker in zip(jobs, workers):
+                self._after_cancel(job, worker.decode() if worker else "", pipe)
+            pipe.execute()
+
+    def _after_cancel(self, job: Job, worker: str, pipe) -> None:
+        """The job's worker (if one claimed it) stops it; the job reads canceled as long as a
+        result would live (RQ sets no TTL); submitting the same work again runs it; a producer
+        waiting on it hears of it."""
+        if worker:
+            pipe.sadd(keys.cancel(worker), job.id)
+            pipe.expire(keys.cancel(worker), self.config.result_ttl_s)
+        pipe.expire(job.key, self.config.result_ttl_s)
+        pipe.delete(keys.submitted(job.id))
+        notify = str(job.meta.get("notify") or "")
+        if notify:
+            pipe.rpush(notify, job.id)
+            pipe.expire(notify, defaults.NOTIFY_TTL_S)
+
+
+def status_of(job: Job) -> str:
+    """RQ's status of a fetched job, as text."""
+    return str(getattr(job.get_status(refresh=False), "value", "unknown"))
+
+
+def no_such_job(job_id: str) -> UnknownJob:
+    return UnknownJob(f"no job {job_id} in Redis (never submitted, or expired)")

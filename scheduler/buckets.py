@@ -3,7 +3,7 @@
 A job's bucket is (model, priority lane, image crops, prompt-length bucket, max-new-tokens
 bucket); each bucket is one RQ queue, so a worker's batch never mixes shapes that would pad
 badly. The bucket edges are explicit lists (nano-vllm's graph_bs idea): a value goes to the
-first edge >= it, and the same edges can drive CUDA-graph and TensorRT profile sizes.
+first edge >= it.
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TypeVar
 
+from wicore import defaults
 from wicore.scheduler.buckets import BucketKey
 
 T = TypeVar("T")
@@ -22,8 +23,8 @@ T = TypeVar("T")
 
 @dataclass(frozen=True)
 class BatchPolicy:
-    max_batch_size: int = 8
-    max_queue_delay_s: float = 0.005
+    max_batch_size: int = defaults.BATCH_SIZE
+    max_queue_delay_s: float = defaults.MAX_QUEUE_DELAY_S
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1:

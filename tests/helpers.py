@@ -14,6 +14,9 @@ import numpy as np
 from PIL import Image
 from redis import Redis
 
+# The console script pip installed beside this interpreter: the command users type.
+WICORE = str(Path(sys.executable).with_name("wicore"))
+
 
 def png_bytes(seed: int, size: tuple[int, int] = (40, 30)) -> bytes:
     """A distinct, never-blank image per seed."""
@@ -35,13 +38,11 @@ def write_images(folder: Path, count: int, start: int = 0) -> list[Path]:
 
 
 def wicore(
-    *args: str, env: dict | None = None, timeout: float = 300, check: bool = True
+    *args: str, env: dict | None = None, timeout: float = 300, check: bool = True, stdin: str | None = None
 ) -> subprocess.CompletedProcess:
-    """Run the real CLI in a subprocess, as a user would."""
+    """Run the installed `wicore` command in a subprocess, as a user would."""
     full_env = {**os.environ, **(env or {})}
-    result = subprocess.run(
-        [sys.executable, "-m", "wicore.cli.main", *args], capture_output=True, text=True, env=full_env, timeout=timeout
-    )
+    result = subprocess.run([WICORE, *args], capture_output=True, text=True, env=full_env, timeout=timeout, input=stdin)
     if check and result.returncode != 0:
         raise AssertionError(f"wicore {' '.join(args)} exited {result.returncode}:\n{result.stdout}\n{result.stderr}")
     return result
@@ -51,7 +52,7 @@ def start_cli(verb: str, *args: str, env: dict | None = None, log: Path | None =
     """A long-running `wicore <verb>` in a subprocess, its output into `log`."""
     sink = open(log, "wb") if log else subprocess.DEVNULL  # noqa: SIM115 (closed with the process)
     return subprocess.Popen(
-        [sys.executable, "-m", "wicore.cli.main", verb, *args],
+        [WICORE, verb, *args],
         env={**os.environ, **(env or {})},
         stdout=sink,
         stderr=subprocess.STDOUT,
@@ -134,3 +135,29 @@ def all_values(connection: Redis) -> list[bytes]:
         elif kind == "stream":
             values += [v for _, fields in connection.xrange(key) for v in fields.values()]
     return values
+
+
+def processes() -> list[tuple[int, str, int, int]]:
+    """(pid, state, parent pid, process group) of every process, from /proc."""
+    table = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            state, ppid, pgrp = stat.read_text().rsplit(")", 1)[1].split()[:3]
+        except (OSError, ValueError):
+            continue  # gone meanwhile
+        table.append((int(stat.parent.name), state, int(ppid), int(pgrp)))
+    return table
+
+
+def process_group_members(pgid: int) -> list[int]:
+    """Live (not zombie) processes in a process group."""
+    return [pid for pid, state, _, pgrp in processes() if pgrp == pgid and state != "Z"]
+
+
+def children_of(pid: int) -> list[int]:
+    return [child for child, _, ppid, _ in processes() if ppid == pid]
+
+
+def alive(pid: int) -> bool:
+    """True while `pid` exists and is not a zombie."""
+    return any(p == pid and state != "Z" for p, state, _, _ in processes())

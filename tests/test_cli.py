@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import signal
 
 import pytest
@@ -26,41 +27,61 @@ def read_lines(path):
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
+def job_ids(enqueued) -> list[str]:
+    """The ids of `wicore enqueue`'s `id<TAB>input` lines."""
+    return [line.split("\t")[0] for line in enqueued.stdout.splitlines()]
+
+
 def test_caption_folder_with_broken_files_then_resume(tmp_path):
     folder = tmp_path / "photos"
     write_images(folder / "nested", 5)
     (folder / "truncated.png").write_bytes((folder / "nested" / "img0000.png").read_bytes()[:60])
     (folder / "notes.jpg").write_text("this is not a jpeg")
-    (folder / "readme.txt").write_text("not an input: wrong extension")
+    (folder / "readme.txt").write_text("not an image type: gets an error line too")
+    (folder / ".hidden.png").write_text("hidden files are not inputs")
     out = tmp_path / "out.jsonl"
-    env = {"XDG_CACHE_HOME": str(tmp_path / "cache")}  # the default model is built here, once
+    env = {"XDG_CACHE_HOME": str(tmp_path / "cache")}
+    args = ["caption", str(folder), "-o", str(out), "--max-new-tokens", "4"]
 
-    first = wicore("caption", str(folder), "-o", str(out), "--max-new-tokens", "4", env=env)
+    first = wicore(*args, env=env, check=False)
+    assert first.returncode == 1, "some inputs failed"
     lines = read_lines(out)
-    assert len(lines) == 7
     by_input = {line["input"]: line for line in lines}
-    assert set(by_input) == {str(folder / "nested" / f"img000{i}.png") for i in range(5)} | {
-        str(folder / "truncated.png"),
-        str(folder / "notes.jpg"),
+    bad_names = ("truncated.png", "notes.jpg", "readme.txt")
+    assert len(lines) == 8 and set(by_input) == {str(folder / "nested" / f"img000{i}.png") for i in range(5)} | {
+        str(folder / name) for name in bad_names
     }
-    for line in lines:
-        assert {"input", "job_id", "text", "error"} <= set(line)
-    for name in ("truncated.png", "notes.jpg"):
+    for name in bad_names[:2]:
         bad = by_input[str(folder / name)]
-        assert bad["text"] is None and bad["error"].startswith("ImageError")
+        assert bad["text"] is None and bad["status"] == "failed" and bad["error"].startswith("ImageError")
+    assert (
+        by_input[str(folder / "readme.txt")]["error"].startswith("InputError: ")
+        and "not an image file" in (by_input[str(folder / "readme.txt")]["error"])
+    )
     for i in range(5):
         good = by_input[str(folder / "nested" / f"img000{i}.png")]
         assert isinstance(good["text"], str) and good["error"] is None and good["output_tokens"] == 4
-    assert "captioned 5 of 7" in first.stderr
+    assert first.stderr.startswith("captioned 5 of 8 inputs (3 errors, 0 already done)")
+    assert len(first.stderr.strip().splitlines()) == 1, "one summary line: no bar, no wrapping, in a pipe"
+    seconds, rate = map(
+        float, re.search(r" in ([\d.]+)s, ([\d.]+) images/s once the workers were ready", first.stderr).groups()
+    )
+    assert rate > 7 / seconds, "the rate counts from the first worker ready, not from the start (7 jobs ran)"
+    [log_dir] = (tmp_path / "cache" / "wicore" / "logs").iterdir()
+    assert first.stderr.strip().endswith(f"worker logs: {log_dir}") and [p.suffix for p in log_dir.iterdir()] == [
+        ".log"
+    ]
 
-    again = wicore("caption", str(folder), "-o", str(out), "--max-new-tokens", "4", env=env)
-    assert len(read_lines(out)) == 7, "a re-run adds no line"
-    assert "nothing to do" in again.stderr
+    again = wicore(*args, env=env, check=False)
+    assert again.returncode == 1 and again.stderr.startswith("captioned 0 of 3 inputs (3 errors, 5 already done)")
+    assert sorted(line["input"] for line in read_lines(out)) == sorted(by_input), "retried errors keep one line each"
+    skipped = wicore(*args, "--skip-errors", env=env)
+    assert "nothing to do: all 8 inputs already have a line" in skipped.stderr
 
     write_images(folder / "nested", 1, start=5)  # one new image: only it is captioned
-    wicore("caption", str(folder), "-o", str(out), "--max-new-tokens", "4", env=env)
+    wicore(*args, "--skip-errors", env=env)
     lines = read_lines(out)
-    assert len(lines) == 8 and lines[-1]["input"].endswith("img0005.png")
+    assert len(lines) == 9 and lines[-1]["input"].endswith("img0005.png")
 
 
 def test_worker_enqueue_result_three_processes(tmp_path, server, tiny_model_dir):
@@ -72,11 +93,11 @@ def test_worker_enqueue_result_three_processes(tmp_path, server, tiny_model_dir)
     try:
         enqueued = wicore("enqueue", str(tmp_path / "imgs"), "--redis-url", url, "--model-id", "tiny",
                           "--max-new-tokens", "3")  # fmt: skip
-        ids = enqueued.stdout.split()
+        ids = job_ids(enqueued)
         assert len(ids) == 200 == len(set(ids)) == len(images)
         results = wicore("result", *ids, "--wait", "240", "--redis-url", url, timeout=600)
         lines = [json.loads(line) for line in results.stdout.splitlines()]
-        assert [line["job_id"] for line in lines] == ids
+        assert sorted(line["job_id"] for line in lines) == sorted(ids)
         assert all(line.get("text") is not None and line["output_tokens"] == 3 for line in lines)
     finally:
         assert stop(worker) == 0, (tmp_path / "w.log").read_text()[-2000:]
@@ -87,7 +108,7 @@ def test_worker_enqueue_result_three_processes(tmp_path, server, tiny_model_dir)
 def test_result_exit_codes(tmp_path, server, tiny_model_dir):
     (tmp_path / "bad.png").write_bytes(b"garbage")
     url = server.url
-    [job_id] = wicore("enqueue", str(tmp_path / "bad.png"), "--redis-url", url, "--model-id", "tiny").stdout.split()
+    [job_id] = job_ids(wicore("enqueue", str(tmp_path / "bad.png"), "--redis-url", url, "--model-id", "tiny"))
     unfinished = wicore("result", job_id, "--redis-url", url, check=False)
     assert unfinished.returncode == 3
     worker = start_worker("--redis-url", url, "--model", str(tiny_model_dir), "--burst")
@@ -95,7 +116,7 @@ def test_result_exit_codes(tmp_path, server, tiny_model_dir):
     failed = wicore("result", job_id, "--wait", "5", "--redis-url", url, check=False)
     assert failed.returncode == 1 and json.loads(failed.stdout)["error"].startswith("ImageError")
     unknown = wicore("result", "wc-nope", "--redis-url", url, check=False)
-    assert unknown.returncode == 2 and "no job wc-nope" in unknown.stderr
+    assert unknown.returncode == 1 and json.loads(unknown.stdout)["status"] == "unknown"
     status = json.loads(wicore("status", "--json", "--redis-url", url).stdout)
     assert [q["failed"] for q in status["queues"]] == [1]
 
@@ -105,8 +126,8 @@ def test_kill_9_mid_batch_then_new_worker_finishes_every_job_once(tmp_path, serv
     url = server.url
     env = {"WICORE_LIVENESS_TTL_S": "2"}
     args = ["--redis-url", url, "--model", str(tiny_model_dir), "--batch-size", "8"]
-    ids = wicore("enqueue", str(tmp_path / "imgs"), "--redis-url", url, "--model-id", "tiny",
-                 "--max-new-tokens", "48").stdout.split()  # fmt: skip
+    ids = job_ids(wicore("enqueue", str(tmp_path / "imgs"), "--redis-url", url, "--model-id", "tiny",
+                         "--max-new-tokens", "48"))  # fmt: skip
     connection = Redis.from_url(url)
     queue_name = Job.fetch(ids[0], connection=connection).origin
     doomed = start_worker(*args, env=env, log=tmp_path / "doomed.log")

@@ -11,6 +11,7 @@ import torch
 from tests.fast_requests import mismatches, mixed_requests, request
 from wicore.engines.base import EngineConfig
 from wicore.engines.fast import FastEngine
+from wicore.engines.fast.options import FastOptions
 from wicore.engines.reference import ReferenceEngine
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -31,7 +32,7 @@ def test_cuda_greedy_matches_reference(tiny_model_dir, expected, options):
     # model's 16-token window makes most prompts wrap their ring: dense prefills (the paged
     # path: test_fast_prefix_gpu.py).
     config = EngineConfig(
-        str(tiny_model_dir), device="cuda", max_batch_size=4, options={"num_kv_blocks": 4096, **options}
+        str(tiny_model_dir), device="cuda", max_batch_size=4, options=FastOptions(num_kv_blocks=4096, **options)
     )
     engine = FastEngine(config)
     requests = mixed_requests() + [request("s", variant=8, max_new_tokens=40, stop=("zz",))]
@@ -52,7 +53,7 @@ def test_cuda_bfloat16_runs_and_sizes_kv_from_memory(tiny_model_dir):
             device="cuda",
             dtype="bfloat16",
             max_batch_size=8,
-            options={"gpu_memory_utilization": 0.05, "vision_cache_bytes": 0},
+            options=FastOptions(gpu_memory_utilization=0.05, vision_cache_bytes=0),
         )
     )
     assert engine.blocks.num_pages > 1000
@@ -62,7 +63,7 @@ def test_cuda_bfloat16_runs_and_sizes_kv_from_memory(tiny_model_dir):
 
 def test_cuda_seeded_sampling_ignores_batch_mates(tiny_model_dir):
     engine = FastEngine(
-        EngineConfig(str(tiny_model_dir), device="cuda", max_batch_size=8, options={"num_kv_blocks": 4096})
+        EngineConfig(str(tiny_model_dir), device="cuda", max_batch_size=8, options=FastOptions(num_kv_blocks=4096))
     )
     sampled = {"temperature": 0.9, "top_k": 40, "top_p": 0.95, "max_new_tokens": 12, "seed": 11}
     alone = engine.generate([request("x", variant=3, **sampled)])
@@ -72,7 +73,7 @@ def test_cuda_seeded_sampling_ignores_batch_mates(tiny_model_dir):
 
 def test_steps_never_synchronize_implicitly(tiny_model_dir):
     # Only the explicit event waits of the one-step-late readback may block the host.
-    config = EngineConfig(str(tiny_model_dir), device="cuda", max_batch_size=4, options={"num_kv_blocks": 4096})
+    config = EngineConfig(str(tiny_model_dir), device="cuda", max_batch_size=4, options=FastOptions(num_kv_blocks=4096))
     engine = FastEngine(config)
     engine.generate(mixed_requests()[:2])  # warm caches outside the check
     torch.cuda.set_sync_debug_mode("error")

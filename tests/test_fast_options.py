@@ -1,6 +1,8 @@
-"""Options of the fast engine: validated, defaults resolved per device."""
+"""Options of the fast engine: validated, defaults resolved once per device."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 
@@ -8,26 +10,53 @@ from wicore.engines.fast.options import FastOptions
 from wicore.errors import ConfigError
 
 
+def resolve(options: dict | None = None, *, cuda: bool, model_limit: int = 131_072, batch: int = 64, **kwargs):
+    return FastOptions.parse(options or {}).resolve(cuda=cuda, model_limit=model_limit, max_batch_size=batch, **kwargs)
+
+
 def test_defaults():
     options = FastOptions.parse({})
     assert options.block_size == 16 and options.cuda_graphs and not options.compile_vision
-    assert options.model_len(131_072) == 8192 and options.model_len(4096) == 4096
-    assert options.prefill_tokens(8192) == 16384
-    assert options.graph_sizes(64) == [1, 2, 4, 8, 16, 32, 48, 64]
-    assert options.graph_sizes(40) == [1, 2, 4, 8, 16, 32, 40]
-    assert options.vision_batch(cuda=True) == 32 and options.vision_batch(cuda=False) == 8
-    assert options.paged_suffix(cuda=True) == 128 and options.paged_suffix(cuda=False) == 0
-    assert options.prefill_graph_sizes(16384)[:3] == [64, 128, 256] and options.prefill_graph_sizes(16384)[-1] == 2048
-    assert options.prefill_graph_sizes(1000)[-1] == 896  # none above the prefill budget
-    assert options.intra_op_threads(cuda=True) == 1 and options.intra_op_threads(cuda=False) is None
+    assert resolve(cuda=True).max_model_len == 8192 and resolve(cuda=True, model_limit=4096).max_model_len == 4096
+    assert resolve(cuda=True, model_limit=8192).max_prefill_tokens == 16384
+    assert resolve(cuda=True, batch=64).graph_batch_sizes == (1, 2, 4, 8, 16, 32, 48, 64)
+    assert resolve(cuda=True, batch=40).graph_batch_sizes == (1, 2, 4, 8, 16, 32, 40)
+    assert resolve(cuda=True).vision_batch_size == 32 and resolve(cuda=False).vision_batch_size == 8
+    assert resolve(cuda=True).paged_prefill_tokens == 128 and resolve(cuda=False).paged_prefill_tokens == 0
+    prefill_graphs = resolve(cuda=True).graph_prefill_tokens
+    assert prefill_graphs[:3] == (64, 128, 256) and prefill_graphs[-1] == 2048
+    capped = resolve({"max_prefill_tokens": 1000, "max_model_len": 1000}, cuda=True)
+    assert capped.graph_prefill_tokens[-1] == 896  # none above the prefill budget
+    assert resolve(cuda=True).torch_threads == 1 and resolve(cuda=False).torch_threads is None
+
+
+def test_resolved_defaults_on_cpu_and_cuda():
+    """Every device-dependent default, fixed once; resolving for CUDA needs no GPU."""
+    cpu, cuda = resolve(cuda=False, batch=8), resolve(cuda=True, batch=8)
+    assert (cpu.compile_vision, cpu.compile_text, cpu.cuda_graphs) == (False, False, False)
+    assert (cuda.compile_vision, cuda.compile_text, cuda.cuda_graphs) == (True, True, True)
+    assert cpu.graph_batch_sizes == cpu.graph_prefill_tokens == () and cuda.graph_batch_sizes == (1, 2, 4, 8)
+    assert (cpu.preprocess_threads, cuda.preprocess_threads) == (0, 8)
+    assert (cpu.vision_cache_bytes, cuda.vision_cache_bytes) == (64 * 2**20, 2 * 2**30)
+    assert (cpu.host_cache_bytes, cuda.host_cache_bytes) == (0, 4 * 2**30)
+    assert cpu.max_model_len == cuda.max_model_len == 8192 and cpu.block_size == cuda.block_size == 16
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cuda.block_size = 32  # type: ignore[misc]
+
+
+def test_no_cache_turns_every_cache_off():
+    resolved = resolve({"host_cache_bytes": 4096, "disk_cache_dir": "/tmp/kv"}, cuda=True, cache=False)
+    assert not resolved.prefix_cache and resolved.host_cache_bytes == 0 and resolved.disk_cache_dir is None
+    assert resolved.vision_cache_bytes == 0
 
 
 def test_explicit_values():
-    options = FastOptions.parse({"block_size": 32, "graph_batch_sizes": [8, 1, 4], "num_kv_blocks": 100})
-    assert options.graph_sizes(256) == [1, 4, 8] and options.num_kv_blocks == 100
-    options = FastOptions.parse({"graph_prefill_tokens": [512, 64], "paged_prefill_tokens": 0})
-    assert options.prefill_graph_sizes(16384) == [64, 512] and options.paged_suffix(cuda=True) == 0
-    assert FastOptions.parse({"torch_threads": 4}).intra_op_threads(cuda=True) == 4
+    resolved = resolve({"block_size": 32, "graph_batch_sizes": [8, 1, 4], "num_kv_blocks": 100}, cuda=True, batch=256)
+    assert resolved.graph_batch_sizes == (1, 4, 8) and resolved.num_kv_blocks == 100
+    resolved = resolve({"graph_prefill_tokens": [512, 64], "paged_prefill_tokens": 0}, cuda=True)
+    assert resolved.graph_prefill_tokens == (64, 512) and resolved.paged_prefill_tokens == 0
+    assert resolve({"torch_threads": 4}, cuda=True).torch_threads == 4
+    assert not resolve({"cuda_graphs": False}, cuda=True).cuda_graphs
 
 
 @pytest.mark.parametrize(
@@ -55,22 +84,24 @@ def test_explicit_values():
     ],
 )
 def test_bad_options_raise(options):
-    with pytest.raises(ConfigError):
+    with pytest.raises(ConfigError) as error:
         FastOptions.parse(options)
+    message = str(error.value)
+    assert "\n" not in message and ("disk_cache_dir" in message or next(iter(options)) in message)
 
 
 def test_lengths_must_fit_the_model():
-    with pytest.raises(ConfigError):
-        FastOptions.parse({"max_model_len": 5000}).model_len(4096)
-    with pytest.raises(ConfigError):
-        FastOptions.parse({"max_prefill_tokens": 100}).prefill_tokens(4096)
+    with pytest.raises(ConfigError, match="max_model_len"):
+        resolve({"max_model_len": 5000}, cuda=True, model_limit=4096)
+    with pytest.raises(ConfigError, match="max_prefill_tokens"):
+        resolve({"max_prefill_tokens": 100}, cuda=True, model_limit=4096)
 
 
 def test_cache_defaults():
     options = FastOptions.parse({})
     assert options.prefix_cache and options.cache_policy == "a2cr" and options.disk_cache_dir is None
-    assert options.host_bytes(cuda=True) == 4 * 2**30 and options.host_bytes(cuda=False) == 0
-    assert FastOptions.parse({"prefix_cache": False}).host_bytes(cuda=True) == 0
-    assert FastOptions.parse({"host_cache_bytes": 4096}).host_bytes(cuda=False) == 4096
+    assert resolve(cuda=True).host_cache_bytes == 4 * 2**30 and resolve(cuda=False).host_cache_bytes == 0
+    assert resolve({"prefix_cache": False}, cuda=True).host_cache_bytes == 0
+    assert resolve({"host_cache_bytes": 4096}, cuda=False).host_cache_bytes == 4096
     with pytest.raises(ConfigError, match="host_cache_bytes"):
-        FastOptions.parse({"disk_cache_dir": "/tmp/kv"}).host_bytes(cuda=False)
+        resolve({"disk_cache_dir": "/tmp/kv"}, cuda=False)

@@ -18,6 +18,7 @@ from safetensors.torch import load_file, save_file
 from tests.fast_requests import mismatches, mixed_requests, one_torch_thread, request  # noqa: F401 (fixture)
 from wicore.engines.base import EngineConfig
 from wicore.engines.fast import FastEngine
+from wicore.engines.fast.options import FastOptions
 from wicore.engines.reference import ReferenceEngine
 from wicore.errors import ConfigError
 
@@ -79,7 +80,7 @@ def test_requests_join_mid_decode(fast, expected):
 
 def test_small_blocks_and_one_slot(tiny_model_dir, expected):
     # block_size 4: the sliding layer's ring (5 pages) wraps many times; one sequence at a time.
-    engine = FastEngine(EngineConfig(str(tiny_model_dir), max_batch_size=1, options={"block_size": 4}))
+    engine = FastEngine(EngineConfig(str(tiny_model_dir), max_batch_size=1, options=FastOptions(block_size=4)))
     out = engine.generate(mixed_requests()[:4])
     assert mismatches(out, by_id(expected, out)) == []
 
@@ -152,7 +153,7 @@ def test_rejects_bad_requests(fast):
 
 def test_unknown_option_fails_loudly(tiny_model_dir):
     with pytest.raises(ConfigError, match="blok_size"):
-        FastEngine(EngineConfig(str(tiny_model_dir), options={"blok_size": 8}))
+        FastEngine(EngineConfig(str(tiny_model_dir), options=FastOptions.parse({"blok_size": 8})))
 
 
 def test_matches_reference_in_bfloat16(tiny_model_dir):
@@ -183,7 +184,7 @@ def test_padded_decode_rows_do_not_change_results(fast):
     while not any(s.wants_decode for s in fast.planner.admitted):
         fast.step()
     seqs = [s for s in fast.planner.admitted if s.wants_decode]
-    rows = torch.tensor([s.row for s in seqs])
+    rows = torch.tensor([s.kv.row for s in seqs])
     positions = torch.tensor([s.next_position for s in seqs])
     null = torch.full((5,), fast.runner.null_row)
     with torch.inference_mode():
@@ -208,7 +209,9 @@ def test_warm_up_phases_run(fast):
 
 @pytest.mark.parametrize("threads", [0, 2])
 def test_pixels_in_threads_and_unreadable_images(tiny_model_dir, expected, threads):
-    engine = FastEngine(EngineConfig(str(tiny_model_dir), max_batch_size=4, options={"preprocess_threads": threads}))
+    engine = FastEngine(
+        EngineConfig(str(tiny_model_dir), max_batch_size=4, options=FastOptions(preprocess_threads=threads))
+    )
     broken = request("broken", variant=9)
     broken.images[0] = object()  # not an image: the image processor raises
     done = engine.add([broken, *mixed_requests()[:3]])
@@ -222,7 +225,7 @@ def test_pixels_in_threads_and_unreadable_images(tiny_model_dir, expected, threa
 
 def test_kv_pool_bounds_admission_and_rejects_what_never_fits(tiny_model_dir, expected):
     # 12 pages: one request of ~60 positions needs 4 full-layer pages + a 2-page sliding ring.
-    engine = FastEngine(EngineConfig(str(tiny_model_dir), max_batch_size=4, options={"num_kv_blocks": 12}))
+    engine = FastEngine(EngineConfig(str(tiny_model_dir), max_batch_size=4, options=FastOptions(num_kv_blocks=12)))
     rejected = engine.add([request("huge", max_new_tokens=400)])
     assert [(c.id, c.input_error) for c in rejected] == [("huge", True)] and "KV cache" in rejected[0].error
     out = engine.generate(mixed_requests()[:4])
@@ -232,7 +235,7 @@ def test_kv_pool_bounds_admission_and_rejects_what_never_fits(tiny_model_dir, ex
 
 def test_compiled_decoder_matches_reference(tiny_model_dir, expected):
     """The inductor-compiled decoder layers (the CUDA default) give the reference's tokens."""
-    engine = FastEngine(EngineConfig(str(tiny_model_dir), max_batch_size=4, options={"compile_text": True}))
+    engine = FastEngine(EngineConfig(str(tiny_model_dir), max_batch_size=4, options=FastOptions(compile_text=True)))
     out = engine.generate(mixed_requests())
     assert mismatches(out, by_id(expected, out)) == []
 
@@ -245,7 +248,7 @@ def test_torch_threads_option_sets_the_process_threads(tiny_model_dir):
         torch.set_num_threads(3)
         FastEngine(EngineConfig(str(tiny_model_dir), max_batch_size=2))
         assert torch.get_num_threads() == 3
-        FastEngine(EngineConfig(str(tiny_model_dir), max_batch_size=2, options={"torch_threads": 2}))
+        FastEngine(EngineConfig(str(tiny_model_dir), max_batch_size=2, options=FastOptions(torch_threads=2)))
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(saved)

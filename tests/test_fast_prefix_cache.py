@@ -6,7 +6,7 @@ counters."""
 
 from __future__ import annotations
 
-import json
+from concurrent.futures import Future
 from types import SimpleNamespace
 
 import numpy as np
@@ -18,12 +18,12 @@ from wicore.engines.fast.prompt_inputs import Prompt
 from wicore.engines.fast.sequence import SeqStatus, Sequence
 from wicore.engines.fast.step_planner import StepPlanner
 from wicore.engines.kvcache.block_manager import BlockManager, OutOfPages
-from wicore.engines.kvcache.cache_stats import CacheStats
 from wicore.engines.kvcache.eviction import LRU
 from wicore.engines.kvcache.gpu_tier import PrefixCache
 from wicore.engines.kvcache.kv_layout import KVLayout
 from wicore.engines.kvcache.prefix_keys import IMAGE_BLOCK_COST, prompt_keys, usable_prefix
 from wicore.engines.kvcache.tiers import KVTiers
+from wicore.engines.pending import Pending
 from wicore.schemas import GenerationParams
 
 S, F = "sliding_attention", "full_attention"
@@ -42,10 +42,10 @@ def sequence(rid, ids, max_new=4, images=(), lay=None, image=IMAGE, hashed=False
     engine; `hashed`: the request carries the images' sha256 (a vision batch counts each once)."""
     hashes = [image] * len(images) if hashed else []
     request = EngineRequest(rid, [], [object()] * len(images), GenerationParams(max_new_tokens=max_new), hashes)
-    seq = Sequence(request, Prompt(list(ids), list(images)), np.zeros((len(images), 3, 1, 1)), seed=0)
+    seq = Sequence(request, Prompt(list(ids), list(images)), seed=0)
     lay = lay or layout()
     if not lay.wraps(seq.max_len):
-        seq.prefix_keys = prompt_keys(list(ids), list(images), [image] * len(images), TPI, 4, "model")
+        seq.cache.keys = Pending.now(prompt_keys(list(ids), list(images), [image] * len(images), TPI, 4, "model"))
     return seq
 
 
@@ -71,14 +71,14 @@ def run(sched, seqs):
 def test_finished_prompt_blocks_stay_cached_and_are_reused():
     sched, blocks = scheduler()
     first = sequence("a", range(10))  # 2 full blocks + 2 tokens; 14 positions -> 4 blocks x 2 groups
-    assert admit(sched, first) == [True] and first.prefix_len == 0 and len(first.held) == 2
-    held = list(first.held)
+    assert admit(sched, first) == [True] and first.cache.prefix_len == 0 and len(first.cache.held) == 2
+    held = list(first.cache.held)
     run(sched, [first])
     assert blocks.num_cached == 4 and blocks.num_used == 0  # 2 blocks x 2 groups
     second = sequence("b", [*range(8), 99, 98, 97])
     admit(sched, second)
-    assert second.prefix_len == 8 and second.shared_len == 8 and second.reads == held
-    assert second.table[:, :2].T.tolist() == [list(b.pages) for b in held]
+    assert second.cache.prefix_len == 8 and second.cache.shared_len == 8 and second.cache.reads == held
+    assert second.kv.table[:, :2].T.tolist() == [list(b.pages) for b in held]
     assert blocks.num_cached == 0 and blocks.cache.stats.hits == 2
 
 
@@ -89,7 +89,7 @@ def test_whole_prompt_cached_recomputes_the_last_token():
     run(sched, [first])
     again = sequence("b", range(8))
     admit(sched, again)
-    assert (again.prefix_len, again.shared_len) == (7, 8)  # position 7 recomputed, not written
+    assert (again.cache.prefix_len, again.cache.shared_len) == (7, 8)  # position 7 recomputed, not written
 
 
 def test_blocks_in_use_are_never_evicted():
@@ -100,11 +100,11 @@ def test_blocks_in_use_are_never_evicted():
     sched.prefilled([running])
     other = sequence("b", range(50, 58), max_new=4)  # needs 6 more: 6 free
     admit(sched, other)
-    other_keys = [b.key for b in other.held]
+    other_keys = [b.key for b in other.cache.held]
     run(sched, [other])
     assert blocks.num_free == 2 and blocks.num_cached == 4
     third = sequence("c", range(100, 108), max_new=12)  # 5 blocks = 10 pages: 2 free + 4 cached < 10
-    assert admit(sched, third) == [False] and all(b in blocks.cache for b in [h.key for h in running.held])
+    assert admit(sched, third) == [False] and all(b in blocks.cache for b in [h.key for h in running.cache.held])
     with pytest.raises(OutOfPages):
         blocks.allocate(7)
     assert blocks.allocate(6) and [b.key for b in blocks.take_evicted()] == other_keys
@@ -124,7 +124,7 @@ def test_ring_wrapping_sequences_are_not_cached():
     lay = layout(window=8)  # ring of 3 pages: 12 positions
     sched, blocks = scheduler(lay=lay)
     long = sequence("a", range(10), max_new=4, lay=lay)
-    assert long.prefix_keys is None
+    assert long.cache.keys is None
     admit(sched, long)
     run(sched, [long])
     assert blocks.num_cached == 0 and len(blocks.cache) == 0
@@ -149,8 +149,8 @@ def test_a_split_image_is_prefilled_from_its_tail():
     sched.split_images = True
     admit(sched, *seqs)
     later = seqs[1]
-    assert (later.prefix_len, later.first_image, later.needs_vision) == (8, 0, True)
-    later.image_embeds = torch.arange(4.0).view(1, 4, 1)  # [images, tokens, hidden]
+    assert (later.cache.prefix_len, later.cache.first_image, later.needs_vision) == (8, 0, True)
+    later.vision.embeds = torch.arange(4.0).view(1, 4, 1)  # [images, tokens, hidden]
     assert suffix_image_embeds([later])[0].flatten().tolist() == [2.0, 3.0]  # tokens 8, 9
 
 
@@ -168,12 +168,12 @@ def test_same_image_questions_admitted_together_share_and_wait():
     sched, blocks = scheduler()
     assert admit(sched, *seqs) == [True] * 3
     first, *rest = seqs
-    assert first.status == SeqStatus.ENCODING and first.needs_vision
+    assert first.status == SeqStatus.VISION and first.needs_vision
     for seq in rest:  # the image and the shared text are first's blocks, not computed again
-        assert seq.prefix_len == 12 and seq.reads == first.held[:3] and not seq.needs_vision
-        assert seq.status == SeqStatus.READY and not seq.prefix_ready
+        assert seq.cache.prefix_len == 12 and seq.cache.reads == first.cache.held[:3] and not seq.needs_vision
+        assert seq.status == SeqStatus.PREFILL and not seq.cache.blocks_ready
     assert sched.schedule_model()[0] == []  # first needs vision; the rest wait for its blocks
-    first.status = SeqStatus.READY
+    first.move(SeqStatus.PREFILL)
     assert sched.schedule_model()[0] == [first]
     sched.prefilled([first])
     assert sched.schedule_model()[0] == rest
@@ -193,7 +193,7 @@ def test_prefill_budget_counts_the_uncached_suffix():
     run(sched, [first])
     follow_ups = [sequence(f"f{k}", [*range(40), 100 + k, 101, 102, 103]) for k in range(4)]
     admit(sched, *follow_ups)
-    assert [s.prefix_len for s in follow_ups] == [40] * 4
+    assert [s.cache.prefix_len for s in follow_ups] == [40] * 4
     assert sched.schedule_model()[0] == follow_ups
     fresh = budget_100()
     uncached = [sequence(f"u{k}", [200 + k, *range(43)]) for k in range(4)]
@@ -206,9 +206,9 @@ def test_restores_from_a_lower_tier_are_registered_and_awaited():
     sched.lower = lambda seq, key: True  # every block is in the host tier
     seq = sequence("a", range(10))
     admit(sched, seq)
-    assert [r.key for r in seq.restores] == seq.prefix_keys.keys and seq.prefix_len == 8
-    assert all(r.block in seq.held and not r.block.ready for r in seq.restores)
-    assert not seq.prefix_ready and sched.schedule_model()[0] == []
+    assert [r.key for r in seq.cache.restores] == seq.prompt_keys().keys and seq.cache.prefix_len == 8
+    assert all(r.block in seq.cache.held and not r.block.ready for r in seq.cache.restores)
+    assert not seq.cache.blocks_ready and sched.schedule_model()[0] == []
 
 
 def test_cache_stats_are_json():
@@ -223,17 +223,16 @@ def test_cache_stats_are_json():
     stats = tiers.cache_stats(blocks.cache)
     assert stats.tiers["gpu"].hits == 2 and stats.tiers["gpu"].misses == 2
     assert stats.tiers["gpu"].bytes_out == 200
-    assert CacheStats.from_json(json.dumps(stats.to_dict())).tiers["gpu"].hits == 2
+    assert stats.to_dict()["gpu"]["hits"] == 2 and stats.to_dict()["gpu"]["hit_rate"] == 0.5
 
 
 def test_a_failed_key_job_leaves_the_sequence_uncached(caplog):
-    from concurrent.futures import Future
-
     seq = sequence("a", range(10))
-    seq.prefix_keys = Future()
-    assert not seq.keys_ready
-    seq.prefix_keys.set_exception(ValueError("bad image"))
-    assert seq.keys_ready and seq.keys() is None and "not cached" in caplog.text
+    job = Future()
+    seq.cache.keys = Pending(job)
+    assert not seq.cache.keys.ready
+    job.set_exception(ValueError("bad image"))
+    assert seq.cache.keys.ready and seq.prompt_keys() is None and "not cached" in caplog.text
 
 
 def questions(image: str, count: int, first: int = 0) -> list[Sequence]:
@@ -252,7 +251,11 @@ def test_decode_batch_puts_the_sharers_of_a_prefix_side_by_side():
     admit(sched, a0, b0, a1, b1)
     assert sched.admitted == [a0, b0, a1, b1]
     for seq in sched.admitted:
-        seq.status, seq.launched = SeqStatus.RUNNING, 1
+        if seq.status == SeqStatus.VISION:
+            seq.move(SeqStatus.PREFILL)
+    sched.prefilled(sched.admitted)
+    for seq in sched.admitted:
+        seq.tokens.launched = 1
     decode = sched.schedule_model()[1]
     assert {frozenset(map(id, decode[:2])), frozenset(map(id, decode[2:]))} == {
         frozenset(map(id, (a0, a1))),
@@ -271,3 +274,20 @@ def test_an_image_asked_about_twice_counts_once_in_a_vision_batch():
     assert sched.schedule_vision(1) == seqs[:3]
     assert sched.schedule_vision(1, allow_partial=False) == []  # one image left: partial
     assert sched.schedule_vision(1) == seqs[3:]
+
+
+def test_a_sequence_stopped_before_its_prefill_takes_its_unwritten_blocks_out():
+    sched, blocks = scheduler()
+    first = sequence("a", range(10))
+    admit(sched, first)
+    assert len(blocks.cache) == 2 and not first.cache.others_wait
+    sched.finish(first, SeqStatus.ABORTED)
+    assert len(blocks.cache) == 0 and blocks.num_free == 199 and blocks.cache.policy.num_pinned == 0
+    again = sequence("b", range(10))
+    admit(sched, again)
+    assert again.cache.prefix_len == 0  # nothing stale to wait for
+    follow_up = sequence("c", [*range(8), 50, 51])
+    admit(sched, follow_up)
+    assert follow_up.cache.reads == again.cache.writes and again.cache.others_wait  # c waits on b
+    sched.prefilled([again])
+    assert not again.cache.others_wait

@@ -8,8 +8,10 @@ import torch
 
 from tests.fast_requests import mismatches, mixed_requests
 from tests.test_fast_prefix_parity import several_images, vqa
+from wicore.bench.restore_probe import h2d_bandwidth, restore_bandwidth
 from wicore.engines.base import EngineConfig
 from wicore.engines.fast import FastEngine
+from wicore.engines.fast.options import FastOptions
 from wicore.engines.reference import ReferenceEngine
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -34,7 +36,7 @@ def expected(model_dir):
 
 def engine(model_dir, **options):
     options = {"block_size": 4, "num_kv_blocks": 60, "host_cache_bytes": 2**20, **options}
-    return FastEngine(EngineConfig(str(model_dir), device="cuda", max_batch_size=4, options=options))
+    return FastEngine(EngineConfig(str(model_dir), device="cuda", max_batch_size=4, options=FastOptions(**options)))
 
 
 @pytest.mark.parametrize("paged", [None, 0])
@@ -68,6 +70,6 @@ def test_cuda_cache_steps_never_synchronize_implicitly(model_dir, expected):
 
 def test_cuda_restore_probe(model_dir):
     fast = engine(model_dir, num_kv_blocks=4096)
-    restore, h2d = fast.measure_restore(1024), fast.measure_h2d(1024 * fast.tiers.block_bytes)
+    restore, h2d = restore_bandwidth(fast, 1024), h2d_bandwidth(fast, 1024 * fast.tiers.block_bytes)
     assert restore > 0 and h2d > 0
     print(f"restore {restore / 1e9:.2f} GB/s, pinned h2d {h2d / 1e9:.2f} GB/s, ratio {restore / h2d:.2f}")

@@ -13,6 +13,7 @@ import pytest
 from tests.fast_requests import image, mismatches, mixed_requests, one_torch_thread, request  # noqa: F401
 from wicore.engines.base import EngineConfig
 from wicore.engines.fast import FastEngine
+from wicore.engines.fast.options import FastOptions
 from wicore.engines.reference import ReferenceEngine
 
 pytestmark = pytest.mark.slow
@@ -55,7 +56,7 @@ def expected(model_dir):
 def engine(model_dir, **options):
     """Short prefills attend over their pages (as on CUDA) unless the options say otherwise."""
     options = {"block_size": 4, "paged_prefill_tokens": 128, **options}
-    return FastEngine(EngineConfig(str(model_dir), max_batch_size=4, options=options))
+    return FastEngine(EngineConfig(str(model_dir), max_batch_size=4, options=FastOptions(**options)))
 
 
 def check(out, expected):
@@ -182,7 +183,7 @@ def test_prefix_ending_inside_an_image(model_dir, expected, block_size, split, s
     # block by default; with prefix_split_images the later questions reuse the blocks through the
     # image's first part and prefill its tail from their own embeddings.
     options = {"block_size": block_size, "prefix_split_images": split}
-    fast = FastEngine(EngineConfig(str(model_dir), max_batch_size=4, options=options))
+    fast = FastEngine(EngineConfig(str(model_dir), max_batch_size=4, options=FastOptions(**options)))
     check(fast.generate(vqa()), expected)
     stats = fast.stats()
     assert stats["cached_prompt_tokens"] == 3 * shared and stats["images"] == 4

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-import numpy as np
-
 from wicore.engines.base import EngineRequest
 from wicore.engines.fast.prompt_inputs import Prompt
 from wicore.engines.fast.sequence import SeqStatus, Sequence
@@ -23,7 +21,7 @@ def text_config(layer_types, window=16):
 
 def sequence(rid, prompt_len, max_new, images=0):
     request = EngineRequest(rid, [], [object()] * images, GenerationParams(max_new_tokens=max_new))
-    return Sequence(request, Prompt(list(range(prompt_len)), []), np.zeros((images, 3, 1, 1)), seed=0)
+    return Sequence(request, Prompt(list(range(prompt_len)), []), seed=0)
 
 
 def admitted(seqs):
@@ -41,12 +39,15 @@ def test_admission_waits_for_pages_then_takes_freed_ones():
     planner.schedule_vision(1)
     assert admitted(seqs) == [True, True, False] and blocks.num_free == 5
     assert [s.id for s in planner.take_admitted()] == ["s0", "s1"]
-    assert seqs[0].table[0, :10].tolist() == seqs[0].pages[:10] and seqs[0].table[1, :3].tolist() == seqs[0].pages[10:]
-    freed = set(seqs[0].pages)
+    kv = seqs[0].kv
+    assert kv.table[0, :10].tolist() == kv.pages[:10] and kv.table[1, :3].tolist() == kv.pages[10:]
+    freed = set(kv.pages)
+    planner.prefilled([seqs[0]])
     planner.finish(seqs[0])
-    assert (seqs[0].status, seqs[0].row, blocks.num_free) == (SeqStatus.FINISHED, -1, 18)
+    assert (seqs[0].status, seqs[0].kv.row, blocks.num_free) == (SeqStatus.FINISHED, -1, 18)
     planner.schedule_vision(1)
-    assert seqs[2].status == SeqStatus.READY and seqs[2].row >= 0 and set(seqs[2].pages) <= freed | set(range(27, 32))
+    third = seqs[2]
+    assert third.status == SeqStatus.PREFILL and third.kv.row >= 0 and set(third.kv.pages) <= freed | set(range(27, 32))
 
 
 def test_admission_is_bounded_by_rows_and_fifo():

@@ -11,6 +11,7 @@ import pytest
 from tests.fast_requests import image, mismatches, one_torch_thread  # noqa: F401 (fixture)
 from wicore.engines.base import EngineConfig, EngineRequest
 from wicore.engines.fast import FastEngine
+from wicore.engines.fast.options import FastOptions
 from wicore.engines.reference import ReferenceEngine
 from wicore.schemas import GenerationParams
 from wicore.worker.shared_vision_cache import RedisVisionCache
@@ -39,7 +40,7 @@ def expected(tiny_model_dir):
 
 
 def fast(model_dir, **options) -> FastEngine:
-    return FastEngine(EngineConfig(str(model_dir), max_batch_size=8, options=options))
+    return FastEngine(EngineConfig(str(model_dir), max_batch_size=8, options=FastOptions(**options)))
 
 
 def test_questions_about_one_image_encode_it_once(tiny_model_dir, expected):

@@ -1,20 +1,17 @@
 """KV blocks down to the host and disk tiers and back into pages, exactly, on CPU; the disk
-tier's threads; the restore-bandwidth probe."""
+tier's threads."""
 
 from __future__ import annotations
 
 import hashlib
 import threading
 
-import numpy as np
 import torch
 
 from tests.test_fast_prefix_cache import layout
-from wicore.bench.restore_probe import measure_h2d, measure_restore
 from wicore.engines.base import EngineRequest
 from wicore.engines.fast.prompt_inputs import Prompt
 from wicore.engines.fast.sequence import Sequence
-from wicore.engines.kvcache.block_manager import BlockManager
 from wicore.engines.kvcache.disk_io import AsyncDiskTier
 from wicore.engines.kvcache.disk_tier import DiskTier
 from wicore.engines.kvcache.eviction import LRU
@@ -23,6 +20,7 @@ from wicore.engines.kvcache.host_tier import HostTier
 from wicore.engines.kvcache.kv_layout import KVCache
 from wicore.engines.kvcache.prefix_keys import PromptKeys
 from wicore.engines.kvcache.tiers import KVTiers
+from wicore.engines.pending import Pending
 from wicore.schemas import GenerationParams
 
 HEADS, DIM = 2, 8
@@ -52,9 +50,9 @@ def victims(n, first_page=1):
 
 def waiting_seq(keys, restores=()):
     request = EngineRequest("s", [], [], GenerationParams(max_new_tokens=1))
-    seq = Sequence(request, Prompt([0] * 4 * len(keys), []), np.zeros((0, 3, 1, 1)), seed=0)
-    seq.prefix_keys = PromptKeys(list(keys), [1.0] * len(keys), ())
-    seq.restores = list(restores)
+    seq = Sequence(request, Prompt([0] * 4 * len(keys), []), seed=0)
+    seq.cache.keys = Pending.now(PromptKeys(list(keys), [1.0] * len(keys), ()))
+    seq.cache.restores = list(restores)
     return seq
 
 
@@ -74,7 +72,7 @@ def test_demoted_blocks_come_back_into_other_pages_exactly():
     assert tier.holds(seq, blocks[0].key)
     tier.start(seq)
     tier.land()
-    assert seq.restores == [] and all(t.ready for t in target)
+    assert seq.cache.restores == [] and all(t.ready for t in target)
     assert torch.equal(pages_of(cache, [p for t in target for p in t.pages]), before)
     assert tier.host.stats.hits == 3 and tier.restored_bytes == 3 * tier.block_bytes
 
@@ -89,13 +87,13 @@ def test_overflow_goes_to_disk_and_comes_back_through_a_prefetch(tmp_path):
     disk.flush()
     assert blocks[2].key in tier.host and all(disk.might_have(b.key) for b in blocks[:2])
     seq = waiting_seq([b.key for b in blocks])
-    seq.disk_lookup = True
+    seq.cache.disk_lookup = True
     tier.prefetch([seq], cache=None)  # no GPU tier: nothing to do
-    assert seq.prefetched is None
+    assert seq.cache.prefetched is None
     tier.prefetch([seq], PrefixCache(LRU()))
-    assert set(seq.prefetched.result()) == {blocks[0].key, blocks[1].key} and seq.prefetch_ready
+    assert set(seq.cache.prefetched.value) == {blocks[0].key, blocks[1].key} and seq.cache.inputs_ready
     target = [CachedBlock(b.key, (20 + 2 * i, 21 + 2 * i), 1.0) for i, b in enumerate(blocks)]
-    seq.restores = [Restore(t.key, t.pages, t) for t in target]
+    seq.cache.restores = [Restore(t.key, t.pages, t) for t in target]
     tier.start(seq)
     tier.land()
     assert torch.equal(pages_of(cache, [p for t in target for p in t.pages]), before)
@@ -121,15 +119,6 @@ def test_disk_writes_beyond_the_queue_are_dropped_and_failures_logged(tmp_path, 
     disk.close()
 
 
-def test_restore_probe_borrows_free_pages():
-    cache = kv_cache()
-    blocks = BlockManager(32)
-    shape = cache.layout.block_shape(HEADS, DIM)
-    assert measure_restore(cache, blocks, shape, 4, repeats=2) > 0
-    assert blocks.num_free == 31
-    assert measure_h2d(4096, torch.device("cpu")) > 0
-
-
 def test_restores_beyond_the_staging_budget_wait_with_their_host_blocks_pinned():
     cache = kv_cache()
     shape = cache.layout.block_shape(HEADS, DIM)
@@ -146,5 +135,5 @@ def test_restores_beyond_the_staging_budget_wait_with_their_host_blocks_pinned()
     assert len(tier.restorer.running) == 1 and len(tier.restorer.queued) == 1
     assert host.policy.is_pinned(blocks[1].key) and not host.policy.is_pinned(blocks[0].key)
     tier.land()  # on CPU: the first lands, the second starts and lands
-    assert all(s.restores == [] for s in seqs) and not host.policy.num_pinned
+    assert all(s.cache.restores == [] for s in seqs) and not host.policy.num_pinned
     assert torch.equal(pages_of(cache, [p for t in targets for p in t.pages]), before)

@@ -240,6 +240,15 @@ def test_our_message_names_the_size_and_the_limit():
         decode_image(png_header_only(10_000, 6_000))
 
 
+@pytest.mark.parametrize("size", [(100_000, 100_000), (10_000, 6_000)], ids=["past Pillow's own limit", "past ours"])
+def test_a_too_large_image_message_names_one_limit(size):
+    with pytest.raises(ImageTooLarge) as refused:
+        decode_image(png_header_only(*size))
+    message = str(refused.value)
+    assert f"{size[0] * size[1]:,} pixels" in message and message.count("limit") == 1, message
+    assert message.endswith("over the limit of 50,000,000 pixels")
+
+
 def test_pixel_limit():
     image = encode(Image.new("RGB", (20, 20)), "PNG")
     with pytest.raises(ImageTooLarge, match="20x20 = 400 pixels, over the limit of 399"):

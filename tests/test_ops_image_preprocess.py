@@ -16,7 +16,7 @@ from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImagePr
 
 from wicore.errors import ConfigError
 from wicore.ops.image_decode import decode_image
-from wicore.ops.image_preprocess import PreprocessSpec, apply_lut, pixel_values, pixel_values_torch, resized_images
+from wicore.ops.image_preprocess import PreprocessSpec, apply_lut, pixel_values, resized_images
 
 RNG = np.random.default_rng(0)
 SIZES = [(1, 1), (7, 300), (300, 7), (64, 64), (1000, 700), (896, 896)]  # (width, height)
@@ -165,14 +165,6 @@ def test_non_square_target_is_height_then_width():
 def test_empty_batch():
     spec = PreprocessSpec(size=(16, 16), mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5))
     assert pixel_values([], spec).shape == (0, 3, 16, 16)
-
-
-def test_torch_variant_has_the_same_numbers():
-    spec = PreprocessSpec.from_hf(gemma3_processor(32))
-    images = [random_image(40, 30), random_image(3, 90)]
-    tensor = pixel_values_torch(images, spec)
-    assert tensor.dtype == torch.float32 and tensor.shape == (2, 3, 32, 32)
-    assert np.array_equal(tensor.numpy(), pixel_values(images, spec))
 
 
 def lut_on_resized(images: list[Image.Image], spec: PreprocessSpec, dtype=torch.float32) -> torch.Tensor:

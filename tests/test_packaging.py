@@ -1,17 +1,25 @@
-"""The package layout the design card asks for, and the one-way dependencies between parts."""
+"""The package layout (one import package `wicore` over the top-level folders) and the one-way
+dependencies between its parts."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import tomllib
+from collections.abc import Iterable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+TRITON_ONLY = {"wicore.ops.attention.paged_triton"}  # imports triton at the top: skipped where it is missing
+
+
+def setuptools_config() -> dict:
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
 
 
 def test_every_subpackage_is_listed_in_pyproject():
-    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    config = setuptools_config()
     listed = set(config["packages"])
     found = set()
     for name, folder in config["package-dir"].items():
@@ -21,27 +29,80 @@ def test_every_subpackage_is_listed_in_pyproject():
     assert found <= listed, f"add to pyproject packages: {sorted(found - listed)}"
 
 
-def imported_modules(statement: str) -> set[str]:
-    code = f"import sys; {statement}; print(' '.join(sorted(sys.modules)))"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    return set(out.split())
+def modules_under(folder: str) -> list[str]:
+    """Every module of a top-level folder, by import name (pyproject's `package-dir`)."""
+    package = {path: name for name, path in setuptools_config()["package-dir"].items()}[folder]
+    names = []
+    for path in sorted((ROOT / folder).rglob("*.py")):
+        parts = path.relative_to(ROOT / folder).with_suffix("").parts
+        names.append(".".join([package, *(parts[:-1] if parts[-1] == "__init__" else parts)]))
+    return names
+
+
+# argv: JSON lists of modules to import in turn, forbidden packages, optional dependencies.
+# Prints {"pulled": {module: forbidden packages it was the first to load}, "skipped": [modules
+# whose optional dependency is not installed]}.
+_IMPORT_EACH = """
+import importlib, json, sys
+modules, forbidden, optional = (json.loads(arg) for arg in sys.argv[1:])
+pulled, skipped = {}, []
+for name in modules:
+    before = {m for m in forbidden if m in sys.modules}
+    try:
+        importlib.import_module(name)
+    except ModuleNotFoundError as error:
+        if error.name not in optional:
+            raise
+        skipped.append(name)
+        continue
+    loaded = sorted(m for m in forbidden if m in sys.modules and m not in before)
+    if loaded:
+        pulled[name] = loaded
+print(json.dumps({"pulled": pulled, "skipped": skipped}))
+"""
+
+
+def first_importers(modules: list[str], forbidden: set[str], optional: Iterable[str] = ()) -> tuple[dict, list]:
+    """Imports `modules` one by one in a fresh interpreter: (which module first loaded which
+    `forbidden` package, the modules skipped because an `optional` dependency is missing)."""
+    args = [json.dumps(value) for value in (modules, sorted(forbidden), sorted(optional))]
+    run = subprocess.run([sys.executable, "-c", _IMPORT_EACH, *args], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    report = json.loads(run.stdout)
+    return report["pulled"], report["skipped"]
 
 
 def test_producer_and_scheduler_import_neither_torch_nor_transformers():
-    modules = imported_modules("import wicore.producer, wicore.scheduler.policy, wicore.scheduler.queues")
-    assert not {"torch", "transformers", "PIL"} & modules
+    modules = ["wicore.config", *modules_under("producer"), *modules_under("scheduler")]
+    assert {"wicore.producer.client", "wicore.scheduler.queues"} <= set(modules)
+    pulled, skipped = first_importers(modules, {"torch", "transformers", "PIL"})
+    assert pulled == {}, f"a service that only enqueues would need these: {pulled}"
+    assert skipped == []
 
 
 def test_the_gateway_imports_neither_torch_nor_transformers():
     """`wicore serve` holds no model: a gateway host needs no torch."""
-    modules = imported_modules("import wicore.gateway.app, wicore.cli.gateway")
-    assert {"fastapi", "prometheus_client"} <= modules
-    assert not {"torch", "transformers", "PIL"} & modules
+    modules = [name for name in modules_under("core") if name.startswith("wicore.gateway")] + ["wicore.cli.gateway"]
+    assert {"wicore.gateway.app", "wicore.gateway.submissions"} <= set(modules)
+    pulled, skipped = first_importers(modules, {"torch", "transformers", "PIL"})
+    assert pulled == {}, f"a gateway host would need these: {pulled}"
+    assert skipped == []
 
 
 def test_engines_and_ops_import_neither_redis_nor_rq():
-    modules = imported_modules("import wicore.engines.reference, wicore.engines.null, wicore.ops.image_preprocess")
-    assert not {"redis", "rq"} & modules
+    modules = modules_under("engines") + modules_under("ops")
+    assert {
+        "wicore.engines.fast.engine",
+        "wicore.engines.fast.model.weights",
+        "wicore.engines.kvcache.tiers",
+        "wicore.ops.attention.paged",
+        "wicore.ops.image_decode",
+    } <= set(modules)
+    pulled, skipped = first_importers(modules, {"redis", "rq"}, optional={"triton"})
+    assert pulled == {}, (
+        f"engines/ and ops/ must not import Redis or RQ (module: what it loaded first, maybe through another): {pulled}"
+    )
+    assert set(skipped) <= TRITON_ONLY
 
 
 def test_the_wheel_ships_the_default_model(tmp_path):

@@ -1,10 +1,14 @@
-"""Job payloads: validation at the boundary and content-derived ids."""
+"""Job payloads: validation at the boundary and content-derived ids; the shipped file formats."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 from pydantic import ValidationError
 
+from tests.helpers import wicore
+from wicore.cli.formats import Format, schema_text, shipped_path
 from wicore.schemas import DEFAULT_PROMPT, CaptionJob, GenerationParams, ImageRef, Lane
 
 SHA = "b" * 64
@@ -57,3 +61,13 @@ def test_bad_payloads_fail_validation(bad):
 def test_round_trip_through_json():
     original = job(prompt="p", params=GenerationParams(stop=("\n",), seed=3), metadata={"k": [1, 2]})
     assert CaptionJob.model_validate_json(original.model_dump_json()) == original
+
+
+def test_the_shipped_json_schemas_are_the_models_and_wicore_schema_prints_them():
+    for fmt in Format:
+        assert shipped_path(fmt).read_text() == schema_text(fmt), "regenerate core/json_schemas (wicore schema)"
+        assert wicore("schema", fmt.value).stdout == shipped_path(fmt).read_text()
+    manifest = json.loads(shipped_path(Format.manifest).read_text())
+    assert manifest["required"] == ["image"] and manifest["additionalProperties"] is True
+    result = json.loads(shipped_path(Format.result).read_text())
+    assert set(result["required"]) == {"input", "job_id", "status"} and result["additionalProperties"] is False

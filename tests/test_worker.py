@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import base64
 import json
+import logging
 import pickletools
+import re
 import time
 import zlib
 
@@ -55,6 +57,22 @@ def test_results_for_a_mixed_batch_and_bad_images_fail_alone(redis_conn, engine)
         assert result.worker == worker.name and result.timings.total_s >= result.timings.engine_s > 0
     for job_id in ids[6:]:
         assert results[job_id].result is None and results[job_id].error.startswith("ImageError")
+
+
+def test_log_has_a_line_per_batch_and_a_warning_per_failed_job(redis_conn, engine, caplog):
+    producer = Producer(redis_conn, model=MODEL)
+    params = GenerationParams(max_new_tokens=3)
+    ids = producer.submit_many([Submission(png_bytes(i), "x", params=params) for i in range(3)])
+    bad = producer.submit(b"not an image", "x", params=params)
+    with caplog.at_level(logging.INFO, logger="wicore.worker.batches"):
+        run_worker(redis_conn, engine)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warnings == [f"job {bad} failed: ImageError: not an image Pillow can identify: unknown format or "
+                        "broken header (starts with b'not an i')"]  # fmt: skip
+    batches = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
+    assert len(batches) == 1, batches  # the four jobs share one bucket and one claim
+    assert re.fullmatch(r"batch wicore\.tiny\.normal\.\S+: 4 jobs \(1 failed\) in \d+ ms, [\d.]+ tokens/s", batches[0])
+    assert len(ids) == 3
 
 
 def test_batch_output_equals_one_by_one(redis_conn, engine):
@@ -145,6 +163,8 @@ def test_worker_publishes_stats_and_registers_with_rq(redis_conn, engine):
     worker = run_worker(redis_conn, engine)
     stats = json.loads(redis_conn.get(f"wicore:stats:{worker.name}"))
     assert stats["jobs_done"] == 1 and stats["in_flight"] == 0
+    identity = {key: stats[key] for key in ("model", "engine", "device", "dtype")}
+    assert identity == {"model": MODEL, "engine": "reference", "device": "cpu", "dtype": "float32"}
     assert not redis_conn.sismember("rq:workers", f"rq:worker:{worker.name}"), "a stopped worker unregisters"
 
 

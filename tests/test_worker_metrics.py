@@ -7,6 +7,7 @@ from tests.helpers import metric_total, png_bytes, scrape_metrics
 from wicore.embedded import free_port
 from wicore.engines import EngineConfig
 from wicore.engines.fast import FastEngine
+from wicore.engines.fast.options import FastOptions
 from wicore.producer import Producer, Submission
 from wicore.scheduler.policy import BatchPolicy
 from wicore.schemas import GenerationParams
@@ -16,7 +17,7 @@ MODEL = "tiny"
 
 
 def test_worker_metrics_count_the_jobs_it_ran(redis_conn, tiny_model_dir):
-    engine = FastEngine(EngineConfig(str(tiny_model_dir), max_batch_size=4, options={"torch_threads": 1}))
+    engine = FastEngine(EngineConfig(str(tiny_model_dir), max_batch_size=4, options=FastOptions(torch_threads=1)))
     producer = Producer(redis_conn, model=MODEL)
     params = GenerationParams(max_new_tokens=5, ignore_eos=True)
     same_image = [Submission(png_bytes(1), f"question {i}?", params=params) for i in range(3)]

@@ -3,24 +3,47 @@ CUDA and float32 on CPU, the fast engine on CUDA and the reference engine on CPU
 
 from __future__ import annotations
 
+import json
+import logging
 from pathlib import Path
 
 from redis import Redis
 
 from wicore.config import Settings
 from wicore.engines import Engine, EngineConfig, create_engine
+from wicore.errors import ConfigError
 from wicore.ops.image_decode import ImageLimits
 from wicore.scheduler.policy import BatchPolicy
 from wicore.worker.job_inputs import InputConfig
 from wicore.worker.loop import BatchingWorker, WorkerConfig
 
+log = logging.getLogger(__name__)
+
 
 def resolve_device(device: str) -> str:
-    if device != "auto":
-        return device
     import torch
 
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    check_device(device)
+    return device
+
+
+def check_device(device: str) -> None:
+    """A device torch can name, and for CUDA one that is here."""
+    import torch
+
+    try:
+        parsed = torch.device(device)
+    except RuntimeError as exc:
+        raise ConfigError(f"--device {device}: not a device name; use cpu, cuda, cuda:N or auto") from exc
+    if parsed.type != "cuda":
+        return
+    if not torch.cuda.is_available():
+        build = f"torch {torch.__version__}" + ("" if torch.version.cuda else ", built without CUDA")
+        raise ConfigError(f"--device {device}: no CUDA device here ({build}); use --device cpu or auto")
+    if parsed.index is not None and parsed.index >= torch.cuda.device_count():
+        raise ConfigError(f"--device {device}: only {torch.cuda.device_count()} CUDA device(s) here")
 
 
 def resolve_dtype(dtype: str, device: str) -> str:
@@ -35,7 +58,7 @@ def resolve_engine(engine: str, device: str) -> str:
     return "fast" if device.startswith("cuda") else "reference"
 
 
-def build_engine(settings: Settings, model_dir: Path, options: dict | None = None) -> Engine:
+def build_engine(settings: Settings, model_dir: Path) -> Engine:
     device = resolve_device(settings.device)
     config = EngineConfig(
         model_dir=str(model_dir),
@@ -43,9 +66,9 @@ def build_engine(settings: Settings, model_dir: Path, options: dict | None = Non
         dtype=resolve_dtype(settings.dtype, device),
         max_batch_size=settings.batch_size,
         cache=not settings.no_cache,
-        options=options or {},
+        options=settings.engine.options(),
     )
-    return create_engine(resolve_engine(settings.engine, device), config)
+    return create_engine(resolve_engine(settings.engine.name, device), config)
 
 
 def attach_shared_caches(settings: Settings, connection: Redis, engine: Engine, model_id: str) -> None:
@@ -75,6 +98,7 @@ def build_worker(
         limits=ImageLimits(max_bytes=settings.max_image_bytes, max_pixels=settings.max_image_pixels),
     )
     attach_shared_caches(settings, connection, engine, model_id)
+    log_config(settings, engine)
     config = WorkerConfig(
         model_id=model_id,
         name=name,
@@ -87,3 +111,10 @@ def build_worker(
         max_jobs=max_jobs,
     )
     return BatchingWorker(connection, engine, config)
+
+
+def log_config(settings: Settings, engine: Engine) -> None:
+    """The configuration a worker runs with, once at start: the settings (credentials masked)
+    and the engine's, every device-dependent default resolved."""
+    config = {"settings": settings.public(), "engine": engine.describe()}
+    log.info("config: %s", json.dumps(config, sort_keys=True))

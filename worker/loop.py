@@ -25,12 +25,13 @@ from pydantic import ValidationError
 from redis import Redis
 from rq.serializers import JSONSerializer
 
-from wicore import keys
-from wicore.engines.base import Completion, Engine
+from wicore import defaults, keys
+from wicore.engines.base import ABORTED, Completion, Engine
 from wicore.errors import DeadlineExceeded, ShutdownRequested
 from wicore.scheduler.policy import BatchPolicy, Take, Wait, choose, split_expired
 from wicore.scheduler.queues import BucketQueues
 from wicore.schemas import CaptionJob, Timings
+from wicore.worker.batch_log import BatchLog
 from wicore.worker.job_inputs import InputConfig, InputLoader, Loaded
 from wicore.worker.liveness import Heartbeat, reap_dead_workers
 from wicore.worker.metrics import WorkerMetrics
@@ -48,11 +49,11 @@ class WorkerConfig:
     name: str | None = None
     policy: BatchPolicy = field(default_factory=BatchPolicy)
     inputs: InputConfig = field(default_factory=InputConfig)
-    liveness_ttl_s: float = 15.0  # a worker silent this long is dead; its jobs are requeued
+    liveness_ttl_s: float = defaults.LIVENESS_TTL_S  # a worker silent this long is dead; its jobs are requeued
     heartbeat_s: float = 3.0
     reap_every_s: float = 5.0
     idle_wait_s: float = 1.0  # longest doorbell wait before looking at the queues again
-    result_ttl_s: int = 86_400
+    result_ttl_s: int = defaults.RESULT_TTL_S
     burst: bool = False  # exit once the queues are empty and the engine is idle
     max_jobs: int | None = None  # exit after this many jobs ended (tests, benchmarks)
 
@@ -77,6 +78,7 @@ class BatchingWorker:
         self.heartbeat = Heartbeat(self.record, heartbeat_s=config.heartbeat_s, ttl_s=config.liveness_ttl_s)
         self.in_flight: dict[str, InFlight] = {}
         self.metrics = WorkerMetrics(config.model_id)
+        self.batch_log = BatchLog()
         self.jobs_done = 0
         self.stopping = False
         self._next_reap = 0.0
@@ -141,8 +143,9 @@ class BatchingWorker:
         return done
 
     def _publish_stats(self) -> None:
-        stats = {"model": self.config.model_id, "jobs_done": self.jobs_done, "in_flight": len(self.in_flight)}
-        stats |= self.engine.stats()
+        identity = {"model": self.config.model_id, "engine": self.engine.name}
+        identity |= {"device": self.engine.config.device, "dtype": self.engine.config.dtype}
+        stats = {**identity, "jobs_done": self.jobs_done, "in_flight": len(self.in_flight), **self.engine.stats()}
         self.metrics.engine_snapshot(stats)
         self.metrics.in_hand(self.engine.num_unfinished(), len(self._loading()))
         self.connection.set(keys.stats(self.name), json.dumps(stats), ex=max(60, int(self.config.liveness_ttl_s * 4)))
@@ -164,24 +167,23 @@ class BatchingWorker:
 
     def _cancel(self) -> None:
         """Jobs RQ canceled while this worker held them (`Producer.cancel` names them in our
-        cancel set): the engine aborts them, and their late completions, if any, are dropped
-        as they are no longer in flight. One SPOP a loop iteration while jobs are in hand."""
+        cancel set). One still loading its image ends now; one in the engine is aborted there
+        and ends when the engine returns it, at once or from a later step (`Engine.abort`). Either
+        ends canceled, with no result. One SPOP a loop iteration while jobs are in hand."""
         if not self.in_flight:
             return
-        taken = self.connection.spop(keys.cancel(self.name), CANCELS_PER_TAKE) or []
-        held = [self.in_flight.pop(raw.decode()) for raw in taken if raw.decode() in self.in_flight]
-        if not held:
-            return
+        taken = {raw.decode() for raw in self.connection.spop(keys.cancel(self.name), CANCELS_PER_TAKE) or []}
+        held = [self.in_flight[job_id] for job_id in taken if job_id in self.in_flight]
+        loading = [flight for flight in held if flight.loading is not None]
+        for flight in loading:
+            flight.loading.cancel()  # a load already running ends unread: the job leaves `in_flight`
+            self.in_flight.pop(flight.claimed.id)
+        self._end([Finished(flight.claimed, canceled=True) for flight in loading])
         in_engine = [flight.claimed.id for flight in held if flight.loading is None]
         if in_engine:
-            self.engine.abort(in_engine)
-        for flight in held:
-            if flight.loading is not None:
-                flight.loading.cancel()
-        self.bridge.finish([Finished(flight.claimed, canceled=True) for flight in held])
-        self.jobs_done += len(held)
-        self.metrics.canceled(len(held))
-        log.info("worker %s: canceled %d jobs in hand", self.name, len(held))
+            self._finish(self.engine.abort(in_engine))
+        if held:
+            log.info("worker %s: canceling %d jobs in hand", self.name, len(held))
 
     # -- taking jobs --------------------------------------------------------------------------
 
@@ -199,6 +201,7 @@ class BatchingWorker:
         if not isinstance(decision, Take):
             return False
         claimed = self.bridge.claim(decision.queue_name, decision.count)
+        self.batch_log.claimed(claimed)
         self._submit(claimed)
         return bool(claimed)
 
@@ -207,9 +210,9 @@ class BatchingWorker:
         their images loaded in the background (the engine keeps running meanwhile)."""
         payloads, invalid = parse_payloads(claimed)
         live, expired = split_expired(payloads, lambda cp: cp[1].deadline, time.time())
-        unrunnable = invalid + [(c, deadline_message(p)) for c, p in expired]
-        self.bridge.finish([Finished(c, error=reason) for c, reason in unrunnable])
-        self.jobs_done += len(unrunnable)
+        reasons = invalid + [(c, deadline_message(p)) for c, p in expired]
+        unrunnable = [Finished(c, error=reason) for c, reason in reasons]
+        self._end(unrunnable)
         self.metrics.failed("input", len(unrunnable))
         futures = self.inputs.submit([(c.id, payload) for c, payload in live])
         for (c, payload), future in zip(live, futures):
@@ -238,12 +241,18 @@ class BatchingWorker:
     # -- finishing jobs -----------------------------------------------------------------------
 
     def _finish(self, completions: list[Completion]) -> None:
-        items = [self._finished(c) for c in completions if c.id in self.in_flight]
+        self._end([self._finished(c) for c in completions if c.id in self.in_flight])
+
+    def _end(self, items: list[Finished]) -> None:
         self.bridge.finish(items)
+        self.batch_log.ended(items)
         self.jobs_done += len(items)
+        self.metrics.canceled(sum(item.canceled for item in items))
 
     def _finished(self, completion: Completion) -> Finished:
         flight = self.in_flight.pop(completion.id)
+        if completion.error == ABORTED:  # only `_cancel` aborts: RQ reads the job canceled already
+            return Finished(flight.claimed, canceled=True)
         if not completion.ok:
             self.metrics.failed("input" if completion.input_error else "transient")
             return Finished(flight.claimed, error=completion.error, retry=not completion.input_error)

@@ -29,20 +29,28 @@ from typing import Any
 
 from redis import Redis
 from rq import Queue
+from rq.defaults import DEFAULT_WORKER_TTL
 from rq.executions import Execution
 from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
 from rq.utils import now, utcformat
 from rq.worker import BaseWorker, WorkerStatus
 
-from wicore import keys
+from wicore import defaults, keys
 
-DEFAULT_JOB_TIMEOUT = Queue.DEFAULT_TIMEOUT  # RQ's, when a job has none
+# A started job's execution records live as long as RQ's SimpleWorker keeps them
+# (`get_heartbeat_ttl`, `Execution.create`): the job's timeout (RQ's queue default when the job
+# has none) plus a grace, or RQ's worker TTL for a job that never times out (timeout -1).
+DEFAULT_JOB_TIMEOUT = Queue.DEFAULT_TIMEOUT
+NO_TIMEOUT_TTL = DEFAULT_WORKER_TTL
+TTL_GRACE_S = 60  # RQ adds it to every execution TTL; rq spells it as a literal, not a constant
 
 # KEYS: queue, claims list, worker executions index, worker hash, claimants set.
-# ARGV: count, worker name, now (unix), now (RQ text), then `count` fresh execution ids.
+# ARGV: count, worker name, now (unix), now (RQ text), default job timeout, TTL of a job without
+# timeout, TTL grace, then `count` fresh execution ids.
 _CLAIM_LUA = """
 local n, worker, now, now_text = tonumber(ARGV[1]), ARGV[2], tonumber(ARGV[3]), ARGV[4]
+local default_timeout, no_timeout_ttl, grace = tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7])
 local out, longest = {}, 0
 redis.call('SADD', KEYS[5], worker)
 for i = 1, n do
@@ -53,11 +61,11 @@ for i = 1, n do
   if not f[1] or f[7] == 'canceled' then
     redis.call('LREM', KEYS[2], 1, id)
   else
-    local eid = ARGV[4 + i]
+    local eid = ARGV[7 + i]
     local comp = id .. ':' .. eid
-    local timeout = tonumber(f[6]) or 180
-    local ttl = timeout + 60
-    if timeout == -1 then ttl = 420 end
+    local timeout = tonumber(f[6]) or default_timeout
+    local ttl = timeout + grace
+    if timeout == -1 then ttl = no_timeout_ttl end
     if ttl > longest then longest = ttl end
     redis.call('HSET', job, 'status', 'started', 'started_at', now_text, 'last_heartbeat', now_text,
                'worker_name', worker)
@@ -65,27 +73,27 @@ for i = 1, n do
     redis.call('HSET', 'rq:execution:' .. comp, 'id', eid, 'job_id', id, 'created_at', ARGV[3],
                'last_heartbeat', ARGV[3], 'worker_name', worker)
     redis.call('EXPIRE', 'rq:execution:' .. comp, ttl)
-    redis.call('ZADD', 'rq:executions:' .. id, now + ttl + 60, eid)
-    redis.call('EXPIRE', 'rq:executions:' .. id, ttl + 60)
+    redis.call('ZADD', 'rq:executions:' .. id, now + ttl + grace, eid)
+    redis.call('EXPIRE', 'rq:executions:' .. id, ttl + grace)
     redis.call('ZADD', 'rq:wip:' .. f[3], now + ttl, comp)
     redis.call('SADD', KEYS[3], comp)
     out[#out + 1] = {id, eid, f[1], f[2] or '', f[3], f[4] or '', f[5] or ''}
   end
 end
 if #out > 0 then
-  redis.call('EXPIRE', KEYS[3], longest + 60)
+  redis.call('EXPIRE', KEYS[3], longest + grace)
   redis.call('HSET', KEYS[4], 'state', 'busy')
 end
 return out
 """
 
 # KEYS: claims list, worker executions index, worker hash.
-# ARGV: worker name, now (unix), now (RQ text), then 7 per job:
+# ARGV: worker name, now (unix), now (RQ text), notify TTL, then 7 per job:
 #   id, execution id, origin, result ttl, return value (b64 JSON), started (unix), notify key.
 _FINISH_OK_LUA = """
-local worker, now, now_text = ARGV[1], tonumber(ARGV[2]), ARGV[3]
+local worker, now, now_text, notify_ttl = ARGV[1], tonumber(ARGV[2]), ARGV[3], tonumber(ARGV[4])
 local worked, succeeded = 0, 0
-for i = 4, #ARGV, 7 do
+for i = 5, #ARGV, 7 do
   local id, eid, origin, ttl = ARGV[i], ARGV[i + 1], ARGV[i + 2], tonumber(ARGV[i + 3])
   local started, notify = tonumber(ARGV[i + 5]), ARGV[i + 6]
   local job, results, comp = 'rq:job:' .. id, 'rq:results:' .. id, id .. ':' .. eid
@@ -113,7 +121,7 @@ for i = 4, #ARGV, 7 do
   redis.call('LREM', KEYS[1], 1, id)
   if notify ~= '' then
     redis.call('RPUSH', notify, id)
-    redis.call('EXPIRE', notify, 3600)
+    redis.call('EXPIRE', notify, notify_ttl)
   end
   worked = worked + (now - started)
 end
@@ -200,7 +208,7 @@ def decode_claimed(row: list[bytes], started_at: float) -> Claimed:
 
 
 class RQBridge:
-    def __init__(self, record: RQWorkerRecord, *, result_ttl: int = 86_400):
+    def __init__(self, record: RQWorkerRecord, *, result_ttl: int = defaults.RESULT_TTL_S):
         self.record = record
         self.connection: Redis = record.connection
         self.result_ttl = result_ttl
@@ -217,7 +225,16 @@ class RQBridge:
     def claim(self, queue_name: str, count: int) -> list[Claimed]:
         """Take and start up to `count` jobs from a bucket queue, in one round trip."""
         at = now()
-        args = [count, self.record.name, at.timestamp(), utcformat(at)] + [uuid.uuid4().hex for _ in range(count)]
+        args = [
+            count,
+            self.record.name,
+            at.timestamp(),
+            utcformat(at),
+            DEFAULT_JOB_TIMEOUT,
+            NO_TIMEOUT_TTL,
+            TTL_GRACE_S,
+        ]
+        args += [uuid.uuid4().hex for _ in range(count)]
         rows = self._claim(keys=["rq:queue:" + queue_name, *self._worker_keys(), keys.CLAIMANTS], args=args)
         return [decode_claimed(row, at.timestamp()) for row in rows]
 
@@ -235,7 +252,7 @@ class RQBridge:
 
     def _finish_successes(self, items: list[Finished]) -> None:
         at = now()
-        args: list[Any] = [self.record.name, at.timestamp(), utcformat(at)]
+        args: list[Any] = [self.record.name, at.timestamp(), utcformat(at), defaults.NOTIFY_TTL_S]
         for item in items:
             c = item.claimed
             ttl = c.result_ttl if c.result_ttl is not None else self.result_ttl
@@ -270,7 +287,7 @@ class RQBridge:
         execution.delete(job=job, pipeline=pipe)
         if c.notify and not retry:
             pipe.rpush(c.notify, c.id)
-            pipe.expire(c.notify, 3_600)
+            pipe.expire(c.notify, defaults.NOTIFY_TTL_S)
 
     def _fail(self, job: Job, execution: Execution | None, message: str, pipe) -> None:
         job.set_status(JobStatus.FAILED, pipeline=pipe)

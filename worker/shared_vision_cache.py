@@ -3,7 +3,7 @@
 has seen.
 
 Per namespace (the model id) and all under one hash tag, so one cluster slot holds them:
-    wicore:vision:{<ns>}:e:<sha256>   the blob: `codec` format (JSON header + raw tensor bytes,
+    wicore:vision:{<ns>}:e:<sha256>   the blob: `tensor_codec` format (JSON header + raw tensor bytes,
                                       checksummed; never pickle), expiring after `ttl_s` idle
     wicore:vision:{<ns>}:lru          sorted set, sha256 -> last use (unix ms)
     wicore:vision:{<ns>}:sizes        hash, sha256 -> blob bytes

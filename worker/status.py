@@ -12,20 +12,37 @@ from rq.serializers import JSONSerializer
 from rq.worker import Worker
 
 from wicore import keys
+from wicore.scheduler.buckets import BucketKey
+
+IDENTITY = ("model", "engine", "device", "dtype")  # what each worker publishes beside its counters
 
 
 def collect_status(connection: Redis) -> dict[str, Any]:
-    return {"queues": queue_rows(connection), "workers": worker_rows(connection)}
+    workers = worker_rows(connection)
+    return {"queues": queue_rows(connection, served_by(workers)), "workers": workers}
 
 
-def queue_rows(connection: Redis) -> list[dict[str, Any]]:
+def served_models(connection: Redis) -> set[str]:
+    """The model ids that live workers serve."""
+    return served_by(worker_rows(connection))
+
+
+def served_by(workers: list[dict[str, Any]]) -> set[str]:
+    return {w["model"] for w in workers if w["model"]}
+
+
+def queue_rows(connection: Redis, served: set[str]) -> list[dict[str, Any]]:
+    """`served`: False when no live worker serves the queue's model (its jobs wait)."""
     rows = []
     for queue in sorted(Queue.all(connection=connection, serializer=JSONSerializer), key=lambda q: q.name):
-        if not queue.name.startswith(keys.QUEUE_PREFIX + "."):
+        bucket = BucketKey.parse(queue.name)
+        if bucket is None:
             continue
         rows.append(
             {
                 "name": queue.name,
+                "model": bucket.model,
+                "served": bucket.model in served,
                 "queued": queue.count,
                 "started": queue.started_job_registry.count,
                 "finished": queue.finished_job_registry.count,
@@ -49,11 +66,12 @@ def stats_line(stats: dict[str, Any]) -> str:
 def worker_rows(connection: Redis) -> list[dict[str, Any]]:
     rows = []
     for worker in sorted(Worker.all(connection=connection), key=lambda w: w.name):
-        raw = connection.get(keys.stats(worker.name))
-        stats = json.loads(raw) if raw else {}
+        stats = published_stats(connection, worker.name)
+        identity = {field: _text(stats.pop(field, None)) for field in IDENTITY}
         rows.append(
             {
                 "name": worker.name,
+                **identity,
                 "state": str(getattr(worker.get_state(), "value", worker.get_state())),
                 "running": connection.scard(worker.executions_key),
                 "ok": worker.successful_job_count,
@@ -63,3 +81,16 @@ def worker_rows(connection: Redis) -> list[dict[str, Any]]:
             }
         )
     return rows
+
+
+def published_stats(connection: Redis, worker: str) -> dict[str, Any]:
+    """The worker's published JSON object; anything else (nothing is trusted from Redis) is {}."""
+    try:
+        stats = json.loads(connection.get(keys.stats(worker)) or b"{}")
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return {}
+    return stats if isinstance(stats, dict) else {}
+
+
+def _text(value: Any) -> str | None:
+    return value if isinstance(value, str) else None

@@ -25,6 +25,7 @@ from pathlib import Path
 
 from wicore.bench.bench_images import make_images
 from wicore.engines.base import EngineConfig, EngineRequest
+from wicore.engines.fast.options import FastOptions
 from wicore.ops.image_decode import decode_image
 from wicore.schemas import DEFAULT_PROMPT, GenerationParams
 
@@ -48,7 +49,7 @@ class CacheBench:
     dup_images: int = 1024
     repeats: int = 3  # timed VQA runs per config, each on its own images; the median is reported
     # Sequences in flight. 1,024 (every request of a run) made decode batches larger but the
-    # cached run no faster over three runs, and left the restore probe no memory (bench/NOTES.md).
+    # cached run no faster over three runs, and left the restore probe no memory (docs/performance.md).
     batch_size: int = 384
     small_gpu_pages: int = 16_384  # the deliberately small GPU pool of the tiered run (~100 sequences)
     host_cache_bytes: int = 16 * 2**30
@@ -100,7 +101,7 @@ def make_engine(model_dir: Path, bench: CacheBench, cache: bool, **options):
 
     config = EngineConfig(
         str(model_dir), device=bench.device, dtype="bfloat16", max_batch_size=bench.batch_size, cache=cache,
-        options=options,
+        options=FastOptions.parse(options),
     )  # fmt: skip
     return FastEngine(config)
 
@@ -125,8 +126,8 @@ def run_config(name: str, model_dir: Path, bench: CacheBench, request_sets, warm
 
 
 def run_cache_bench(bench: CacheBench) -> dict:
+    from wicore.bench.eviction_sim import simulate, standard_specs
     from wicore.bench.roofline import measure_ceilings
-    from wicore.engines.kvcache.eviction_sim import simulate, standard_specs
     from wicore.models.gemma3 import make_gemma3_4b
 
     bench.workdir.mkdir(parents=True, exist_ok=True)
@@ -149,7 +150,7 @@ def run_cache_bench(bench: CacheBench) -> dict:
                    num_kv_blocks=bench.small_gpu_pages, host_cache_bytes=bench.host_cache_bytes,
                    disk_cache_dir=str(disk), disk_cache_bytes=bench.disk_cache_bytes, **split),
     ]  # fmt: skip
-    restore = measure_restore(model_dir, bench)
+    restore = measure_restore_bandwidth(model_dir, bench)
     dups = [dup_requests(paths[vqa_images : vqa_images + bench.dup_images], bench.dup_images, 64)]
     dup_off = run_config("dup30 off", model_dir, bench, dups, warm, cache=False)
     dup_on = run_config("dup30 cached", model_dir, bench, dups, warm, cache=True)
@@ -178,10 +179,12 @@ def policy_results(results) -> dict:
     }
 
 
-def measure_restore(model_dir: Path, bench: CacheBench) -> float:
+def measure_restore_bandwidth(model_dir: Path, bench: CacheBench) -> float:
+    from wicore.bench.restore_probe import restore_bandwidth
+
     engine = make_engine(model_dir, bench, True, host_cache_bytes=0)  # the probe brings its own host tier
     try:
-        return engine.measure_restore(2048)
+        return restore_bandwidth(engine, 2048)
     finally:
         release(engine)
 

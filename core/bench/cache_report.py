@@ -9,7 +9,7 @@ from wicore.bench.report import gpu_slug
 
 
 def write_cache_report(report: dict, folder: Path) -> list[Path]:
-    from wicore.engines.kvcache.eviction_sim import plot_hit_rates
+    from wicore.bench.eviction_sim import plot_hit_rates
 
     folder.mkdir(parents=True, exist_ok=True)
     simulation = report.pop("_simulation", None)

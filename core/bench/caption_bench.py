@@ -75,7 +75,8 @@ def run_product(bench: CaptionBench, model_dir: Path, paths: list[Path], log: Pa
     with EmbeddedRedis() as server:
         args = ["--redis-url", server.url, "--model", str(model_dir), "--model-id", MODEL_ID, "--engine", bench.engine,
                 "--device", bench.device,
-                "--batch-size", str(bench.batch_size), "--allow-root", str(paths[0].parent), "--max-queue-delay-ms", "20"]  # fmt: skip
+                "--batch-size", str(bench.batch_size), "--allow-root", str(paths[0].parent), "--max-queue-delay-ms", "20",
+                "--allow-random-weights"]  # fmt: skip
         for key, value in bench.engine_options.items():
             args += ["--engine-option", f"{key}={json.dumps(value)}"]
         env = {**os.environ, "WICORE_LOG_LEVEL": "INFO"}

@@ -81,7 +81,7 @@ def bench_plain_rq(connection: Redis, jobs: int) -> RunStats:
     """The same payloads as plain RQ jobs, run one by one by RQ's SimpleWorker."""
     producer = Producer(connection, model=MODEL_ID + "-rq", config=ProducerConfig(retries=1))
     image = tiny_png()
-    payloads = [producer.prepare(Submission(image, f"bench job {i}"))[0] for i in range(jobs)]
+    payloads = [producer.prepare(Submission(image, f"bench job {i}")).job for i in range(jobs)]
     connection.set(f"wicore:blob:{payloads[0].image.sha256}", image)
     queue = Queue("bench-plain-rq", connection=connection, serializer=JSONSerializer)
     queue.enqueue_many(

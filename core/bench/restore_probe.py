@@ -5,6 +5,7 @@ end to end, against a plain pinned host->device copy of the same bytes.
 times `HostTier.load` (one copy per run of consecutive slots, on the copy stream) + the wait +
 the scatter into the pages, with CUDA events on the main stream (wall time on CPU); best of
 `repeats`. The engine should be idle: the probe borrows free pages and writes garbage into them.
+`restore_bandwidth` and `h2d_bandwidth` run the probes on a fast engine's pool and main stream.
 """
 
 from __future__ import annotations
@@ -19,6 +20,20 @@ from wicore.engines.kvcache.block_manager import BlockManager
 from wicore.engines.kvcache.host_tier import HostTier
 from wicore.engines.kvcache.kv_layout import KVCache
 from wicore.ops.transfer import upload
+
+
+def restore_bandwidth(engine, num_blocks: int, repeats: int = 3) -> float:
+    """Bytes/s of restoring `num_blocks` KV blocks from a pinned host tier into the free pages of
+    an idle `FastEngine`, end to end on its main stream (compare with `h2d_bandwidth`)."""
+    runner = engine.runner
+    with torch.inference_mode(), runner.on_main_stream():
+        return measure_restore(runner.cache, engine.blocks, engine.tiers.block_shape, num_blocks, repeats)
+
+
+def h2d_bandwidth(engine, num_bytes: int, repeats: int = 3) -> float:
+    """Bytes/s of one plain pinned host->device copy of `num_bytes` on a `FastEngine`'s main stream."""
+    with engine.runner.on_main_stream():
+        return measure_h2d(num_bytes, engine.runner.device, repeats)
 
 
 def measure_restore(

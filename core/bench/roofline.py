@@ -1,8 +1,9 @@
 """The roofline of image captioning, computed from a Gemma-3 config, and the device ceilings it
 is measured against (matmul rate, copy bandwidth, pinned host->device bandwidth).
 
-Per image (GPU.md's workload): FLOPs F = vision tower + prefill + decode, bytes B = the decode
-weight reads (shared by the batch) + KV reads. images/s <= 1 / max(F / peak, B / bandwidth).
+Per image of `wicore bench caption`'s workload: FLOPs F = vision tower + prefill + decode, bytes
+B = the decode weight reads (shared by the batch) + KV reads. images/s <= 1 / max(F / peak,
+B / bandwidth).
 """
 
 from __future__ import annotations

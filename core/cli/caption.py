@@ -1,15 +1,22 @@
 """`wicore caption INPUT... -o OUT.jsonl`: bulk captioning through the whole product.
 
 Starts an embedded redis-server unless given --redis-url, starts the workers, submits every
-input as a job, and writes one JSON line per input as results arrive. Re-running with the same
-OUT skips the inputs already there, so an interrupted run resumes where it stopped.
+input as a job, and writes one result line per input (`wicore schema result`) as results
+arrive. Re-running with the same OUT skips the inputs already captioned there and tries the
+ones that failed again (unless --skip-errors), so an interrupted run resumes where it stopped.
+
+The run owns its child processes (process_group.py): any end (done, an error, SIGINT, SIGTERM)
+stops them, and with an external Redis the jobs it leaves unstarted are removed from it.
 """
 
 from __future__ import annotations
 
-import json
-import tempfile
+import contextlib
+import os
+import shutil
+import signal
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import typer
@@ -17,6 +24,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColum
 from rich.text import Text
 
 from wicore.cli.common import (
+    AllowRandomWeightsOption,
     BatchSizeOption,
     ConfigOption,
     DeviceOption,
@@ -26,45 +34,36 @@ from wicore.cli.common import (
     ModelOption,
     NoCacheOption,
     RedisOption,
+    checked_model,
     console,
     friendly_errors,
+    settings_from,
+)
+from wicore.cli.failures import (
+    DebugOption,
+    ExitCode,
+    Interrupted,
+    debug_level,
+    hold_signals,
+    raise_on_signals,
+    redact,
 )
 from wicore.cli.input_paths import InputItem, expand_inputs
+from wicore.cli.output_file import drop_inputs, read_records, settled_inputs
 from wicore.cli.pool import WorkerPool
-from wicore.errors import JobInputError
+from wicore.cli.process_group import ProcessGroup
+from wicore.cli.result_lines import error_line, wait_lines
+from wicore.config import Settings
+from wicore.schemas import ResultLine
 
-
-class RateColumn(ProgressColumn):
-    def render(self, task) -> Text:
-        return Text("" if task.speed is None else f"{task.speed:.1f} img/s")
-
-
-def read_done(output: Path) -> set[str]:
-    """Inputs that already have a line in OUT (a torn last line from a crash is ignored)."""
-    done: set[str] = set()
-    if output.exists():
-        for line in output.read_text().splitlines():
-            try:
-                done.add(json.loads(line)["input"])
-            except (json.JSONDecodeError, KeyError, TypeError):
-                continue
-    return done
-
-
-def line_for(item: InputItem, job_id: str | None, outcome=None, error: str | None = None) -> dict:
-    record = {"input": item.input, "job_id": job_id, "text": None, "error": error}
-    if outcome is not None and outcome.result is not None:
-        r = outcome.result
-        record.update(text=r.text, finish_reason=r.finish_reason, output_tokens=r.output_tokens)
-        record.update(timings=r.timings.model_dump(), engine=r.engine, model=r.model)
-    elif outcome is not None:
-        record["error"] = outcome.error
-    return record
+KEEP_RUN_LOGS = 20  # per-run log folders kept in the cache dir
 
 
 @friendly_errors
 def caption(
-    inputs: list[str] = typer.Argument(..., help="Image files, folders (recursive) or JSONL manifests."),
+    inputs: list[str] = typer.Argument(
+        ..., help="Image files, folders (recursive; hidden files aside) or JSONL manifests."
+    ),
     output: Path = typer.Option(..., "-o", "--output", help="JSONL file to append one line per input to."),
     model: Path = ModelOption,
     model_id: str = ModelIdOption,
@@ -73,111 +72,234 @@ def caption(
     workers: int = typer.Option(1, min=1, help="Worker processes to start (each loads the model)."),
     batch_size: int = BatchSizeOption,
     prompt: str = typer.Option(None, help="Prompt (default: 'Describe this image in detail.')."),
-    max_new_tokens: int = typer.Option(64, help="Most tokens to generate per image."),
+    max_new_tokens: int = typer.Option(64, min=1, help="Most tokens to generate per image."),
     device: str = DeviceOption,
     dtype: str = DtypeOption,
     redis_dir: Path = typer.Option(None, help="Keep the embedded Redis's data here (default: a temp folder)."),
     no_cache: bool = NoCacheOption,
     engine_option: list[str] = EngineOption,
+    skip_errors: bool = typer.Option(False, help="On a rerun, leave inputs that failed before as they are."),
+    allow_random_weights: bool = AllowRandomWeightsOption,
     config: Path = ConfigOption,
+    debug: bool = DebugOption,
 ) -> None:
-    """Caption images into OUT.jsonl through Redis, the scheduler and the workers."""
-    from wicore.cli.common import model_dir_and_id, settings_from
-
+    """Caption images into OUT.jsonl through Redis, the scheduler and the workers. Worker logs go
+    to a folder per run under the cache dir (~/.cache/wicore/logs)."""
+    raise_on_signals(signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
     settings = settings_from(
-        config, redis_url=redis_url, model=model, model_id=model_id, engine=engine, device=device,
-        dtype=dtype, batch_size=batch_size, no_cache=no_cache,
+        config, engine_option=engine_option, redis_url=redis_url, model=model, model_id=model_id, engine=engine,
+        device=device, dtype=dtype, batch_size=batch_size, no_cache=no_cache, log_level=debug_level(debug),
     )  # fmt: skip
-    items = list({item.input: item for item in expand_inputs(inputs)}.values())
-    done = read_done(output)
-    todo = [item for item in items if item.input not in done]
+    todo, done = plan(expand_inputs(inputs), output, skip_errors)
     if not todo:
-        console.print(f"nothing to do: all {len(items)} inputs already have a line in {output}")
+        console.print(f"nothing to do: all {done} inputs already have a line in {output}", markup=False)
         return
-    model_dir, served_id = model_dir_and_id(settings)  # builds the default model once, before workers race
-    start = time.perf_counter()
-    extra = [arg for pair in engine_option or [] for arg in ("--engine-option", pair)]
-    counts = _run(settings, todo, output, model_dir, served_id, prompt, max_new_tokens, workers, redis_dir, extra)
-    elapsed = time.perf_counter() - start
-    console.print(
-        f"captioned {counts['ok']} of {len(todo)} inputs ({counts['error']} errors, {len(done)} already done) "
-        f"in {elapsed:.1f}s: {len(todo) / elapsed:.2f} images/s -> {output}"
-    )
+    model_dir, served_id = checked_model(settings, allow_random_weights)
+    if settings.redis_url:  # reachable, authenticated and writable before any worker starts
+        from wicore.cli.redis_check import connect
+
+        connect(settings.redis_url).close()
+    extra = ["--allow-random-weights"] if allow_random_weights else []  # engine options travel in the settings
+    config = RunConfig(settings, model_dir, served_id, output, prompt, max_new_tokens, workers, redis_dir, tuple(extra))
+    run = CaptionRun(config)
+    run.run(todo)
+    console.print(run.summary(len(todo), done), markup=False)
+    if run.errors:
+        raise typer.Exit(ExitCode.FAILED)
 
 
-def _run(settings, todo, output, model_dir, served_id, prompt, max_new_tokens, workers, redis_dir, extra) -> dict:
-    from wicore.embedded import redis_url_or_embedded
-    from wicore.producer import Producer, ProducerConfig
-
-    embedded = settings.redis_url is None
-    roots = sorted({str(item.path.resolve().parent) for item in todo if item.path is not None})
-    with redis_url_or_embedded(settings.redis_url, redis_dir, keep=redis_dir is not None) as url:
-        worker_args = _worker_args(settings, url, model_dir, served_id, roots if embedded else []) + extra
-        log_dir = Path(redis_dir) if redis_dir else Path(tempfile.gettempdir()) / "wicore-logs"
-        with WorkerPool(workers, worker_args, log_dir) as pool, output.open("a") as sink:
-            producer = Producer(url, model=served_id, config=ProducerConfig(by_path=embedded))
-            return _caption(producer, pool, todo, sink, prompt, max_new_tokens)
+def plan(items: list[InputItem], output: Path, skip_errors: bool) -> tuple[list[InputItem], int]:
+    """(inputs to run, how many already have their line). The error lines of inputs to run
+    again are dropped from OUT first, so each input ends with one line."""
+    records = read_records(output)
+    settled = settled_inputs(records, skip_errors)
+    todo = [item for item in items if item.input not in settled]
+    retried = {r["input"] for r in records} - settled
+    if retried & {item.input for item in todo}:
+        drop_inputs(output, retried)
+    return todo, len(items) - len(todo)
 
 
-def _worker_args(settings, url: str, model_dir: Path, served_id: str, roots: list[str]) -> list[str]:
-    args = ["--redis-url", url, "--model", str(model_dir), "--model-id", served_id]
-    for flag in ("engine", "device", "dtype", "batch_size"):
-        args += [f"--{flag.replace('_', '-')}", str(getattr(settings, flag))]
-    for root in roots:
-        args += ["--allow-root", root]
-    if settings.no_cache:
-        args.append("--no-cache")
-    return args
+class Meter:
+    """Captions per second over the time the workers worked: from the first worker ready (its
+    model loaded) to now. The progress bar and the final summary both show this rate."""
+
+    def __init__(self) -> None:
+        self.ready_at: float | None = None  # unix time
+        self.ended = 0  # jobs ended (input errors found before any job was made do not count)
+        self.stopped_at: float | None = None
+
+    def rate(self) -> float | None:
+        if self.ready_at is None or not self.ended:
+            return None
+        return self.ended / max(1e-6, (self.stopped_at or time.time()) - self.ready_at)
 
 
-def _caption(producer, pool: WorkerPool, todo: list[InputItem], sink, prompt, max_new_tokens) -> dict[str, int]:
-    counts = {"ok": 0, "error": 0}
+class RateColumn(ProgressColumn):
+    def __init__(self, meter: Meter):
+        super().__init__()
+        self.meter = meter
 
-    def write(record: dict) -> None:
-        sink.write(json.dumps(record, ensure_ascii=False) + "\n")
-        sink.flush()
-        counts["ok" if record["error"] is None else "error"] += 1
-        progress.advance(task)
-
-    columns = [TextColumn("captioning"), BarColumn(), MofNCompleteColumn(), RateColumn(), TimeRemainingColumn()]
-    with Progress(*columns, console=console) as progress:
-        task = progress.add_task("caption", total=len(todo))
-        by_job = _submit(producer, todo, prompt, max_new_tokens, write)
-        for outcome in producer.wait(list(by_job), on_poll=pool.check, poll_s=1.0):
-            for item in by_job.pop(outcome.job_id):
-                write(line_for(item, outcome.job_id, outcome))
-    return counts
+    def render(self, task) -> Text:
+        rate = self.meter.rate()
+        return Text("" if rate is None else f"{rate:.2f} img/s")
 
 
-def _submit(producer, todo: list[InputItem], prompt, max_new_tokens, write, chunk=256) -> dict[str, list[InputItem]]:
-    """Submit in chunks; an input the producer cannot read gets its error line at once."""
-    by_job: dict[str, list[InputItem]] = {}
-    for item in (i for i in todo if i.error):
-        write(line_for(item, None, error=item.error))
-    good = [i for i in todo if not i.error]
-    for begin in range(0, len(good), chunk):
-        items = good[begin : begin + chunk]
+@dataclass(frozen=True)
+class RunConfig:
+    settings: Settings
+    model_dir: Path
+    model_id: str
+    output: Path
+    prompt: str | None
+    max_new_tokens: int
+    workers: int
+    redis_dir: Path | None
+    extra_args: tuple[str, ...] = ()
+
+    @property
+    def embedded(self) -> bool:
+        return self.settings.redis_url is None
+
+
+@dataclass
+class CaptionRun:
+    config: RunConfig
+    written: int = 0
+    errors: int = 0
+    meter: Meter = field(default_factory=Meter)
+    submitted: dict[str, list[InputItem]] = field(default_factory=dict)  # job id -> the inputs it answers
+    ended: set[str] = field(default_factory=set)  # job ids
+    started: float = field(default_factory=time.time)
+    run_id: str = field(default_factory=lambda: f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
+    log_dir: Path | None = None
+
+    def run(self, todo: list[InputItem]) -> None:
+        from wicore.producer import Producer, ProducerConfig
+
+        group = ProcessGroup()
+        with contextlib.ExitStack() as stack:
+            stack.callback(group.kill)  # the last word: nothing of this run outlives it
+            url = self._redis(stack, group)
+            settings = self.config.settings
+            config = ProducerConfig(
+                by_path=self.config.embedded, result_ttl_s=settings.result_ttl_s, retries=settings.retries
+            )
+            producer = Producer(url, model=self.config.model_id, config=config)
+            stack.push(lambda *exc: self._leave(producer, exc[1]))  # runs once the workers have stopped
+            self.log_dir = run_log_dir(Path(self.config.settings.cache_dir) / "logs", self.run_id)
+            settings = self._worker_settings(url, todo)
+            pool = WorkerPool(
+                self.config.workers, settings, list(self.config.extra_args), self.log_dir, group, self.run_id
+            )
+            stack.enter_context(pool)
+            sink = stack.enter_context(self.config.output.open("a"))
+            stack.callback(hold_signals)  # the first step of the way out: a second Ctrl-C cannot cut it short
+            self._caption(producer, pool, todo, sink)
+
+    def _redis(self, stack: contextlib.ExitStack, group: ProcessGroup) -> str:
+        if not self.config.embedded:
+            return self.config.settings.redis_url
+        from wicore.embedded import EmbeddedRedis
+
+        keep = self.config.redis_dir is not None
+        return stack.enter_context(EmbeddedRedis(self.config.redis_dir, persist=keep, spawn=group.popen)).url
+
+    def _worker_settings(self, url: str, todo: list[InputItem]) -> Settings:
+        """This run's settings as its workers take them (a 0600 file, not the environment)."""
+        served = {"redis_url": url, "model": self.config.model_dir, "model_id": self.config.model_id}
+        if self.config.embedded:  # the workers read the inputs from where they lie
+            served["allowed_roots"] = sorted({item.path.resolve().parent for item in todo if item.path is not None})
+        return self.config.settings.model_copy(update=served)
+
+    def _caption(self, producer, pool: WorkerPool, todo: list[InputItem], sink) -> None:
+        from wicore.cli.submitting import submit_items
+
+        columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), RateColumn(self.meter)]
+        bar = Progress(*columns, TimeRemainingColumn(), console=console, disable=not console.is_terminal)
+        with bar as progress:  # a bar on a terminal; in a log or a pipe, only the summary line
+            task = progress.add_task("starting workers", total=len(todo))
+
+            def write(line: ResultLine) -> None:
+                sink.write(line.model_dump_json() + "\n")
+                sink.flush()
+                self.written += 1
+                self.errors += line.error is not None
+                progress.advance(task)
+
+            def poll() -> None:
+                pool.check()
+                if self.meter.ready_at is None:
+                    self.meter.ready_at = first_birth(producer.connection, pool.names)
+                    progress.update(task, description="captioning" if self.meter.ready_at else "starting workers")
+
+            on_error = lambda item, error: write(error_line(item.input, error))  # noqa: E731
+            submit_items(producer, todo, self._submission, on_error, by_job=self.submitted)
+            inputs = {job_id: [i.input for i in items] for job_id, items in self.submitted.items()}
+            for line in wait_lines(producer, inputs, None, on_poll=poll, poll_s=1.0):
+                self.ended.add(line.job_id)
+                self.meter.ended += 1
+                write(line)
+            self.meter.ready_at = self.meter.ready_at or first_birth(producer.connection, pool.names)
+            self.meter.stopped_at = time.time()
+
+    def _submission(self, item: InputItem):
+        from wicore.producer import Submission
+        from wicore.schemas import GenerationParams
+
+        params = GenerationParams(max_new_tokens=item.max_new_tokens or self.config.max_new_tokens)
+        prompt = item.prompt or self.config.prompt
+        return Submission(item.path, prompt, params=params, metadata=item.metadata, name=item.input)
+
+    def _leave(self, producer, exc: BaseException | None) -> None:
+        """After a failure or a signal: say what is left, and take this run's unstarted jobs back
+        out of an external Redis (nothing would collect their results)."""
+        if exc is None:
+            return
+        if self.written or isinstance(exc, Interrupted | KeyboardInterrupt):
+            exc.add_note(f"{self.written} inputs got their line in {self.config.output}; rerun to do the rest")
+        pending = [job_id for job_id in self.submitted if job_id not in self.ended]
+        if pending and not self.config.embedded:
+            exc.add_note(self._take_back(producer, pending))
+
+    def _take_back(self, producer, pending: list[str]) -> str:
+        from redis.exceptions import RedisError
+
+        where = redact(self.config.settings.redis_url)
         try:
-            ids = producer.submit_many([_submission(i, prompt, max_new_tokens) for i in items])
-        except JobInputError:  # one unreadable file: find it by submitting one by one
-            ids = [_submit_one(producer, i, prompt, max_new_tokens, write) for i in items]
-        for item, job_id in zip(items, ids):
-            if job_id is not None:
-                by_job.setdefault(job_id, []).append(item)
-    return by_job
+            statuses = producer.cancel(pending, own_queued_only=True)
+        except RedisError as error:
+            return f"could not remove this run's {len(pending)} unfinished jobs from Redis at {where} ({error})"
+        removed = sum(status == "canceled" for status in statuses.values())
+        running = f" ({len(pending) - removed} were running there and will finish)" if removed < len(pending) else ""
+        return f"removed {removed} unstarted jobs of this run from Redis at {where}{running}"
+
+    def summary(self, todo: int, done: int) -> str:
+        rate = self.meter.rate()
+        speed = "" if rate is None else f", {rate:.2f} images/s once the workers were ready"
+        counts = f"captioned {todo - self.errors} of {todo} inputs ({self.errors} errors, {done} already done)"
+        return (
+            f"{counts} in {time.time() - self.started:.1f}s{speed} -> {self.config.output}; worker logs: {self.log_dir}"
+        )
 
 
-def _submit_one(producer, item: InputItem, prompt, max_new_tokens, write) -> str | None:
-    try:
-        return producer.submit_many([_submission(item, prompt, max_new_tokens)])[0]
-    except JobInputError as exc:
-        write(line_for(item, None, error=f"{type(exc).__name__}: {exc}"))
-        return None
+def first_birth(connection, names: list[str]) -> float | None:
+    """When the first of these workers registered with RQ (its model loaded), as unix time."""
+    from rq.worker import Worker
+
+    births = []
+    for name in names:
+        worker = Worker.find_by_key(Worker.redis_worker_namespace_prefix + name, connection=connection)
+        if worker is not None and worker.birth_date is not None:
+            births.append(worker.birth_date.timestamp())
+    return min(births, default=None)
 
 
-def _submission(item: InputItem, prompt, max_new_tokens):
-    from wicore.producer import Submission
-    from wicore.schemas import GenerationParams
-
-    params = GenerationParams(max_new_tokens=item.max_new_tokens or max_new_tokens)
-    return Submission(item.path, item.prompt or prompt, params=params, metadata=item.metadata)
+def run_log_dir(logs: Path, run_id: str) -> Path:
+    """A new folder for this run's worker logs; the oldest runs' folders go beyond KEEP_RUN_LOGS."""
+    runs = sorted(p for p in logs.glob("caption-*") if p.is_dir()) if logs.is_dir() else []
+    for old in runs[: max(0, len(runs) - KEEP_RUN_LOGS + 1)]:
+        shutil.rmtree(old, ignore_errors=True)
+    folder = logs / f"caption-{run_id}"
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder

@@ -2,20 +2,18 @@
 
 from __future__ import annotations
 
-import logging
-import os
 import sys
-from collections.abc import Callable
-from functools import wraps
 from pathlib import Path
 
 import typer
 from rich.console import Console
 
-from wicore.config import CONFIG_ENV, Settings, load_settings
-from wicore.errors import WicoreError
+from wicore.cli.failures import friendly_errors  # noqa: F401 (every verb takes it from here)
+from wicore.cli.logs import configure_logging
+from wicore.config import Settings, load_settings, read_settings_file
 
-console = Console(stderr=True)
+# Messages on stderr; when that is a file or a pipe, lines are never wrapped at 80 columns.
+console = Console(stderr=True, soft_wrap=True, width=None if sys.stderr.isatty() else 1000)
 
 ConfigOption = typer.Option(None, "--config", help="TOML settings file (also WICORE_CONFIG).", show_default=False)
 RedisOption = typer.Option(None, "--redis-url", help="Redis URL (also WICORE_REDIS_URL).", show_default=False)
@@ -23,17 +21,24 @@ ModelOption = typer.Option(
     None, "--model", help="Checkpoint directory (default: the bundled demo captioner).", show_default=False
 )
 ModelIdOption = typer.Option(
-    None, "--model-id", help="Name jobs use for the model (default: from the directory).", show_default=False
+    None,
+    "--model-id",
+    help="Name jobs use for the model (default: the model directory's name; democap for the bundled model).",
+    show_default=False,
 )
 
 
-def settings_from(config: Path | None, **flags) -> Settings:
-    if config is not None:
-        os.environ[CONFIG_ENV] = str(config)
-    settings = load_settings(**flags)
-    logging.basicConfig(
-        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
-    )
+def settings_from(
+    config: Path | None, *, engine_option: list[str] | None = None, settings_file: Path | None = None, **flags
+) -> Settings:
+    """Settings from the flags given (None: not given) over the environment and the config file;
+    or, for a process that `wicore caption` started, over its parent's settings file."""
+    options = engine_options(engine_option)
+    if settings_file is not None:
+        settings = read_settings_file(settings_file, engine_options=options, **flags)
+    else:
+        settings = load_settings(config, engine_options=options, **flags)
+    configure_logging(settings.log_level)
     return settings
 
 
@@ -48,12 +53,32 @@ def model_dir_and_id(settings: Settings) -> tuple[Path, str]:
     return path, settings.model_id or default_id
 
 
+def checked_model(settings: Settings, allow_random_weights: bool) -> tuple[Path, str]:
+    """`model_dir_and_id`, after checking (cheaply: nothing loads) that the model directory and
+    the engine name are usable, so a typo fails in a second rather than after a model load."""
+    from wicore.engines import check_engine_name
+    from wicore.engines.checkpoint import check_model_dir
+
+    model_dir, model_id = model_dir_and_id(settings)
+    check_model_dir(model_dir, allow_random_weights=allow_random_weights)
+    check_engine_name(settings.engine.name)
+    return model_dir, model_id
+
+
 def model_id_of(model_dir: Path) -> str:
-    """A queue-safe id from the directory name: letters, digits, '_' and '-'."""
+    """A queue-safe id from the directory name (letters, digits, '_' and '-'); the bundled model
+    keeps its own id however its folder is named, so producer and worker agree on it."""
+    from wicore.models import DEMOCAP_DIR, DEMOCAP_ID
+
+    if Path(model_dir).resolve() == DEMOCAP_DIR.resolve():
+        return DEMOCAP_ID
     name = "".join(c if c.isalnum() or c in "_-" else "-" for c in Path(model_dir).resolve().name).strip("-_")
     return name or "model"
 
 
+AllowRandomWeightsOption = typer.Option(
+    False, help="Run a checkpoint that has a config but no weights (random outputs: benchmarks only)."
+)
 DeviceOption = typer.Option(None, help="cpu, cuda, cuda:1 ... (default: auto)", show_default=False)
 DtypeOption = typer.Option(None, help="float32 | bfloat16 | float16 (default: auto)", show_default=False)
 BatchSizeOption = typer.Option(None, help="Most jobs in one engine batch [8].", show_default=False)
@@ -79,17 +104,3 @@ def engine_options(pairs: list[str] | None) -> dict:
         except json.JSONDecodeError:
             options[key] = raw
     return options
-
-
-def friendly_errors(command: Callable) -> Callable:
-    """Our own errors print one clear line and exit 2, not a traceback."""
-
-    @wraps(command)
-    def wrapper(*args, **kwargs):
-        try:
-            return command(*args, **kwargs)
-        except WicoreError as exc:
-            console.print(f"[red]error:[/red] {exc}")
-            raise typer.Exit(2) from None
-
-    return wrapper

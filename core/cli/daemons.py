@@ -5,9 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import typer
-from redis import Redis
 
 from wicore.cli.common import (
+    AllowRandomWeightsOption,
     BatchSizeOption,
     ConfigOption,
     DeviceOption,
@@ -17,12 +17,14 @@ from wicore.cli.common import (
     ModelOption,
     NoCacheOption,
     RedisOption,
+    checked_model,
     console,
-    engine_options,
     friendly_errors,
-    model_dir_and_id,
     settings_from,
 )
+from wicore.cli.failures import DebugOption, debug_level
+from wicore.cli.logs import configure_logging, level_or, quiet_progress_bars
+from wicore.cli.redis_check import connect
 from wicore.errors import ConfigError
 
 
@@ -45,11 +47,17 @@ def worker(
     metrics_port: int = typer.Option(None, help="Serve Prometheus /metrics on this port.", show_default=False),
     no_cache: bool = NoCacheOption,
     engine_option: list[str] = EngineOption,
+    allow_random_weights: bool = AllowRandomWeightsOption,
     config: Path = ConfigOption,
+    debug: bool = DebugOption,
+    settings_file: Path = typer.Option(None, hidden=True, help="Settings from `wicore caption` (its workers)."),
 ) -> None:
-    """Serve caption jobs from Redis: take batches by shape bucket, run them, write results."""
+    """Serve caption jobs from Redis: take batches by shape bucket, run them, write results.
+    Logs one INFO line per batch and one WARNING per failed job (WICORE_LOG_LEVEL=warning: fewer)."""
     settings = settings_from(
         config,
+        engine_option=engine_option,
+        settings_file=settings_file,
         redis_url=redis_url,
         model=model,
         model_id=model_id,
@@ -61,21 +69,23 @@ def worker(
         allowed_roots=allow_root or None,
         no_cache=no_cache,
         metrics_port=metrics_port,
+        log_level=debug_level(debug),
     )
-    if not settings.redis_url:
-        raise ConfigError("wicore worker needs --redis-url or WICORE_REDIS_URL")
+    configure_logging(level_or(settings, "INFO"))  # a worker's log is its output
+    quiet_progress_bars()
+    model_dir, served_id = checked_model(settings, allow_random_weights)
+    connection = connect(settings.redis_url)  # before the model loads: a bad URL fails in a second
     from wicore.worker.factory import build_engine, build_worker
 
-    model_dir, served_id = model_dir_and_id(settings)
-    engine_obj = build_engine(settings, model_dir, engine_options(engine_option))
-    connection = Redis.from_url(settings.redis_url)
+    engine_obj = build_engine(settings, model_dir)
     worker_obj = build_worker(settings, connection, engine_obj, served_id, name=name, burst=burst, max_jobs=max_jobs)
-    console.print(f"worker [bold]{worker_obj.name}[/bold]: model {served_id} ({model_dir}) on {engine_obj.name}")
+    where = f"{engine_obj.name} engine on {engine_obj.config.device} ({engine_obj.config.dtype})"
+    console.print(f"worker {worker_obj.name}: serving model {served_id} ({model_dir}), {where}", markup=False)
     if settings.metrics_port is not None:
         worker_obj.metrics.serve(settings.metrics_port, settings.host)
-        console.print(f"metrics on http://{settings.host}:{settings.metrics_port}/metrics")
+        console.print(f"worker {worker_obj.name}: metrics on http://{settings.host}:{settings.metrics_port}/metrics")
     done = worker_obj.run()
-    console.print(f"worker {worker_obj.name}: {done} jobs done, stopped")
+    console.print(f"worker {worker_obj.name}: {done} jobs done, stopped", markup=False)
 
 
 @friendly_errors

@@ -18,11 +18,10 @@ from wicore.cli.common import (
     model_dir_and_id,
     settings_from,
 )
-from wicore.cli.jobs import _redis
+from wicore.cli.failures import DebugOption, ExitCode, debug_level
+from wicore.cli.jobs import ID_FILE_HELP, read_job_ids
+from wicore.cli.redis_check import connect
 from wicore.config import Settings
-from wicore.errors import ConfigError, UnknownJob
-
-EXIT_UNKNOWN = 1
 
 
 @friendly_errors
@@ -35,6 +34,7 @@ def serve(
     api_key: list[str] = typer.Option(None, help="Accepted bearer key (repeatable; also WICORE_API_KEYS=k1,k2)."),
     allow_root: list[Path] = typer.Option(None, help="Folder image paths may point into (repeatable)."),
     config: Path = ConfigOption,
+    debug: bool = DebugOption,
 ) -> None:
     """The HTTP gateway: native job routes, OpenAI-compatible chat completions, health probes and
     Prometheus metrics, over Redis (it holds no model; run workers beside it)."""
@@ -47,16 +47,17 @@ def serve(
         port=port,
         api_keys=api_key or None,
         allowed_roots=allow_root or None,
+        log_level=debug_level(debug),
     )
-    if not settings.redis_url:
-        raise ConfigError("wicore serve needs --redis-url or WICORE_REDIS_URL")
+    connect(settings.redis_url)  # a bad URL or password fails here, before the server starts
     import uvicorn
 
     from wicore.gateway.app import create_app
 
     gateway = gateway_config(settings)
     keys = f"{len(gateway.api_keys)} API keys" if gateway.api_keys else "no API key (open)"
-    console.print(f"gateway on http://{settings.host}:{settings.port}/ (docs at /docs), model {gateway.model}, {keys}")
+    where = f"http://{settings.host}:{settings.port}/"
+    console.print(f"gateway on {where} (docs at /docs), model {gateway.model}, {keys}", markup=False)
     uvicorn.run(create_app(gateway), host=settings.host, port=settings.port, log_level=settings.log_level.lower())
 
 
@@ -84,21 +85,24 @@ def gateway_config(settings: Settings):
 
 @friendly_errors
 def cancel(
-    job_ids: list[str] = typer.Argument(..., help="Job ids to cancel."),
+    job_ids: list[str] = typer.Argument(..., help=ID_FILE_HELP),
     redis_url: str = RedisOption,
     config: Path = ConfigOption,
+    debug: bool = DebugOption,
 ) -> None:
     """Cancel jobs: a queued job never runs, a running one stops at the engine's next step.
-    Prints one JSON line per id with the status it ends in; exit 1 if an id is unknown."""
+    Prints one JSON line per job with the status it ends in: canceled, or the status it had
+    already ended with (null and an error for an id that names no job)."""
     from wicore.producer import Producer
+    from wicore.producer.client import MISSING, no_such_job
 
-    settings = settings_from(config, redis_url=redis_url)
-    producer = Producer(_redis(settings), model="any")
-    code = 0
-    for job_id in job_ids:
-        try:
-            typer.echo(json.dumps({"job_id": job_id, "status": producer.cancel(job_id)}))
-        except UnknownJob as exc:
-            typer.echo(json.dumps({"job_id": job_id, "status": None, "error": str(exc)}))
-            code = EXIT_UNKNOWN
-    raise typer.Exit(code)
+    settings = settings_from(config, redis_url=redis_url, log_level=debug_level(debug))
+    producer = Producer(connect(settings.redis_url), model="any")
+    statuses = producer.cancel(list(read_job_ids(job_ids)))
+    for job_id, status in statuses.items():
+        line = {"job_id": job_id, "status": status}
+        if status == MISSING:
+            line = {"job_id": job_id, "status": None, "error": str(no_such_job(job_id))}
+        typer.echo(json.dumps(line))
+    if MISSING in statuses.values():
+        raise typer.Exit(ExitCode.FAILED)

@@ -1,5 +1,7 @@
 """INPUT arguments of `wicore caption` / `wicore enqueue`: image files, folders (recursive) and
-JSONL manifests, expanded into one item per image."""
+JSONL manifests (one `ManifestEntry` per line), expanded into one item per input. Every file in
+a folder is an input (hidden ones aside): a file that is not an image gets an error item, so it
+still gets its line."""
 
 from __future__ import annotations
 
@@ -9,7 +11,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pydantic import ValidationError
+
+from wicore.errors import ConfigError
+from wicore.schemas import ManifestEntry
+
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".webp", ".gif", ".bmp", ".tif", ".tiff"}
+MANIFEST_SUFFIX = ".jsonl"
 
 
 @dataclass(frozen=True)
@@ -19,45 +27,75 @@ class InputItem:
     prompt: str | None = None
     max_new_tokens: int | None = None
     metadata: dict[str, Any] = field(default_factory=dict)
-    error: str | None = None  # known bad before any job is made (missing file, bad manifest line)
+    error: str | None = None  # known bad before any job is made (not an image, bad manifest line)
 
 
-def expand_inputs(args: list[str]) -> Iterator[InputItem]:
+def expand_inputs(args: list[str]) -> list[InputItem]:
+    """One item per input, each input once (the first occurrence wins). A missing argument is a
+    usage error, raised before anything starts."""
+    missing = [arg for arg in args if not Path(arg).exists()]
+    if missing:
+        raise ConfigError(f"no such file or folder: {', '.join(missing)}")
+    items: dict[str, InputItem] = {}
     for arg in args:
-        path = Path(arg)
-        if path.is_dir():
-            yield from _folder(arg, path)
-        elif path.suffix == ".jsonl" and path.is_file():
-            yield from _manifest(path)
-        elif path.is_file():
-            yield InputItem(arg, path)
-        else:
-            yield InputItem(arg, None, error=f"InputError: {arg}: no such file or folder")
+        for item in _expand(arg, Path(arg)):
+            items.setdefault(item.input, item)
+    return list(items.values())
+
+
+def _expand(arg: str, path: Path) -> Iterator[InputItem]:
+    if path.is_dir():
+        yield from _folder(arg, path)
+    elif path.suffix.lower() == MANIFEST_SUFFIX:
+        yield from _manifest(path)
+    else:
+        yield _file(arg, path)
+
+
+def _file(key: str, path: Path) -> InputItem:
+    if path.suffix.lower() not in IMAGE_SUFFIXES:
+        kinds = " ".join(sorted(IMAGE_SUFFIXES))
+        return InputItem(key, None, error=f"InputError: {key}: not an image file (supported: {kinds})")
+    return InputItem(key, path)
 
 
 def _folder(arg: str, folder: Path) -> Iterator[InputItem]:
-    for path in sorted(p for p in folder.rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES):
-        yield InputItem(str(Path(arg) / path.relative_to(folder)), path)
+    for path in sorted(folder.rglob("*")):
+        relative = path.relative_to(folder)
+        if path.is_file() and not any(part.startswith(".") for part in relative.parts):
+            yield _file(str(Path(arg) / relative), path)
 
 
 def _manifest(manifest: Path) -> Iterator[InputItem]:
-    """One JSON object per line: {"image": path (relative to the manifest), "prompt"?,
-    "max_new_tokens"?, "input"? (the key of the output line; default the image path), ...rest
-    is metadata}."""
+    """One JSON object per line (`wicore schema manifest`); `image` is relative to the manifest."""
     for number, line in enumerate(manifest.read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        where = f"{manifest}:{number}"
-        try:
-            entry = json.loads(line)
-            image = entry.pop("image")
-        except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
-            yield InputItem(where, None, error=f"InputError: {where}: not a JSON object with an 'image' key")
-            continue
-        path = Path(image) if Path(image).is_absolute() else manifest.parent / image
-        key = str(entry.pop("input", image))
-        prompt, max_new = entry.pop("prompt", None), entry.pop("max_new_tokens", None)
-        if not path.is_file():
-            yield InputItem(key, None, error=f"InputError: {image}: no such file ({where})")
-            continue
-        yield InputItem(key, path, prompt=prompt, max_new_tokens=max_new, metadata=entry)
+        if line.strip():
+            yield _manifest_line(f"{manifest}:{number}", manifest.parent, line)
+
+
+def _manifest_line(where: str, folder: Path, line: str) -> InputItem:
+    entry = _entry(line)
+    if isinstance(entry, str):
+        return InputItem(
+            where, None, error=f"InputError: {where}: not a manifest line ({entry}; see `wicore schema manifest`)"
+        )
+    path = Path(entry.image) if Path(entry.image).is_absolute() else folder / entry.image
+    key = entry.input or entry.image
+    if not path.is_file():
+        return InputItem(key, None, error=f"InputError: {entry.image}: no such file ({where})")
+    return InputItem(key, path, prompt=entry.prompt, max_new_tokens=entry.max_new_tokens, metadata=entry.metadata)
+
+
+def _entry(line: str) -> ManifestEntry | str:
+    """The line's entry, or what is wrong with it."""
+    try:
+        raw = json.loads(line)
+    except json.JSONDecodeError as exc:
+        return f"invalid JSON: {exc.msg}"
+    if not isinstance(raw, dict):
+        return "not a JSON object"
+    try:
+        return ManifestEntry.model_validate(raw)
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        return f"{'.'.join(str(p) for p in error['loc'])}: {error['msg']}"

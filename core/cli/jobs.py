@@ -4,37 +4,29 @@ They import neither torch nor transformers."""
 from __future__ import annotations
 
 import json
+import sys
 import time
 from pathlib import Path
 
 import typer
-from redis import Redis
+from rich.console import Console
 from rich.table import Table
 
-from wicore.cli.common import ConfigOption, ModelIdOption, RedisOption, console, friendly_errors, settings_from
-from wicore.cli.input_paths import expand_inputs
-from wicore.errors import ConfigError, JobFailed, ResultTimeout
+from wicore.cli.common import (
+    ConfigOption,
+    ModelIdOption,
+    RedisOption,
+    console,
+    friendly_errors,
+    model_dir_and_id,
+    settings_from,
+)
+from wicore.cli.failures import DebugOption, ExitCode, debug_level
+from wicore.cli.input_paths import InputItem, expand_inputs
+from wicore.cli.redis_check import connect
 from wicore.schemas import GenerationParams, Lane
 
-EXIT_FAILED, EXIT_UNFINISHED = 1, 3
-
-
-def _redis(settings) -> Redis:
-    if not settings.redis_url:
-        raise ConfigError("needs --redis-url or WICORE_REDIS_URL")
-    return Redis.from_url(settings.redis_url)
-
-
-def _model_id(settings) -> str:
-    if settings.model_id:
-        return settings.model_id
-    if settings.model is not None:
-        from wicore.cli.common import model_id_of
-
-        return model_id_of(settings.model)
-    from wicore.models import TINY_ID
-
-    return TINY_ID
+ID_FILE_HELP = "Job ids printed by `wicore enqueue`, or - to read its output (id, tab, input per line) from stdin."
 
 
 @friendly_errors
@@ -51,62 +43,100 @@ def enqueue(
     deadline_s: float = typer.Option(None, help="Fail jobs not started within this many seconds."),
     by_path: bool = typer.Option(False, help="Send file paths (workers must see them) instead of image bytes."),
     config: Path = ConfigOption,
+    debug: bool = DebugOption,
 ) -> None:
-    """Submit images as caption jobs; print one job id per image (same work = same id)."""
+    """Submit images as caption jobs; print one line per input: its job id, a tab, the input
+    (the same work gets the same id). Warns when no live worker serves the model."""
     from wicore.producer import Producer, ProducerConfig, Submission
 
-    settings = settings_from(config, redis_url=redis_url, model_id=model_id, model=model)
-    producer = Producer(
-        _redis(settings),
-        model=_model_id(settings),
-        config=ProducerConfig(by_path=by_path, result_ttl_s=settings.result_ttl_s, retries=settings.retries),
-    )
+    settings = settings_from(config, redis_url=redis_url, model_id=model_id, model=model, log_level=debug_level(debug))
+    items = expand_inputs(inputs)
+    producer_config = ProducerConfig(by_path=by_path, result_ttl_s=settings.result_ttl_s, retries=settings.retries)
+    served_id = model_dir_and_id(settings)[1]
+    producer = Producer(connect(settings.redis_url), model=served_id, config=producer_config)
     deadline = time.time() + deadline_s if deadline_s is not None else None
-    items = list(expand_inputs(inputs))
-    for item in items:
-        if item.error:
-            console.print(f"[yellow]skipped[/yellow] {item.error}")
-    good = [item for item in items if not item.error]
     params = GenerationParams(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
-    submissions = [
-        Submission(
-            item.path,
-            item.prompt or prompt,
-            params=params.model_copy(update={"max_new_tokens": item.max_new_tokens or max_new_tokens}),
-            priority=priority,
-            deadline=deadline,
-            metadata=item.metadata,
+
+    def submission(item: InputItem) -> Submission:
+        item_params = params.model_copy(update={"max_new_tokens": item.max_new_tokens or max_new_tokens})
+        fields = {"params": item_params, "priority": priority, "deadline": deadline, "metadata": item.metadata}
+        return Submission(item.path, item.prompt or prompt, name=item.input, **fields)
+
+    failed = _enqueue_items(producer, items, submission)
+    _warn_if_unserved(producer.connection, served_id)
+    if failed:
+        raise typer.Exit(ExitCode.FAILED)
+
+
+def _enqueue_items(producer, items: list[InputItem], submission) -> int:
+    """Print `id<TAB>input` per enqueued input and a warning per input that could not be; the
+    number of those."""
+    from wicore.cli.submitting import submit_items
+
+    failed = []
+
+    def on_error(item: InputItem, error: str) -> None:
+        failed.append(item)
+        console.print(f"warning: not enqueued: {item.input}: {error}", markup=False)
+
+    for job_id, job_items in submit_items(producer, items, submission, on_error).items():
+        for item in job_items:
+            typer.echo(f"{job_id}\t{item.input}")
+    return len(failed)
+
+
+def _warn_if_unserved(connection, model_id: str) -> None:
+    from wicore.worker.status import served_models
+
+    served = served_models(connection)
+    if model_id not in served:
+        serving = ", ".join(sorted(served)) or "none"
+        console.print(
+            f"warning: no live worker serves model {model_id} (live workers serve: {serving}); its jobs wait until "
+            f"one does (a worker still loading its model will take them), or enqueue with the --model-id served",
+            markup=False,
         )
-        for item in good
-    ]
-    for job_id in producer.submit_many(submissions):
-        typer.echo(job_id)
 
 
 @friendly_errors
 def result(
-    job_ids: list[str] = typer.Argument(..., help="Job ids printed by `wicore enqueue`."),
-    wait: float = typer.Option(0.0, help="Block up to this many seconds for each job to end."),
+    job_ids: list[str] = typer.Argument(..., help=ID_FILE_HELP),
+    wait: float = typer.Option(0.0, help="Wait up to this many seconds in all for the jobs to end."),
     redis_url: str = RedisOption,
     config: Path = ConfigOption,
+    debug: bool = DebugOption,
 ) -> None:
-    """Print each job's result as one JSON line, in the order given. Exit 1 if any job failed,
-    3 if any has not ended."""
+    """Print one JSON line per job as it ends (`wicore schema result`); after --wait seconds,
+    an 'unfinished' line for each job still running."""
+    from wicore.cli.result_lines import wait_lines
     from wicore.producer import Producer
 
-    settings = settings_from(config, redis_url=redis_url)
-    producer = Producer(_redis(settings), model="any")
-    code = 0
-    for job_id in job_ids:
-        try:
-            typer.echo(producer.result(job_id, timeout=wait or None).model_dump_json())
-        except JobFailed as exc:
-            typer.echo(json.dumps({"job_id": job_id, "error": exc.message}))
-            code = max(code, EXIT_FAILED)
-        except ResultTimeout as exc:
-            typer.echo(json.dumps({"job_id": job_id, "error": None, "unfinished": str(exc)}))
-            code = EXIT_UNFINISHED
-    raise typer.Exit(code)
+    settings = settings_from(config, redis_url=redis_url, log_level=debug_level(debug))
+    inputs_by_job = read_job_ids(job_ids)
+    producer = Producer(connect(settings.redis_url, write=False), model="any")
+    statuses = set()
+    for line in wait_lines(producer, inputs_by_job, timeout=wait):
+        typer.echo(line.model_dump_json())
+        statuses.add(line.status)
+    if "unfinished" in statuses:
+        raise typer.Exit(ExitCode.UNFINISHED)
+    if statuses & {"failed", "unknown"}:
+        raise typer.Exit(ExitCode.FAILED)
+
+
+def read_job_ids(args: list[str]) -> dict[str, list[str | None]]:
+    """{job id: its inputs}: ids from the arguments, and `enqueue`'s lines from stdin for '-'."""
+    inputs_by_job: dict[str, list[str | None]] = {}
+    for arg in args:
+        pairs = [_id_and_input(line) for line in sys.stdin if line.strip()] if arg == "-" else [(arg, None)]
+        for job_id, input in pairs:
+            inputs_by_job.setdefault(job_id, []).append(input)
+    return inputs_by_job
+
+
+def _id_and_input(line: str) -> tuple[str, str | None]:
+    job_id, _, input = line.rstrip("\n").partition("\t")
+    return job_id.strip(), input or None
 
 
 @friendly_errors
@@ -114,20 +144,34 @@ def status(
     redis_url: str = RedisOption,
     as_json: bool = typer.Option(False, "--json", help="One JSON object instead of tables."),
     config: Path = ConfigOption,
+    debug: bool = DebugOption,
 ) -> None:
-    """Queues per shape bucket, workers, and job counts."""
+    """Queues per shape bucket (and whether a live worker serves each), workers with their model,
+    engine, device and state, and job counts."""
     from wicore.worker.status import collect_status
 
-    settings = settings_from(config, redis_url=redis_url)
-    report = collect_status(_redis(settings))
+    settings = settings_from(config, redis_url=redis_url, log_level=debug_level(debug))
+    report = collect_status(connect(settings.redis_url, write=False))
     if as_json:
         typer.echo(json.dumps(report))
         return
-    queues = Table("queue (model.lane.crops.prompt.new_tokens)", "queued", "started", "finished", "failed")
-    for q in report["queues"]:
-        queues.add_row(q["name"], *(str(q[k]) for k in ("queued", "started", "finished", "failed")))
-    workers = Table("worker", "state", "running", "ok", "failed", "caches and engine counters")
-    for w in report["workers"]:
-        workers.add_row(w["name"], w["state"], str(w["running"]), str(w["ok"]), str(w["failed"]), w["stats_line"])
-    console.print(queues)
-    console.print(workers)
+    out = Console(soft_wrap=True, width=None if sys.stdout.isatty() else 1000)
+    out.print(queue_table(report["queues"]))
+    out.print(worker_table(report["workers"]))
+
+
+def queue_table(rows: list[dict]) -> Table:
+    table = Table("queue (model.lane.crops.prompt.new_tokens)", "queued", "started", "finished", "failed", "served by")
+    for q in rows:
+        served = "a live worker" if q["served"] else f"no live worker serves {q['model']}"
+        table.add_row(q["name"], *(str(q[k]) for k in ("queued", "started", "finished", "failed")), served)
+    return table
+
+
+def worker_table(rows: list[dict]) -> Table:
+    table = Table("worker", "model", "engine", "device", "state", "running", "ok", "failed", "counters")
+    for w in rows:
+        identity = [w[k] or "?" for k in ("model", "engine", "device")]
+        counts = [str(w[k]) for k in ("running", "ok", "failed")]
+        table.add_row(w["name"], *identity, w["state"], *counts, w["stats_line"])
+    return table

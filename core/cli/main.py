@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
+import sys
+
 import typer
 
-from wicore.cli import bench, caption, daemons, gateway, jobs, models
+from wicore.cli import bench, caption, daemons, formats, gateway, jobs, models
+from wicore.cli.failures import ExitCode, exit_codes_help, report
 
+try:  # recent typer vendors click
+    from typer._click.exceptions import NoArgsIsHelpError, UsageError
+except ImportError:
+    from click.exceptions import NoArgsIsHelpError, UsageError
+
+E = ExitCode
 app = typer.Typer(
     name="wicore",
     help="Queue-driven batch inference for multimodal LLMs (RQ on Redis, shape-bucket batching).",
@@ -13,16 +22,38 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-app.command()(caption.caption)
-app.command()(daemons.worker)
-app.command()(jobs.enqueue)
-app.command()(jobs.result)
-app.command()(jobs.status)
-app.command()(gateway.cancel)
-app.command()(gateway.serve)
+app.command(epilog=exit_codes_help(E.FAILED, E.USAGE, E.REDIS, E.WORKERS, E.INTERRUPTED))(caption.caption)
+app.command(epilog=exit_codes_help(E.USAGE, E.REDIS, E.INTERRUPTED))(daemons.worker)
+app.command(epilog=exit_codes_help(E.FAILED, E.USAGE, E.REDIS))(jobs.enqueue)
+app.command(epilog=exit_codes_help(E.FAILED, E.USAGE, E.UNFINISHED, E.REDIS))(jobs.result)
+app.command(epilog=exit_codes_help(E.USAGE, E.REDIS))(jobs.status)
+app.command(epilog=exit_codes_help(E.FAILED, E.USAGE, E.REDIS))(gateway.cancel)
+app.command(epilog=exit_codes_help(E.USAGE, E.REDIS, E.INTERRUPTED))(gateway.serve)
 app.command()(daemons.dashboard)
-app.command("make-model")(models.make_model)
+app.command("make-model", epilog=exit_codes_help(E.USAGE))(models.make_model)
+app.command(epilog=exit_codes_help(E.USAGE))(formats.schema)
 app.add_typer(bench.app, name="bench")
 
+
+def main() -> None:
+    """The `wicore` console script: a usage error is one line too (click's default is a box)."""
+    try:
+        code = app(standalone_mode=False)
+    except NoArgsIsHelpError as exc:
+        typer.echo(exc.ctx.get_help())
+        code = ExitCode.USAGE
+    except UsageError as exc:
+        where = f" (see '{exc.ctx.command_path} --help')" if exc.ctx is not None else ""
+        sys.stderr.write(f"error: {exc.format_message()}{where}\n")
+        code = ExitCode.USAGE
+    except typer.Abort:
+        code = ExitCode.INTERRUPTED
+    except SystemExit:
+        raise
+    except BaseException as exc:  # noqa: BLE001 (a verb without its own handler: still one line)
+        code = report(exc)
+    sys.exit(int(code or 0))
+
+
 if __name__ == "__main__":
-    app()
+    main()

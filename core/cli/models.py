@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import sys
 from enum import Enum
 from pathlib import Path
 
 import typer
 
 from wicore.cli.common import console, friendly_errors
+from wicore.cli.failures import DebugOption
+from wicore.cli.logs import quiet_progress_bars
 
 
 class Preset(str, Enum):
@@ -20,8 +23,11 @@ def make_model(
     preset: Preset = typer.Argument(..., help="tiny: a complete toy checkpoint; gemma3-4b: the real config only."),
     out_dir: Path = typer.Argument(..., help="Directory to write."),
     seed: int = typer.Option(0, help="Weight seed."),
+    debug: bool = DebugOption,
 ) -> None:
     """Write a Gemma-3 checkpoint directory that loads offline like a user's own."""
+    if not sys.stderr.isatty():
+        quiet_progress_bars()  # transformers' shard-writing bar is noise in a log
     from wicore.models.gemma3 import make_gemma3_4b, make_tiny
 
     path = make_tiny(out_dir, seed=seed) if preset is Preset.tiny else make_gemma3_4b(out_dir, seed=seed)

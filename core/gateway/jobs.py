@@ -20,6 +20,7 @@ from wicore.gateway.submissions import (
     parse_batch,
 )
 from wicore.producer import Outcome
+from wicore.producer.client import MISSING, no_such_job
 
 router = APIRouter(prefix="/v1", dependencies=[Depends(require_key)], tags=["jobs"])
 
@@ -119,5 +120,7 @@ def job_view(outcome: Outcome) -> JobView:
 @router.delete("/jobs/{job_id}", response_model=CancelReply)
 def cancel_job(request: Request, job_id: str = JOB_ID) -> CancelReply:
     """Cancel: a queued job never runs; a running one stops at the engine's next step."""
-    status = request.app.state.gateway.producer().cancel(job_id)
+    status = request.app.state.gateway.producer().cancel([job_id])[job_id]
+    if status == MISSING:
+        raise no_such_job(job_id)
     return CancelReply(job_id=job_id, status=status)

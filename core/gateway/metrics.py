@@ -63,14 +63,15 @@ class QueueCollector(Collector):
             "Jobs in each bucket queue and its RQ registries.",
             labels=["queue", "model_name", "lane", "status"],
         )
-        for row in queue_rows(self.connection):
+        models = live_models(self.connection)
+        for row in queue_rows(self.connection, set(models)):
             bucket = BucketKey.parse(row["name"])
-            model, lane = (bucket.model, bucket.lane.value) if bucket else ("", "")
+            lane = bucket.lane.value if bucket else ""
             for status in QUEUE_STATUSES:
-                jobs.add_metric([row["name"], model, lane, status], row[status])
+                jobs.add_metric([row["name"], row["model"], lane, status], row[status])
         yield jobs
         workers = GaugeMetricFamily(PREFIX + "workers", "Live workers per model.", labels=["model_name"])
-        for model, count in sorted(live_models(self.connection).items()):
+        for model, count in sorted(models.items()):
             workers.add_metric([model], count)
         yield workers
 

@@ -18,6 +18,7 @@ from wicore.gateway.images import allowed_path, decode_image
 from wicore.gateway.openai_schemas import ChatCompletionRequest, chat_submission
 from wicore.gateway.schemas import BatchLine, BatchReply, JobAccepted, JobFields, JobRequest, OpenAIBatchLine
 from wicore.producer import Submission
+from wicore.producer.submission import Prepared
 
 MAX_BATCH_LINES = 100_000
 
@@ -31,7 +32,7 @@ class Line:
     model: str | None = None
     submission: Submission | None = None
     error: str | None = None
-    prepared: Any = field(default=None, repr=False)  # (CaptionJob, blob bytes) from Producer.prepare
+    prepared: Prepared | None = field(default=None, repr=False)  # from Producer.prepare
     job_id: str | None = None
 
 

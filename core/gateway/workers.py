@@ -4,6 +4,8 @@ publishes for `wicore status`."""
 
 from __future__ import annotations
 
+from collections import Counter
+
 from redis import Redis
 
 from wicore.worker.status import worker_rows
@@ -11,9 +13,4 @@ from wicore.worker.status import worker_rows
 
 def live_models(connection: Redis) -> dict[str, int]:
     """model -> number of live workers serving it."""
-    models: dict[str, int] = {}
-    for row in worker_rows(connection):
-        model = row["stats"].get("model")
-        if isinstance(model, str):
-            models[model] = models.get(model, 0) + 1
-    return models
+    return dict(Counter(row["model"] for row in worker_rows(connection) if row["model"]))

@@ -65,7 +65,7 @@ class PrefillAttention:
 
 class PagedAttention:
     """Query tokens whose keys all sit in the pages: a decode step's tokens, or a short prefill
-    suffix's (`prefill_inputs.pages_only`). The tokens store their K/V, then each attends over
+    suffix's (`prefill_batch.pages_only`). The tokens store their K/V, then each attends over
     positions 0 .. its own (its image's last, for an image's soft token) through its sequence's
     block table."""
 

@@ -6,10 +6,12 @@ then read back the tokens sampled one step earlier and return the sequences that
 a step late keeps the device a step ahead of Python; a sequence that ended is decoded at most
 once more and that token is dropped.
 
-The prefix cache (`prefix_cache`, `tiers`) adds to a step: disk reads started for waiting
+The prefix cache (`kvcache.gpu_tier`, `kvcache.tiers`) adds to a step: disk reads started for waiting
 sequences, restores from the host / disk tier queued for newly admitted ones, copies down for the
 blocks admission evicted (before anything can write their pages), and finished restores
 scattered into their pages before the prefill batch is picked.
+
+`abort` stops sequences between steps (`sequence` has the lifecycle and its exception).
 """
 
 from __future__ import annotations
@@ -18,14 +20,14 @@ import gc
 import logging
 import random
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor, wait
-from dataclasses import replace
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict
 from functools import partial
 
 import torch
 
-from wicore.bench.restore_probe import measure_h2d, measure_restore
-from wicore.engines.base import Completion, Engine, EngineConfig, EngineRequest, failed
+from wicore.engines.base import Completion, Engine, EngineConfig, EngineRequest, aborted, failed
 from wicore.engines.checkpoint import load_processor, torch_dtype
 from wicore.engines.fast.device_handles import Readback
 from wicore.engines.fast.engine_stats import EngineStats
@@ -33,15 +35,15 @@ from wicore.engines.fast.image_stage import ImageStage
 from wicore.engines.fast.kv_budget import plan_pages
 from wicore.engines.fast.model.weights import load_gemma3
 from wicore.engines.fast.model_runner import ModelRunner
-from wicore.engines.fast.options import FastOptions
 from wicore.engines.fast.prompt_inputs import InputProcessor
 from wicore.engines.fast.sampler import Sampler
-from wicore.engines.fast.sequence import Sequence
+from wicore.engines.fast.sequence import SeqStatus, Sequence
 from wicore.engines.fast.step_planner import StepPlanner
 from wicore.engines.kvcache.block_manager import BlockManager
 from wicore.engines.kvcache.kv_layout import KVLayout
 from wicore.engines.kvcache.kv_setup import build_prefix_cache, build_tiers
 from wicore.engines.kvcache.prefix_keys import PromptKeyer, model_fingerprint
+from wicore.engines.pending import Pending
 from wicore.engines.text import finish_sequence, first_stop, stop_token_ids
 from wicore.errors import JobInputError, PromptTooLong
 
@@ -55,52 +57,49 @@ class FastEngine(Engine):
 
     def __init__(self, config: EngineConfig):
         super().__init__(config)
-        self.options = FastOptions.parse(config.options)
-        if not config.cache:  # `--no-cache`: no prefix KV cache either
-            self.options = replace(self.options, prefix_cache=False, disk_cache_dir=None)
         device = torch.device(config.device)
-        self.cuda = device.type == "cuda"
-        threads = self.options.intra_op_threads(self.cuda)
-        if threads is not None:
-            torch.set_num_threads(threads)  # process-wide: a worker process runs one engine
         processor = load_processor(config.model_dir)
         self.tokenizer = processor.tokenizer
         self.eos_ids = stop_token_ids(config.model_dir, self.tokenizer)
         parts = load_gemma3(config.model_dir, device, config.dtype, config.seed)
+        self.resolved = config.options.resolve(
+            cuda=device.type == "cuda",
+            model_limit=parts.config.text_config.max_position_embeddings,
+            max_batch_size=config.max_batch_size,
+            cache=config.cache,
+        )
+        opts = self.resolved
+        self.max_len = opts.max_model_len
+        if opts.torch_threads is not None:
+            torch.set_num_threads(opts.torch_threads)  # process-wide: a worker process runs one engine
         self.inputs = InputProcessor(processor, parts.image_token_id, parts.tokens_per_image)
-        self.max_len = self.options.model_len(parts.config.text_config.max_position_embeddings)
-        self.prefill_tokens = self.options.prefill_tokens(self.max_len)
         self.runner, self.blocks = self._device_state(parts, device)
         text = parts.config.text_config
         layout = self.runner.layout
-        self.tiers = build_tiers(self.runner.cache, self.options, self.cuda, text.num_key_value_heads, text.head_dim)
+        self.tiers = build_tiers(self.runner.cache, opts, text.num_key_value_heads, text.head_dim)
         model_id = model_fingerprint(config.model_dir, config.dtype, layout)  # salts every key
-        self.keyer = PromptKeyer(model_id, self.options.block_size, parts.tokens_per_image)
-        vision_batch = self.options.vision_batch(self.cuda)
+        self.keyer = PromptKeyer(model_id, opts.block_size, parts.tokens_per_image)
         self.planner = StepPlanner(
             layout,
             self.blocks,
             config.max_batch_size,
-            vision_batch,
-            self.prefill_tokens,
+            opts.vision_batch_size,
+            opts.max_prefill_tokens,
             self.tiers.holds,
-            self.options.prefix_split_images,
+            opts.prefix_split_images,
         )
-        threads = self.options.threads(self.cuda)
+        threads = opts.preprocess_threads
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="wicore-pixels") if threads else None
         self.rng = random.Random(config.seed)  # seeds for sampled requests that bring none
-        self.images = ImageStage(
-            self.runner, self.inputs, self.pool, self.options.vision_cache(self.cuda, config.cache)
-        )
+        self.images = ImageStage(self.runner, self.inputs, self.pool, opts.vision_cache_bytes)
         self.readbacks: deque[Readback] = deque()
-        self.unfinished: set[Sequence] = set()  # added and not yet returned
         self.counters = EngineStats()
 
     def _device_state(self, parts, device) -> tuple[ModelRunner, BlockManager]:
         """The model runner with its KV cache sized and (CUDA) its graphs captured."""
-        opts, config = self.options, self.config
+        opts, config = self.resolved, self.config
         text = parts.config.text_config
-        layout = KVLayout.build(text, opts.block_size, self.max_len)
+        layout = KVLayout.build(text, opts.block_size, opts.max_model_len)
         sampler = Sampler(text.vocab_size, self.eos_ids, device)
         runner = ModelRunner(
             parts,
@@ -111,30 +110,26 @@ class FastEngine(Engine):
             torch_dtype(config.dtype),
             opts.overlap_vision,
             pixel_lut=self.inputs.pixel_spec.lut,
-            paged_suffix=opts.paged_suffix(self.cuda),
+            paged_suffix=opts.paged_prefill_tokens,
         )
-        vision_batch = opts.vision_batch(self.cuda)
-        compile_vision, compile_text = opts.compiles(self.cuda)
-        if compile_vision:
-            runner.compile_vision(vision_batch)
-        if compile_text:
+        if opts.compile_vision:
+            runner.compile_vision(opts.vision_batch_size)
+        if opts.compile_text:
             runner.compile_text()
         num_pages = plan_pages(
             runner,
             override=opts.num_kv_blocks,
             max_batch=config.max_batch_size,
-            max_len=self.max_len,
-            vision_batch=vision_batch,
-            prefill_tokens=self.prefill_tokens,
+            max_len=opts.max_model_len,
+            vision_batch=opts.vision_batch_size,
+            prefill_tokens=opts.max_prefill_tokens,
             utilization=opts.gpu_memory_utilization,
-            reserve=opts.vision_cache(self.cuda, config.cache),
+            reserve=opts.vision_cache_bytes,
         )
         runner.allocate_cache(num_pages)
-        if self.cuda and opts.cuda_graphs:
-            runner.capture_graphs(
-                opts.graph_sizes(config.max_batch_size), opts.prefill_graph_sizes(self.prefill_tokens)
-            )
-        if self.cuda:
+        if opts.cuda_graphs:
+            runner.capture_graphs(list(opts.graph_batch_sizes), list(opts.graph_prefill_tokens))
+        if opts.cuda:
             torch.cuda.synchronize()  # setup ran on the default stream; steps run on others
         return runner, BlockManager(num_pages, build_prefix_cache(opts, num_pages, layout))
 
@@ -154,7 +149,6 @@ class FastEngine(Engine):
                 rejected.append(failed(seq.id, bad[id(seq)], input_error=True))
                 continue
             self.planner.add(seq)
-            self.unfinished.add(seq)
         self.counters.rejected += len(rejected)
         return rejected
 
@@ -164,7 +158,23 @@ class FastEngine(Engine):
         self.images.attach_shared(store)
 
     def num_unfinished(self) -> int:
-        return len(self.unfinished)
+        return self.planner.num_unfinished
+
+    def abort(self, request_ids: Iterable[str]) -> list[Completion]:
+        """Stop requests between steps: a waiting one leaves the queue, an admitted one gives its
+        row and pages back now (a decode still in flight for it runs; its token is dropped). One
+        whose cached blocks other sequences wait to read stops once its prefill is launched and
+        its completion comes from that `step`. Ids it does not hold are ignored."""
+        wanted = set(request_ids)
+        done = []
+        for seq in self.planner.sequences():
+            if seq.id not in wanted or seq.abort_requested:
+                continue
+            if seq.cache.others_wait:
+                seq.abort_requested = True  # `_step` stops it after its prefill
+            else:
+                done.append(self._abort(seq))
+        return done
 
     def step(self) -> list[Completion]:
         done: list[Completion] = []
@@ -172,26 +182,18 @@ class FastEngine(Engine):
             with self.runner.on_main_stream():
                 self._step(done)
         except Exception as error:  # a device failure must not take the worker down
-            log.exception("fast engine step failed; failing %d requests", len(self.unfinished))
+            log.exception("fast engine step failed; failing %d requests", self.num_unfinished())
             done += self._fail_all(error)
         return done
+
+    def describe(self) -> dict:
+        return {**super().describe(), **asdict(self.resolved)}
 
     def stats(self) -> dict:
         report = self.counters.report(self.runner, self.blocks, self.planner)
         report = {**super().stats(), **report, **self.images.stats(), **self.tiers.counters()}
         report["cache"] = self.tiers.cache_stats(self.blocks.cache).to_dict()  # prefix KV tiers
         return report
-
-    def measure_restore(self, num_blocks: int, repeats: int = 3) -> float:
-        """Bytes/s of restoring `num_blocks` KV blocks from the pinned host tier into free pages,
-        end to end (compare with `measure_h2d`). Run it on an idle engine."""
-        with torch.inference_mode(), self.runner.on_main_stream():
-            return measure_restore(self.runner.cache, self.blocks, self.tiers.block_shape, num_blocks, repeats)
-
-    def measure_h2d(self, num_bytes: int, repeats: int = 3) -> float:
-        """Bytes/s of one plain pinned host->device copy of `num_bytes`."""
-        with self.runner.on_main_stream():
-            return measure_h2d(num_bytes, self.runner.device, repeats)
 
     def close(self) -> None:
         """Give the device memory back now: the KV pool, graphs and weights are also reachable
@@ -215,9 +217,10 @@ class FastEngine(Engine):
         self.tiers.prefetch(self.planner.waiting, self.blocks.cache)
         # A full vision batch may queue behind another; a partial one only goes when no vision
         # work is queued (the device would idle), so the tower mostly runs full, compiled batches.
-        vision = self.planner.schedule_vision(VISION_IN_FLIGHT - len(self.images.jobs), not self.images.jobs)
+        queued = self.images.num_queued
+        vision = self.planner.schedule_vision(VISION_IN_FLIGHT - queued, allow_partial=not queued)
         for seq in self.planner.take_admitted():
-            self.runner.set_table(seq.row, seq.table)
+            self.runner.set_table(seq.kv.row, seq.kv.table)
             self.tiers.start(seq)  # reads host slots before `demote` may reuse them
         self.tiers.demote(self.blocks.take_evicted())  # before anything writes the reused pages
         if vision:
@@ -237,6 +240,7 @@ class FastEngine(Engine):
             self.readbacks.append(self.runner.prefill(prefill))
             self.counters.record_prefill(prefill)
             self.planner.prefilled(prefill)
+            done += [self._abort(seq) for seq in prefill if seq.abort_requested]
             launched += 1
         finished = self._read_tokens(keep=launched, done=done)
         if not launched and not finished:
@@ -251,39 +255,44 @@ class FastEngine(Engine):
         while len(self.readbacks) > keep:
             readback = self.readbacks.popleft()
             for seq, token in zip(readback.seqs, readback.tokens(), strict=True):
-                if not seq.finished and self._append(seq, token):
+                if not seq.ended and self._append(seq, token):
                     done.append(self._finish(seq))
                     ended += 1
         return ended
 
     def _append(self, seq: Sequence, token: int) -> bool:
         """Record a token; True when the sequence ends with it."""
-        seq.generated.append(token)
+        generated = seq.tokens.generated
+        generated.append(token)
         params = seq.request.params
-        if len(seq.generated) >= seq.max_new or (not params.ignore_eos and token in self.eos_ids):
+        if len(generated) >= seq.max_new or (not params.ignore_eos and token in self.eos_ids):
             return True
         if params.stop:
-            text = self.tokenizer.decode(seq.generated, skip_special_tokens=True)
+            text = self.tokenizer.decode(generated, skip_special_tokens=True)
             return first_stop(text, params.stop) is not None
         return False
 
     def _finish(self, seq: Sequence) -> Completion:
-        seq.finished = True
-        ids, text, reason = finish_sequence(self.tokenizer, seq.generated, seq.request.params, self.eos_ids)
+        ids, text, reason = finish_sequence(self.tokenizer, seq.tokens.generated, seq.request.params, self.eos_ids)
         self.planner.finish(seq)
-        self.unfinished.discard(seq)
         self.counters.record_finish(len(ids))
         return Completion(seq.id, text, ids, reason, prompt_tokens=seq.prompt_len, engine_s=seq.age())
+
+    def _abort(self, seq: Sequence) -> Completion:
+        self.images.drop(seq)
+        self.planner.finish(seq, SeqStatus.ABORTED)
+        self.counters.aborted += 1
+        return aborted(seq.id, prompt_tokens=seq.prompt_len, engine_s=seq.age())
 
     def _wait_for_work(self) -> None:
         """Nothing ran this step: wait (briefly, so the worker can keep admitting) for what
         everything waits on instead of spinning."""
-        if self.images.jobs:
-            self.images.jobs[0].wait(IDLE_WAIT_S)
+        if self.images.num_queued:
+            self.images.wait(IDLE_WAIT_S)
         elif self.readbacks:
             self.readbacks[0].tokens()
-        elif self.planner.waiting and isinstance(self.planner.waiting[0].pixels, Future):
-            wait([self.planner.waiting[0].pixels], timeout=IDLE_WAIT_S)  # FIFO: the head decides
+        elif self.planner.waiting:
+            self.planner.waiting[0].vision.pixels.wait(IDLE_WAIT_S)  # FIFO: the head decides
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -299,7 +308,7 @@ class FastEngine(Engine):
         if not self.planner.fits_ever(total):
             raise PromptTooLong(f"a {total}-token sequence does not fit in the KV cache")
         seed = params.seed if params.seed is not None else self.rng.getrandbits(63)
-        seq = Sequence(request, prompt, None, seed)  # pixels or cached embeddings: ImageStage.prepare
+        seq = Sequence(request, prompt, seed)  # pixels or cached embeddings: ImageStage.prepare
         self._key(seq)
         return seq
 
@@ -310,26 +319,19 @@ class FastEngine(Engine):
             return
         job = partial(self.keyer, seq.request, seq.prompt)
         hash_pixels = seq.request.images and not seq.request.image_hashes
-        seq.prefix_keys = self.pool.submit(job) if self.pool is not None and hash_pixels else job()
-        seq.disk_lookup = self.tiers.disk is not None
+        seq.cache.keys = Pending(self.pool.submit(job)) if self.pool is not None and hash_pixels else Pending.now(job())
+        seq.cache.disk_lookup = self.tiers.disk is not None
 
     def _fail_unreadable_images(self, done: list[Completion]) -> None:
         """Images that failed to preprocess, at the head of the queue (admission stops there)."""
-        waiting = self.planner.waiting
-        while waiting and waiting[0].pixels_failed:
-            seq = waiting.popleft()
-            self.unfinished.discard(seq)
-            done.append(failed(seq.id, f"image preprocessing failed: {seq.pixels.exception()}", input_error=True))
+        for seq in self.planner.drop_unreadable():
+            error = seq.vision.pixels.error
+            done.append(failed(seq.id, f"image preprocessing failed: {error}", input_error=True))
 
     def _fail_all(self, error: Exception) -> list[Completion]:
-        for seq in list(self.planner.admitted):
-            self.planner.finish(seq)
+        seqs = self.planner.fail_all()
         self.tiers.reset()
         self.blocks.drop_cache()  # blocks being written when the step failed are suspect
-        self.planner.waiting.clear()
-        self.images.jobs.clear()
-        self.images.in_flight.clear()
+        self.images.reset()
         self.readbacks.clear()
-        done = [failed(seq.id, error, input_error=False) for seq in self.unfinished]
-        self.unfinished.clear()
-        return done
+        return [failed(seq.id, error, input_error=False) for seq in seqs]

@@ -22,13 +22,14 @@ class EngineStats:
     eager_decodes: int = 0
     finished: int = 0
     rejected: int = 0
+    aborted: int = 0
     decode_batch_sizes: Counter = field(default_factory=Counter)  # batch size -> steps
 
     def record_prefill(self, seqs) -> None:
         self.prefill_batches += 1
         self.prefilled += len(seqs)
         self.prompt_tokens += sum(s.prompt_len for s in seqs)
-        self.cached_prompt_tokens += sum(s.prefix_len for s in seqs)
+        self.cached_prompt_tokens += sum(s.cache.prefix_len for s in seqs)
 
     def record_decode(self, batch: int, graphed: bool) -> None:
         self.decode_steps += 1
@@ -60,6 +61,7 @@ class EngineStats:
             "generated_tokens": self.generated_tokens,
             "finished": self.finished,
             "rejected": self.rejected,
+            "aborted": self.aborted,
             "mean_decode_batch": mean_batch,
             "max_decode_batch": max(self.decode_batch_sizes, default=0),
             "decode_batch_sizes": dict(sorted(self.decode_batch_sizes.items())),

@@ -15,7 +15,7 @@ nothing is shared or cached.
 from __future__ import annotations
 
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -23,6 +23,7 @@ import torch
 from wicore.engines.fast.device_handles import VisionJob
 from wicore.engines.fast.prompt_inputs import InputProcessor
 from wicore.engines.fast.sequence import SeqStatus, Sequence
+from wicore.engines.pending import Pending
 from wicore.engines.vision_cache import EmbeddingStore, LocalVisionCache, VisionCache
 from wicore.errors import JobInputError
 
@@ -32,7 +33,7 @@ class ImageStage:
         self.runner, self.inputs, self.pool = runner, inputs, pool
         self.cache = VisionCache(LocalVisionCache(cache_bytes), device=str(runner.device)) if cache_bytes else None
         self.jobs: deque[VisionJob] = deque()
-        self.pending_pixels: dict[str, Future] = {}  # image hash -> its resize, while unencoded
+        self.pending_pixels: dict[str, Pending] = {}  # image hash -> its resize, while unencoded
         self.in_flight: dict[str, tuple[VisionJob, int]] = {}  # image hash -> (job, row of its output)
         self.encoded = 0  # images through the tower (the rest came from the cache or a batch mate)
 
@@ -51,31 +52,31 @@ class ImageStage:
         for seq in seqs:
             seq_keys = seq.image_keys
             if seq.num_images and all(k in cached for k in seq_keys):
-                seq.image_embeds = torch.stack([cached[k] for k in seq_keys])  # [n, tokens, hidden]
-                seq.pixels = self.inputs.resized([])  # uint8 [0, H, W, 3]: nothing to encode
+                seq.vision.embeds = torch.stack([cached[k] for k in seq_keys])  # [n, tokens, hidden]
+                seq.vision.pixels = Pending.now(self.inputs.resized([]))  # uint8 [0, H, W, 3]: nothing to encode
                 continue
             try:
-                seq.pixels = self._pixels(seq, seq_keys)
+                seq.vision.pixels = self._pixels(seq, seq_keys)
             except JobInputError as error:
                 failures.append((seq, error))
         return failures
 
-    def _pixels(self, seq: Sequence, keys: list[str | None]) -> np.ndarray | Future:
-        """The sequence's resized images, uint8 [num_images, H, W, 3] (a Future in the pool)."""
+    def _pixels(self, seq: Sequence, keys: list[str | None]) -> Pending[np.ndarray]:
+        """The sequence's resized images, uint8 [num_images, H, W, 3] (made in the pool)."""
         if not seq.num_images:
-            return self.inputs.resized([])
+            return Pending.now(self.inputs.resized([]))
         if self.pool is None:
             try:
-                return self.inputs.resized(seq.request.images)
+                return Pending.now(self.inputs.resized(seq.request.images))
             except Exception as error:
                 raise JobInputError(f"image preprocessing failed: {error}") from error
         key = keys[0] if len(keys) == 1 else None
         if key is not None and key in self.pending_pixels:
             return self.pending_pixels[key]
-        future = self.pool.submit(self.inputs.resized, seq.request.images)
+        pixels = Pending(self.pool.submit(self.inputs.resized, seq.request.images))
         if key is not None:
-            self.pending_pixels[key] = future
-        return future
+            self.pending_pixels[key] = pixels
+        return pixels
 
     # -- launch and completion ----------------------------------------------------------------
 
@@ -90,7 +91,7 @@ class ImageStage:
                     job, row = self.in_flight[k]
                     job.attached.append((seq, [row]))
             elif self._cached_since_add(seq, keys):
-                seq.status = SeqStatus.READY
+                seq.move(SeqStatus.PREFILL)
             else:
                 fresh.append(seq)
         if not fresh:
@@ -103,14 +104,14 @@ class ImageStage:
         local = self.cache.local if self.cache is not None else None
         if local is None or not keys or not all(k is not None and k in local for k in keys):
             return False
-        seq.image_embeds = torch.stack([local.get(k) for k in keys])
+        seq.vision.embeds = torch.stack([local.get(k) for k in keys])
         return True
 
     def _encode(self, seqs: list[Sequence]) -> VisionJob:
         rows: dict[str, int] = {}
         arrays, keys, members = [], [], []
         for seq in seqs:
-            pixels, indices = seq.pixel_array(), []
+            pixels, indices = seq.vision.pixels.value, []
             for i, key in enumerate(seq.image_keys):
                 if key is None or key not in rows:
                     if key is not None:
@@ -124,8 +125,8 @@ class ImageStage:
         embeds, event = self.runner.encode_images(arrays)
         job = VisionJob([], event, embeds=embeds, keys=keys)
         for seq, indices in members:
-            seq.image_embeds = self.runner.take(embeds, indices)
-            seq.vision_event = event
+            seq.vision.embeds = self.runner.take(embeds, indices)
+            seq.vision.event = event
             job.seqs.append(seq)
         for key in rows:
             self.in_flight[key] = (job, rows[key])
@@ -140,15 +141,38 @@ class ImageStage:
         while self.jobs and self.jobs[0].done():
             job = self.jobs.popleft()
             for seq in job.seqs:
-                seq.status = SeqStatus.READY
+                seq.move(SeqStatus.PREFILL)
             for seq, indices in job.attached:
-                seq.image_embeds = job.embeds[indices]
-                seq.status = SeqStatus.READY
+                seq.vision.embeds = job.embeds[indices]
+                seq.move(SeqStatus.PREFILL)
             fresh = {k: job.embeds[row].clone() for row, k in enumerate(job.keys) if k is not None}
             for key in fresh:
                 self.in_flight.pop(key, None)
             if self.cache is not None and fresh:
                 self.cache.put_many(fresh)
+
+    @property
+    def num_queued(self) -> int:
+        """Vision batches launched and not collected yet."""
+        return len(self.jobs)
+
+    def wait(self, timeout: float) -> None:
+        """Until the oldest vision batch is done, or `timeout` seconds."""
+        if self.jobs:
+            self.jobs[0].wait(timeout)
+
+    def drop(self, seq: Sequence) -> None:
+        """A sequence that stops: it leaves the vision batches it waits on (they still run and
+        cache their embeddings for others) and lets go of its embeddings."""
+        for job in self.jobs:
+            job.seqs = [s for s in job.seqs if s is not seq]
+            job.attached = [(s, rows) for s, rows in job.attached if s is not seq]
+        seq.vision.embeds, seq.vision.event = None, None
+
+    def reset(self) -> None:
+        """Forget the vision batches in flight (after a failed step)."""
+        self.jobs.clear()
+        self.in_flight.clear()
 
     def stats(self) -> dict:
         out = {"images_encoded": self.encoded}

@@ -242,19 +242,19 @@ class ModelRunner:
     def _image_embeds(self, seqs: list[Sequence]) -> torch.Tensor | None:
         """The suffixes' image embeddings [image tokens, hidden] (`suffix_image_embeds` order),
         made on the vision stream: this stream waits for them and the sequences let go."""
-        for event in {id(s.vision_event): s.vision_event for s in seqs if s.vision_event is not None}.values():
+        for event in {id(s.vision.event): s.vision.event for s in seqs if s.vision.event is not None}.values():
             torch.cuda.current_stream().wait_event(event)  # normally complete already
         embeds = suffix_image_embeds(seqs)  # images whose tokens are cached need none
         if self.cuda:
             for s in seqs:  # made on the side stream, read here on the main one
                 if s.images_in_suffix:
-                    s.image_embeds.record_stream(torch.cuda.current_stream())
+                    s.vision.embeds.record_stream(torch.cuda.current_stream())
         for seq in seqs:
-            seq.image_embeds, seq.vision_event = None, None
+            seq.vision.embeds, seq.vision.event = None, None
         return torch.cat(embeds) if embeds else None
 
     def paged_prefill_hidden(self, columns: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """columns [SLOTS + groups, N] int64 on the device (`prefill_inputs.paged_columns`), x
+        """columns [SLOTS + groups, N] int64 on the device (`prefill_batch.paged_columns`), x
         [N, hidden] input embeddings -> final-normed hidden states [N, hidden]. Graph-capturable."""
         positions = columns[POSITIONS]
         tiles = (columns[TILE_FIRST], columns[TILE_COUNT], self.tile_tokens)
@@ -292,7 +292,7 @@ class ModelRunner:
     def decode(self, seqs: list[Sequence]) -> tuple[Readback, bool]:
         """One token for each sequence; returns the readback and whether a graph ran."""
         mark = self.clock.start()
-        rows = [s.row for s in seqs]
+        rows = [s.kv.row for s in seqs]
         positions = [s.next_position for s in seqs]
         graphed = self.decode_graphs is not None and self.decode_graphs.fits(len(seqs))
         if graphed:
@@ -300,7 +300,7 @@ class ModelRunner:
             logits = self.decode_graphs.replay(upload(columns, self.device))[: len(seqs)]
         else:
             logits = self.decode_logits(_tensor(rows, self.device), _tensor(positions, self.device))
-        readback = self._sample(seqs, logits, [s.launched for s in seqs])
+        readback = self._sample(seqs, logits, [s.tokens.launched for s in seqs])
         self.clock.stop("decode", mark)
         return readback, graphed
 
@@ -317,9 +317,9 @@ class ModelRunner:
         params = [s.request.params for s in seqs]
         batch = SamplingBatch.build(params, [s.seed for s in seqs], indices, self.device)
         tokens = self.sampler(logits, batch)
-        self.last_token.index_copy_(0, _tensor([s.row for s in seqs], self.device), tokens)
+        self.last_token.index_copy_(0, _tensor([s.kv.row for s in seqs], self.device), tokens)
         for seq in seqs:
-            seq.launched += 1
+            seq.tokens.launched += 1
         return Readback.start(seqs, tokens)
 
 

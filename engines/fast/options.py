@@ -1,199 +1,255 @@
-"""The `fast` engine's options (`EngineConfig.options`), validated: unknown keys and bad values
-raise ConfigError instead of being dropped."""
+"""The `fast` engine's options and their resolution.
+
+`FastOptions` is what a user sets (the settings' `[engine]` section, core/config.py): typed,
+documented, strict (`true`, not `1` or `"yes"`), unknown keys rejected. A default that depends on
+the device or the model is `None` here; `FastOptions.resolve` fixes every one of them once, into
+a frozen `ResolvedFastConfig` of plain values that the engine and its parts read. This module
+imports neither torch nor Redis: the settings import it.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
-from typing import Any
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from wicore.errors import ConfigError
 
 DEFAULT_MAX_MODEL_LEN = 8192  # caps the per-sequence block table width (the model allows 131k)
+DEFAULT_MAX_PREFILL_TOKENS = 16384
 DEFAULT_HOST_CACHE_BYTES = 4 * 2**30  # pinned host tier on CUDA
 DEFAULT_DISK_CACHE_BYTES = 32 * 2**30
-CACHE_POLICIES = ("lru", "a2cr")
+DECODE_GRAPH_SIZES = (1, 2, 4, 8)  # then every multiple of 16 up to the batch size
+PREFILL_GRAPH_TOKENS = (64, *range(128, 2049, 128))  # a short prefill pads by at most 128 tokens
+
+PositiveInt = Annotated[int, Field(ge=1)]
 
 
-@dataclass(frozen=True)
-class FastOptions:
-    block_size: int = 16  # tokens per KV page (a power of two)
-    max_model_len: int | None = None  # prompt + new tokens; default min(model limit, 8192)
-    gpu_memory_utilization: float = 0.9  # share of the GPU the engine may fill (weights + KV + work)
-    num_kv_blocks: int | None = None  # KV pages in the pool; default: sized from free memory (CUDA)
-    cuda_graphs: bool = True  # capture decode and short prefills per size bucket (CUDA only)
-    graph_batch_sizes: tuple[int, ...] | None = None  # default [1, 2, 4, 8] + multiples of 16
-    # Token-count buckets of the graphs for short prefills (`paged_prefill_tokens`); () captures
-    # none. Default: 64, then multiples of 128 up to 2048 (capped by max_prefill_tokens).
-    graph_prefill_tokens: tuple[int, ...] | None = None
-    # A sequence whose prefill computes at most this many tokens (a follow-up question over a
-    # cached image, a short prompt) attends over its pages alone (paged attention, CUDA graphs
-    # per token bucket: its launch costs far less host time); longer ones take the dense
-    # prefill's larger attention tiles. 0: always dense. Default: 128 on CUDA, 0 on CPU (the CPU
-    # paged attention is a per-token reference loop).
-    paged_prefill_tokens: int | None = None
-    vision_batch_size: int | None = None  # images per vision-tower call; default 32 CUDA, 8 CPU
-    compile_vision: bool | None = None  # inductor for the vision tower's full batches; default: on CUDA
-    compile_text: bool | None = None  # inductor for the decoder layers' dense parts; default: on CUDA
-    # Vision on a side stream beside prefill/decode. The tower's GEMMs slow the decode steps that
-    # overlap them (11 -> ~33 ms on an H100), but the device idles less: the cached VQA benchmark
-    # ran ~5% faster, uncached and bulk captioning as fast (bench/NOTES.md). Off: one stream.
-    overlap_vision: bool = True
-    max_prefill_tokens: int | None = None  # prefill batch x longest prompt; default max(16384, max_model_len)
-    vision_cache_bytes: int | None = None  # device memory for cached image embeddings; 0 = off
-    preprocess_threads: int | None = None  # threads resizing images; default 8 CUDA, 0 (inline) CPU
-    # torch's intra-op (OpenMP) threads in this process. Default on CUDA: 1, as vLLM's GPU workers
-    # do: the device does the math, and OpenMP workers spinning after each host copy take cores
-    # from the pixel threads and the thread that launches the kernels (the cached VQA benchmark:
-    # ~7.0 -> ~6.6 s; bench/NOTES.md run 57). CPU engines keep torch's default.
-    torch_threads: int | None = None
-    # Prefix KV cache across requests (engines/kvcache/README.md): full prompt blocks stay in the
-    # GPU pool after their sequence ends, move down to a pinned host tier and a disk tier under
-    # pressure and come back on a hit.
-    prefix_cache: bool = True
-    # Pinned host tier; default 4 GiB on CUDA, 0 (off) on CPU. PyTorch's pinned allocator rounds
-    # an allocation up to a power of two: 24 GiB pins 32 GiB.
-    host_cache_bytes: int | None = None
-    disk_cache_dir: str | None = None  # disk tier folder (one engine process per folder); None: off
-    disk_cache_bytes: int = DEFAULT_DISK_CACHE_BYTES
-    cache_policy: str = "a2cr"  # eviction order of every tier: "a2cr" (cost-aware, frequency) or "lru"
-    # A cached prefix may end inside an image (the rest of its soft tokens are prefilled from its
-    # embeddings: the vision tower or the vision cache). Off: matches are cut back to the image's
-    # start (issue 5), so questions about one image share its blocks only when the image ends
-    # on a block boundary shared by their prompts.
-    prefix_split_images: bool = False
+class FastOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    block_size: int = Field(16, ge=1, description="Tokens per KV page (a power of two). Default 16.")
+    max_model_len: int | None = Field(
+        None, ge=1, description="Longest prompt + new tokens of one sequence. Default: min(the model's limit, 8192)."
+    )
+    gpu_memory_utilization: float = Field(
+        0.9, gt=0, le=1, description="Share of the GPU the engine may fill: weights + KV + work space. Default 0.9."
+    )
+    num_kv_blocks: int | None = Field(
+        None, ge=1, description="KV pages in the pool. Default: as many as fit in the free device memory."
+    )
+    cuda_graphs: bool = Field(
+        True, description="Capture decode and short prefills as CUDA graphs per size bucket (CUDA only). Default on."
+    )
+    graph_batch_sizes: tuple[PositiveInt, ...] | None = Field(
+        None, min_length=1, description="Decode batch-size buckets. Default: 1, 2, 4, 8, then multiples of 16."
+    )
+    graph_prefill_tokens: tuple[PositiveInt, ...] | None = Field(
+        None,
+        description="Token-count buckets of the short-prefill graphs; [] captures none. "
+        "Default: 64, then multiples of 128 up to 2048 (capped by max_prefill_tokens).",
+    )
+    paged_prefill_tokens: int | None = Field(
+        None,
+        ge=0,
+        description="A prefill that computes at most this many tokens (a follow-up question over a cached image, "
+        "a short prompt) attends over its pages alone: paged attention, CUDA graphs per token bucket, far less "
+        "host time per launch. Longer ones take the dense prefill's larger tiles. 0: always dense. "
+        "Default: 128 on CUDA, 0 on CPU (the CPU paged attention is a per-token reference loop).",
+    )
+    vision_batch_size: int | None = Field(
+        None, ge=1, description="Images per vision-tower call. Default: 32 on CUDA, 8 on CPU."
+    )
+    compile_vision: bool | None = Field(
+        None,
+        description="Inductor for the vision tower's full batches. Default: on CUDA only, where the fused kernels "
+        "pay for the ~1 minute of compiling at start-up.",
+    )
+    compile_text: bool | None = Field(
+        None, description="Inductor for the decoder layers' dense parts. Default: on CUDA only (as compile_vision)."
+    )
+    overlap_vision: bool = Field(
+        True,
+        description="Run the vision tower on a side stream beside prefill/decode. Its GEMMs slow the decode steps "
+        "they overlap, but the device idles less (the cached VQA benchmark ran ~5% faster; docs/performance.md). "
+        "Off: one stream. Default on.",
+    )
+    max_prefill_tokens: int | None = Field(
+        None, ge=1, description="Prefill batch x longest prompt. Default: max(16384, max_model_len)."
+    )
+    vision_cache_bytes: int | None = Field(
+        None,
+        ge=0,
+        description="Device memory for cached image embeddings (a 4B image: 256 x 2560 bf16 = 1.3 MB); 0: off. "
+        "Default: 2 GiB on CUDA, 64 MiB on CPU.",
+    )
+    preprocess_threads: int | None = Field(
+        None,
+        ge=0,
+        description="Threads resizing images (PIL releases the GIL; ~25 ms of CPU per 896 px image, so a GPU serving "
+        "~60 images/s needs several cores). 0: inline. Default: 8 on CUDA, 0 on CPU.",
+    )
+    torch_threads: int | None = Field(
+        None,
+        ge=1,
+        description="torch's intra-op (OpenMP) threads in the engine's process. Default: 1 on CUDA, as vLLM's GPU "
+        "workers do (OpenMP workers spinning after each host copy take cores from the pixel threads and the "
+        "launching thread; docs/performance.md); CPU engines keep torch's default.",
+    )
+    prefix_cache: bool = Field(
+        True,
+        description="Prefix KV cache across requests (engines/kvcache/README.md): full prompt blocks stay in the GPU "
+        "pool after their sequence ends, move down to the host and disk tiers under pressure and come back on a "
+        "hit. Default on.",
+    )
+    host_cache_bytes: int | None = Field(
+        None,
+        ge=0,
+        description="Pinned host tier of the prefix cache; 0: none. PyTorch's pinned allocator rounds up to a power "
+        "of two (24 GiB pins 32 GiB). Default: 4 GiB on CUDA, 0 on CPU.",
+    )
+    disk_cache_dir: str | None = Field(
+        None,
+        min_length=1,
+        description="Disk tier folder of the prefix cache (one engine process per folder); needs a host tier. "
+        "Default: none.",
+    )
+    disk_cache_bytes: int = Field(DEFAULT_DISK_CACHE_BYTES, ge=1, description="Disk tier size. Default 32 GiB.")
+    cache_policy: Literal["lru", "a2cr"] = Field(
+        "a2cr", description="Eviction order of every tier: a2cr (cost-aware, frequency) or lru. Default a2cr."
+    )
+    prefix_split_images: bool = Field(
+        False,
+        description="Let a cached prefix end inside an image (the rest of its soft tokens prefill from its "
+        "embeddings). Off: matches are cut back to the image's start, so questions about one image share its "
+        "blocks only when the image ends on a block boundary. Default off.",
+    )
+
+    @field_validator("graph_batch_sizes", "graph_prefill_tokens", mode="before")
+    @classmethod
+    def _list_as_tuple(cls, value: Any) -> Any:
+        return tuple(value) if isinstance(value, list) else value  # TOML and JSON give lists
+
+    @field_validator("block_size")
+    @classmethod
+    def _power_of_two(cls, value: int) -> int:
+        if value & (value - 1):
+            raise ValueError(f"must be a power of two, got {value}")
+        return value
+
+    @model_validator(mode="after")
+    def _disk_needs_host_tier(self) -> FastOptions:
+        if self.disk_cache_dir is not None and (self.host_cache_bytes == 0 or not self.prefix_cache):
+            raise ValueError("disk_cache_dir needs prefix_cache and a host tier (host_cache_bytes > 0)")
+        return self
 
     @classmethod
     def parse(cls, options: dict[str, Any]) -> FastOptions:
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(options) - known)
-        if unknown:
-            raise ConfigError(f"unknown fast engine option(s) {unknown}; known: {sorted(known)}")
-        values = dict(options)
-        for name in ("graph_batch_sizes", "graph_prefill_tokens"):
-            if values.get(name) is not None:
-                values[name] = tuple(values[name])
-        parsed = cls(**values)
-        parsed._check()
-        return parsed
+        """Options from a plain dict; a bad one raises a one-line ConfigError naming its key."""
+        try:
+            return cls.model_validate(options)
+        except ValidationError as exc:
+            raise ConfigError.from_validation(exc, cls, "fast engine option") from None
 
-    def _check(self) -> None:
-        _positive_int("block_size", self.block_size)
-        if self.block_size & (self.block_size - 1):
-            raise ConfigError(f"block_size must be a power of two, got {self.block_size}")
-        if self.vision_cache_bytes is not None:
-            _int_at_least("vision_cache_bytes", self.vision_cache_bytes, 0)
-        for name in ("max_model_len", "num_kv_blocks", "vision_batch_size", "max_prefill_tokens"):
-            if getattr(self, name) is not None:
-                _positive_int(name, getattr(self, name))
-        if self.paged_prefill_tokens is not None:
-            _int_at_least("paged_prefill_tokens", self.paged_prefill_tokens, 0)
-        if self.preprocess_threads is not None:
-            _int_at_least("preprocess_threads", self.preprocess_threads, 0)
-        if self.torch_threads is not None:
-            _positive_int("torch_threads", self.torch_threads)
-        if isinstance(self.gpu_memory_utilization, bool) or not isinstance(self.gpu_memory_utilization, int | float):
-            raise ConfigError("gpu_memory_utilization must be a number")
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        self._check_cache()
-        for name in ("cuda_graphs", "overlap_vision", "prefix_cache", "prefix_split_images"):
-            if not isinstance(getattr(self, name), bool):
-                raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
-        for name in ("compile_vision", "compile_text"):
-            if getattr(self, name) not in (None, True, False):
-                raise ConfigError(f"{name} must be true, false or null, got {getattr(self, name)!r}")
+    def resolve(self, *, cuda: bool, model_limit: int, max_batch_size: int, cache: bool = True) -> ResolvedFastConfig:
+        """Every default fixed for this device and model. `cache=False` (`--no-cache`) turns off
+        the prefix and vision caches; `model_limit` is the model's position count."""
+        prefix_cache = self.prefix_cache and cache
+        model_len = self._model_len(model_limit)
+        prefill_tokens = self._prefill_tokens(model_len)
+        graphs = cuda and self.cuda_graphs
+        return ResolvedFastConfig(
+            cuda=cuda,
+            block_size=self.block_size,
+            max_model_len=model_len,
+            max_prefill_tokens=prefill_tokens,
+            gpu_memory_utilization=self.gpu_memory_utilization,
+            num_kv_blocks=self.num_kv_blocks,
+            cuda_graphs=graphs,
+            graph_batch_sizes=self._graph_sizes(max_batch_size) if graphs else (),
+            graph_prefill_tokens=self._prefill_graph_sizes(prefill_tokens) if graphs else (),
+            paged_prefill_tokens=_default(self.paged_prefill_tokens, 128 if cuda else 0),
+            vision_batch_size=_default(self.vision_batch_size, 32 if cuda else 8),
+            compile_vision=_default(self.compile_vision, cuda),
+            compile_text=_default(self.compile_text, cuda),
+            overlap_vision=self.overlap_vision,
+            vision_cache_bytes=self._vision_cache(cuda) if cache else 0,
+            preprocess_threads=_default(self.preprocess_threads, 8 if cuda else 0),
+            torch_threads=_default(self.torch_threads, 1 if cuda else None),
+            prefix_cache=prefix_cache,
+            host_cache_bytes=self._host_bytes(cuda) if prefix_cache else 0,
+            disk_cache_dir=self.disk_cache_dir if prefix_cache else None,
+            disk_cache_bytes=self.disk_cache_bytes,
+            cache_policy=self.cache_policy,
+            prefix_split_images=self.prefix_split_images,
+        )
+
+    def _model_len(self, model_limit: int) -> int:
+        length = _default(self.max_model_len, min(model_limit, DEFAULT_MAX_MODEL_LEN))
+        if length > model_limit:
+            raise ConfigError(f"max_model_len {length} exceeds the model's {model_limit} positions")
+        return length
+
+    def _prefill_tokens(self, model_len: int) -> int:
+        tokens = _default(self.max_prefill_tokens, max(DEFAULT_MAX_PREFILL_TOKENS, model_len))
+        if tokens < model_len:
+            raise ConfigError(f"max_prefill_tokens {tokens} must be >= max_model_len {model_len}")
+        return tokens
+
+    def _graph_sizes(self, max_batch_size: int) -> tuple[int, ...]:
+        """Decode batch-size buckets, ascending; a batch is padded up to the next one."""
         if self.graph_batch_sizes is not None:
-            if not self.graph_batch_sizes:
-                raise ConfigError("graph_batch_sizes must not be empty")
-            for size in self.graph_batch_sizes:
-                _positive_int("graph_batch_sizes entry", size)
-        for size in self.graph_prefill_tokens or ():
-            _positive_int("graph_prefill_tokens entry", size)
+            return tuple(sorted(set(self.graph_batch_sizes)))
+        sizes = {s for s in DECODE_GRAPH_SIZES if s < max_batch_size} | set(range(16, max_batch_size + 1, 16))
+        return tuple(sorted(sizes | {max_batch_size}))
 
-    def _check_cache(self) -> None:
-        if self.host_cache_bytes is not None:
-            _int_at_least("host_cache_bytes", self.host_cache_bytes, 0)
-        _positive_int("disk_cache_bytes", self.disk_cache_bytes)
-        if self.cache_policy not in CACHE_POLICIES:
-            raise ConfigError(f"cache_policy must be one of {list(CACHE_POLICIES)}, got {self.cache_policy!r}")
-        if self.disk_cache_dir is not None:
-            if not isinstance(self.disk_cache_dir, str) or not self.disk_cache_dir:
-                raise ConfigError(f"disk_cache_dir must be a folder path, got {self.disk_cache_dir!r}")
-            if self.host_cache_bytes == 0 or not self.prefix_cache:
-                raise ConfigError("disk_cache_dir needs prefix_cache and a host tier (host_cache_bytes > 0)")
+    def _prefill_graph_sizes(self, prefill_tokens: int) -> tuple[int, ...]:
+        """Token-count buckets of the paged-prefill graphs, ascending (empty: none)."""
+        if self.graph_prefill_tokens is not None:
+            return tuple(sorted(set(self.graph_prefill_tokens)))
+        return tuple(t for t in PREFILL_GRAPH_TOKENS if t <= prefill_tokens)
 
-    def host_bytes(self, cuda: bool) -> int:
-        """Bytes of the pinned host tier (0: none); on CPU a disk tier needs it set explicitly."""
-        if not self.prefix_cache:
-            return 0
+    def _vision_cache(self, cuda: bool) -> int:
+        return _default(self.vision_cache_bytes, 2 * 2**30 if cuda else 64 * 2**20)
+
+    def _host_bytes(self, cuda: bool) -> int:
         if self.host_cache_bytes is not None:
             return self.host_cache_bytes
         if self.disk_cache_dir is not None and not cuda:
             raise ConfigError("disk_cache_dir on CPU needs host_cache_bytes (the disk tier sits below the host tier)")
         return DEFAULT_HOST_CACHE_BYTES if cuda else 0
 
-    def model_len(self, model_limit: int) -> int:
-        length = self.max_model_len if self.max_model_len is not None else min(model_limit, DEFAULT_MAX_MODEL_LEN)
-        if length > model_limit:
-            raise ConfigError(f"max_model_len {length} exceeds the model's {model_limit} positions")
-        return length
 
-    def prefill_tokens(self, model_len: int) -> int:
-        tokens = self.max_prefill_tokens if self.max_prefill_tokens is not None else max(16384, model_len)
-        if tokens < model_len:
-            raise ConfigError(f"max_prefill_tokens {tokens} must be >= max_model_len {model_len}")
-        return tokens
+@dataclass(frozen=True)
+class ResolvedFastConfig:
+    """`FastOptions` with every default fixed for one device and model (FastOptions documents
+    each field). Without CUDA graphs the graph size tuples are empty."""
 
-    def graph_sizes(self, max_batch_size: int) -> list[int]:
-        """Decode batch-size buckets, ascending; a batch is padded up to the next one."""
-        if self.graph_batch_sizes is not None:
-            return sorted(set(self.graph_batch_sizes))
-        sizes = [s for s in [1, 2, 4, 8] if s < max_batch_size] + list(range(16, max_batch_size + 1, 16))
-        return sorted(set(sizes) | {max_batch_size})
-
-    def prefill_graph_sizes(self, prefill_tokens: int) -> list[int]:
-        """Token-count buckets of the paged-prefill graphs, ascending (empty: none)."""
-        if self.graph_prefill_tokens is not None:
-            return sorted(set(self.graph_prefill_tokens))
-        return [t for t in [64, *range(128, 2049, 128)] if t <= prefill_tokens]  # padding <= 128 tokens
-
-    def paged_suffix(self, cuda: bool) -> int:
-        if self.paged_prefill_tokens is not None:
-            return self.paged_prefill_tokens
-        return 128 if cuda else 0
-
-    def compiles(self, cuda: bool) -> tuple[bool, bool]:
-        """(compile the vision tower, compile the decoder layers): by default on CUDA only,
-        where the fused kernels pay for the ~1 minute of compiling at start-up."""
-        vision = cuda if self.compile_vision is None else self.compile_vision
-        text = cuda if self.compile_text is None else self.compile_text
-        return vision, text
-
-    def vision_cache(self, cuda: bool, enabled: bool = True) -> int:
-        """Bytes of embeddings kept on the device (a 4B image: 256 x 2560 bf16 = 1.3 MB)."""
-        if not enabled:
-            return 0
-        if self.vision_cache_bytes is not None:
-            return self.vision_cache_bytes
-        return 2 * 2**30 if cuda else 64 * 2**20
-
-    def vision_batch(self, cuda: bool) -> int:
-        return self.vision_batch_size if self.vision_batch_size is not None else (32 if cuda else 8)
-
-    def intra_op_threads(self, cuda: bool) -> int | None:
-        """torch.set_num_threads for the engine's process; None: leave torch's default."""
-        return self.torch_threads if self.torch_threads is not None else (1 if cuda else None)
-
-    def threads(self, cuda: bool) -> int:
-        """HF-exact resizing runs in PIL (it releases the GIL): ~25 ms of CPU per 896 px image,
-        so a GPU serving ~60 images/s needs several cores of it."""
-        return self.preprocess_threads if self.preprocess_threads is not None else (8 if cuda else 0)
+    cuda: bool
+    block_size: int
+    max_model_len: int
+    max_prefill_tokens: int
+    gpu_memory_utilization: float
+    num_kv_blocks: int | None  # None: sized from the free device memory at start
+    cuda_graphs: bool  # on CUDA only
+    graph_batch_sizes: tuple[int, ...]
+    graph_prefill_tokens: tuple[int, ...]
+    paged_prefill_tokens: int
+    vision_batch_size: int
+    compile_vision: bool
+    compile_text: bool
+    overlap_vision: bool
+    vision_cache_bytes: int
+    preprocess_threads: int
+    torch_threads: int | None  # None: torch's default
+    prefix_cache: bool
+    host_cache_bytes: int
+    disk_cache_dir: str | None
+    disk_cache_bytes: int
+    cache_policy: str
+    prefix_split_images: bool
 
 
-def _positive_int(name: str, value: Any) -> None:
-    _int_at_least(name, value, 1)
-
-
-def _int_at_least(name: str, value: Any, low: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ConfigError(f"{name} must be an integer >= {low}, got {value!r}")
+def _default(value: Any, default: Any) -> Any:
+    return default if value is None else value

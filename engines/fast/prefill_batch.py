@@ -1,6 +1,6 @@
 """The host-side inputs of a packed prefill: each sequence's uncached suffix.
 
-Sequence b prefills positions [P_b, L_b) of its prompt (P_b = `seq.prefix_len`, 0 without a
+Sequence b prefills positions [P_b, L_b) of its prompt (P_b = `seq.cache.prefix_len`, 0 without a
 cache hit): their token ids, positions, cache slots and the rows of their image soft tokens.
 Attention needs every position's image run (`image_groups`, [B, max L], absolute positions) and,
 when some P_b > 0, the cache slots of the prefix positions, to gather their K/V (`PrefixInputs`).
@@ -34,7 +34,7 @@ class PrefixInputs:
 
 def prefill_inputs(seqs: list[Sequence], layout: KVLayout, tokens_per_image: int, vocab: int, device) -> dict:
     """Keyword arguments of `ModelRunner.prefill_logits` for `seqs`."""
-    prefix = [s.prefix_len for s in seqs]
+    prefix = [s.cache.prefix_len for s in seqs]
     lengths = [s.prompt_len - p for s, p in zip(seqs, prefix, strict=True)]  # suffix lengths
     offsets = np.cumsum([0] + lengths[:-1])
     ids = np.concatenate([np.asarray(s.prompt.ids[p:], dtype=np.int64) for s, p in zip(seqs, prefix, strict=True)])
@@ -45,7 +45,9 @@ def prefill_inputs(seqs: list[Sequence], layout: KVLayout, tokens_per_image: int
         for i, start in enumerate(seq.prompt.image_starts):
             groups[b, start : start + tokens_per_image] = i
         image_rows += suffix_image_rows(seq, offset, tokens_per_image)
-    slots = [layout.prefill_slots(s.table, s.prompt_len, p, s.shared_len) for s, p in zip(seqs, prefix, strict=True)]
+    slots = [
+        layout.prefill_slots(s.kv.table, s.prompt_len, p, s.cache.shared_len) for s, p in zip(seqs, prefix, strict=True)
+    ]
 
     def dev(array: np.ndarray) -> torch.Tensor:
         return upload(array, device)
@@ -61,7 +63,9 @@ def prefill_inputs(seqs: list[Sequence], layout: KVLayout, tokens_per_image: int
     }
     if any(prefix):
         batch = prefix_layout(prefix, lengths, device)
-        prefix_slots = np.concatenate([layout.prefix_slots(s.table, p) for s, p in zip(seqs, prefix, strict=True)], 1)
+        prefix_slots = np.concatenate(
+            [layout.prefix_slots(s.kv.table, p) for s, p in zip(seqs, prefix, strict=True)], 1
+        )
         inputs["prefix"] = PrefixInputs(batch, dev(prefix_slots))
         inputs["layout"] = batch.queries
     return inputs
@@ -71,9 +75,9 @@ def suffix_image_rows(seq: Sequence, offset: int, tokens_per_image: int) -> list
     """Packed rows of the suffix's image soft tokens (the suffix starts at row `offset`), one
     array per image from `first_image` on: its tokens from the prefix's end on (all of them,
     but for an image the cached prefix splits). In `suffix_image_embeds`' order."""
-    p = seq.prefix_len
+    p = seq.cache.prefix_len
     rows = []
-    for start in seq.prompt.image_starts[seq.first_image :]:
+    for start in seq.prompt.image_starts[seq.cache.first_image :]:
         first = max(start, p)
         rows.append(offset + first - p + np.arange(start + tokens_per_image - first))
     return rows
@@ -85,8 +89,9 @@ def suffix_image_embeds(seqs: list[Sequence]) -> list[torch.Tensor]:
     out = []
     for s in seqs:
         if s.images_in_suffix:
-            cached = max(0, s.prefix_len - s.prompt.image_starts[s.first_image])
-            out.append(s.image_embeds[s.first_image :].flatten(0, 1)[cached:])
+            first = s.cache.first_image
+            cached = max(0, s.cache.prefix_len - s.prompt.image_starts[first])
+            out.append(s.vision.embeds[first:].flatten(0, 1)[cached:])
     return out
 
 
@@ -104,7 +109,7 @@ def pages_only(seq: Sequence, layout: KVLayout, max_suffix: int) -> bool:
     """Whether the prefill attends over the pages alone: a suffix of at most `max_suffix`
     tokens (longer ones run better through the dense kernel's larger tiles) of a sequence that
     never wraps a sliding ring (every position it attends to stays in its pages)."""
-    return seq.prompt_len - seq.prefix_len <= max_suffix and not layout.wraps(seq.prompt_len)
+    return seq.prompt_len - seq.cache.prefix_len <= max_suffix and not layout.wraps(seq.prompt_len)
 
 
 def paged_columns(
@@ -114,20 +119,20 @@ def paged_columns(
     packed, the index of each sequence's last token, the rows of its image soft tokens. Tiles:
     `tile_tokens` consecutive tokens of one sequence (the attention kernel reads their keys
     once); tile t's entries sit in column t."""
-    lengths = [s.prompt_len - s.prefix_len for s in seqs]
+    lengths = [s.prompt_len - s.cache.prefix_len for s in seqs]
     columns = np.zeros((SLOTS + len(layout.groups), sum(lengths)), dtype=np.int64)
     image_rows = []
     offset, tile = 0, 0
     for seq, length in zip(seqs, lengths, strict=True):
-        p, end = seq.prefix_len, offset + length
+        p, end = seq.cache.prefix_len, offset + length
         columns[IDS, offset:end] = seq.prompt.ids[p:]
         columns[POSITIONS, offset:end] = np.arange(p, seq.prompt_len)
-        columns[ROWS, offset:end] = seq.row
+        columns[ROWS, offset:end] = seq.kv.row
         columns[ENDS, offset:end] = columns[POSITIONS, offset:end] + 1
         for rows in suffix_image_rows(seq, offset, tokens_per_image):  # an image's tokens see it all
             columns[ENDS, rows] = columns[POSITIONS, rows[-1]] + 1
             image_rows.append(rows)
-        columns[SLOTS:, offset:end] = layout.prefill_slots(seq.table, seq.prompt_len, p, seq.shared_len)
+        columns[SLOTS:, offset:end] = layout.prefill_slots(seq.kv.table, seq.prompt_len, p, seq.cache.shared_len)
         starts = np.arange(offset, end, tile_tokens)
         columns[TILE_FIRST, tile : tile + len(starts)] = starts
         columns[TILE_COUNT, tile : tile + len(starts)] = np.minimum(tile_tokens, end - starts)

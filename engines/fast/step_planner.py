@@ -12,8 +12,8 @@ its suffix is prefilled, and it needs the vision tower only for images in that s
 prefill waits until the blocks it reads are `ready` (computed by an earlier sequence's prefill,
 or restored from a lower tier). The decode batch is ordered by pages, so the sharers of a prefix
 sit side by side: the attention kernel's neighbouring programs read those pages at about the
-same time, the later reads from L2 (bench/NOTES.md run 52: ~11% of the kernel's time for pairs,
-over sharers spread through the batch).
+same time, the later reads from L2 (~11% of the kernel's time for pairs, over sharers spread
+through the batch; docs/performance.md).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from collections import deque
 
 import numpy as np
 
-from wicore.engines.fast.sequence import SeqStatus, Sequence
+from wicore.engines.fast.sequence import KVSlot, SeqStatus, Sequence
 from wicore.engines.kvcache.block_manager import BlockManager
 from wicore.engines.kvcache.kv_layout import KVLayout
 from wicore.engines.kvcache.prefix_admission import LowerTiers, place_cached
@@ -54,11 +54,19 @@ class StepPlanner:
         self.key_cells = KEY_CELLS * prefill_tokens
         self.free_rows = deque(range(max_rows))
         self.waiting: deque[Sequence] = deque()
-        self.admitted: list[Sequence] = []  # ENCODING, READY and RUNNING, in admission order
+        self.admitted: list[Sequence] = []  # VISION, PREFILL and DECODE, in admission order
         self.newly_admitted: list[Sequence] = []
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
+
+    def sequences(self) -> list[Sequence]:
+        """Every sequence it holds: the waiting ones (FIFO), then the admitted ones."""
+        return [*self.waiting, *self.admitted]
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.admitted)
 
     def fits_ever(self, num_tokens: int) -> bool:
         """Whether a sequence of `num_tokens` positions fits in the pool at all."""
@@ -71,11 +79,11 @@ class StepPlanner:
         self._admit()
         if vision_slots <= 0:
             return []
-        batch, images = self._take_vision()
+        batch, images = self._vision_batch()
         if not allow_partial and images < self.vision_batch:
-            for seq in batch:
-                seq.vision_launched = False
             return []
+        for seq in batch:
+            seq.vision.launched = True
         return batch
 
     def take_admitted(self) -> list[Sequence]:
@@ -93,25 +101,25 @@ class StepPlanner:
     def _admit(self) -> None:
         while self.waiting and self.free_rows:
             seq = self.waiting[0]
-            if not (seq.pixels_ready and seq.keys_ready and seq.prefetch_ready) or not self._place(seq):
+            if not seq.admissible or not self._place(seq):
                 return
             self.waiting.popleft()
-            seq.row = self.free_rows.popleft()
-            seq.status = SeqStatus.ENCODING if seq.needs_vision else SeqStatus.READY
+            seq.kv.row = self.free_rows.popleft()
+            seq.move(SeqStatus.VISION if seq.needs_vision else SeqStatus.PREFILL)
             self.admitted.append(seq)
             self.newly_admitted.append(seq)
 
     def _place(self, seq: Sequence) -> bool:
         """Pages and table for `seq`; False when they do not fit yet."""
-        keys = seq.keys() if self.blocks.cache is not None else None
+        keys = seq.prompt_keys() if self.blocks.cache is not None else None
         if keys is not None:
             with self.blocks.cache.stats.timed():  # the GPU tier's host time: matching, taking hits
                 return place_cached(seq, keys, self.blocks, self.layout, self.lower, self.split_images)
         need = self.layout.pages_for(seq.max_len)
         if not self.blocks.can_allocate(need):
             return False
-        seq.pages = self.blocks.allocate(need)
-        seq.table = self._table(seq.pages, seq.max_len)
+        seq.kv.pages = self.blocks.allocate(need)
+        seq.kv.table = self._table(seq.kv.pages, seq.max_len)
         return True
 
     def _table(self, pages: list[int], num_tokens: int) -> np.ndarray:
@@ -124,19 +132,17 @@ class StepPlanner:
             taken += count
         return table
 
-    def _take_vision(self) -> tuple[list[Sequence], int]:
+    def _vision_batch(self) -> tuple[list[Sequence], int]:
         """(sequences, distinct images among them): an image several of them ask about is
         encoded once, so it counts once towards `vision_batch`."""
         batch, images = [], set()
         for seq in self.admitted:
-            if seq.status == SeqStatus.ENCODING and not seq.vision_launched:
+            if seq.status == SeqStatus.VISION and not seq.vision.launched:
                 new = _image_ids(seq) - images
                 if batch and len(images) + len(new) > self.vision_batch:
                     break
                 batch.append(seq)
                 images |= new
-        for seq in batch:
-            seq.vision_launched = True
         return batch, len(images)
 
     def _take_prefill(self) -> list[Sequence]:
@@ -145,8 +151,8 @@ class StepPlanner:
         prompt (the keys each layer gathers for attention) within KEY_CELLS x that."""
         batch, suffix, prompt = [], 0, 0
         for seq in self.admitted:
-            if seq.status == SeqStatus.READY and seq.prefix_ready:
-                suffix_next = max(suffix, seq.prompt_len - seq.prefix_len)
+            if seq.status == SeqStatus.PREFILL and seq.cache.blocks_ready:
+                suffix_next = max(suffix, seq.prompt_len - seq.cache.prefix_len)
                 prompt_next = max(prompt, seq.prompt_len)
                 size = len(batch) + 1
                 if batch and (size * suffix_next > self.prefill_tokens or size * prompt_next > self.key_cells):
@@ -159,21 +165,46 @@ class StepPlanner:
         """Their prefill is queued: they decode next, and the blocks they registered are ready
         for any later prefill on the same stream."""
         for seq in seqs:
-            seq.status = SeqStatus.RUNNING
-            for block in seq.held:
+            seq.move(SeqStatus.DECODE)
+            for block in seq.cache.writes:
                 block.ready = True
 
-    def finish(self, seq: Sequence) -> None:
-        """Give the sequence's pages and row back; its cached blocks stay (evictable once no one
-        uses them). Work already queued on the device for it runs before anything queued later,
-        so the next owner cannot be overwritten."""
+    def finish(self, seq: Sequence, status: SeqStatus = SeqStatus.FINISHED) -> None:
+        """The sequence ends with `status`. A waiting one leaves the queue; an admitted one gives
+        its pages and row back. Its cached blocks stay (evictable once no one uses them), but for
+        blocks it registered and never wrote (it stopped before its prefill), which leave the
+        cache. Work already queued on the device for it runs before anything queued later, so
+        the next owner of its pages cannot be overwritten."""
+        waiting = seq.status == SeqStatus.WAITING
+        seq.move(status)
+        if waiting:
+            self.waiting.remove(seq)
+            return
         self.admitted.remove(seq)
-        self.blocks.release(seq.pages)
-        if seq.held:
-            self.blocks.release_blocks(seq.held)
-        self.free_rows.append(seq.row)
-        seq.pages, seq.row, seq.status = [], -1, SeqStatus.FINISHED
-        seq.held, seq.reads, seq.restores = [], [], []
+        self.blocks.release(seq.kv.pages)
+        unwritten = seq.cache.unwritten()
+        dropped = {id(block) for block in unwritten}
+        self.blocks.release_blocks([b for b in seq.cache.held if id(b) not in dropped])
+        self.blocks.forget(unwritten)
+        self.free_rows.append(seq.kv.row)
+        seq.kv, seq.cache.reads, seq.cache.writes, seq.cache.restores = KVSlot(), [], [], []
+
+    def drop_unreadable(self) -> list[Sequence]:
+        """Waiting sequences at the head whose images failed to preprocess (admission stops at
+        them), out of the queue and FAILED."""
+        dropped = []
+        while self.waiting and self.waiting[0].vision.pixels.failed:
+            dropped.append(self.waiting[0])
+            self.finish(self.waiting[0], SeqStatus.FAILED)
+        return dropped
+
+    def fail_all(self) -> list[Sequence]:
+        """Every sequence it holds, FAILED, with its row and pages given back (a step failed)."""
+        seqs = self.sequences()
+        for seq in seqs:
+            self.finish(seq, SeqStatus.FAILED)
+        self.newly_admitted.clear()
+        return seqs
 
     @property
     def num_admitted(self) -> int:
@@ -183,7 +214,7 @@ class StepPlanner:
 def _pages_key(seq: Sequence) -> bytes:
     """Orders sequences by their first group's pages: equal leading pages (a shared prefix) end
     up adjacent, like keys in a trie."""
-    return seq.table[0].tobytes()
+    return seq.kv.table[0].tobytes()
 
 
 def _image_ids(seq: Sequence) -> set:

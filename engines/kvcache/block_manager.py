@@ -2,7 +2,7 @@
 
 Ownership is explicit: a page is free exactly when its reference count is zero. Its holders are
 the sequences whose tables point at it, plus the prefix cache for a page of a cached block
-(`prefix_cache.PrefixCache`). A cached block whose users have all finished keeps only the cache's
+(`gpu_tier.PrefixCache`). A cached block whose users have all finished keeps only the cache's
 reference: it is evictable, and `allocate` evicts such blocks (by the cache's policy) when the
 free list is short. Evicted blocks queue in `evicted` until the engine has copied them to a lower
 tier: their pages are handed out at once, and stream order puts that copy before any write.
@@ -94,6 +94,13 @@ class BlockManager:
         """A finishing sequence's uses (its page references go with `release`)."""
         for block in blocks:
             self.cache.release(block)
+
+    def forget(self, blocks: Sequence[CachedBlock]) -> None:
+        """Blocks registered for a sequence that stopped before writing them, with no other user:
+        they leave the cache (their pages hold nothing), and the cache's page references go."""
+        for block in blocks:
+            self.cache.discard(block)
+            self.release(block.pages)
 
     def take_evicted(self) -> list[CachedBlock]:
         evicted, self.evicted = self.evicted, []

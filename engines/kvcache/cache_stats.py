@@ -1,16 +1,15 @@
 """Per-tier cache counters: hits, misses, bytes, evictions, corrupt entries and time spent.
 
-Counters from several engines or workers add up (`+`), and serialise to JSON for
-`wicore status`.
+The engine's stats report carries them as plain dicts (`to_dict`), which the worker publishes
+for `wicore status`.
 """
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 
 
 @dataclass
@@ -44,37 +43,15 @@ class TierStats:
         finally:
             self.seconds += time.perf_counter() - start
 
-    def __add__(self, other: TierStats) -> TierStats:
-        return TierStats(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)})
-
     def to_dict(self) -> dict[str, float]:
         return asdict(self) | {"hit_rate": self.hit_rate}
-
-    @classmethod
-    def from_dict(cls, data: dict[str, float]) -> TierStats:
-        names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in names})  # hit_rate is derived
 
 
 @dataclass
 class CacheStats:
-    """Counters of every tier by name, e.g. "gpu", "host", "disk", "vision", "vision_shared"."""
+    """Counters of each prefix-cache tier by name: "gpu", "host", "disk"."""
 
     tiers: dict[str, TierStats] = field(default_factory=dict)
 
-    def tier(self, name: str) -> TierStats:
-        return self.tiers.setdefault(name, TierStats())
-
-    def __add__(self, other: CacheStats) -> CacheStats:
-        names = list(dict.fromkeys([*self.tiers, *other.tiers]))
-        return CacheStats({n: self.tiers.get(n, TierStats()) + other.tiers.get(n, TierStats()) for n in names})
-
     def to_dict(self) -> dict[str, dict[str, float]]:
         return {name: stats.to_dict() for name, stats in self.tiers.items()}
-
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), sort_keys=True)
-
-    @classmethod
-    def from_json(cls, text: str) -> CacheStats:
-        return cls({name: TierStats.from_dict(d) for name, d in json.loads(text).items()})

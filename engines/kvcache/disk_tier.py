@@ -1,6 +1,6 @@
 """A folder of KV blocks (or any tensors) keyed by block hash, under a byte cap.
 
-One file per entry, `<root>/<first 2 hex>/<hex>.blk`, in the checksummed format of `codec`
+One file per entry, `<root>/<first 2 hex>/<hex>.blk`, in the checksummed format of `tensor_codec`
 (the header also names the key). Writes are crash-safe: a temp file in the same folder, fsync,
 atomic rename, fsync of the folder. On open, temp leftovers are deleted and the remaining files
 indexed (oldest modification first, for the policy); checksums are verified on read (or on open

@@ -9,8 +9,9 @@ tier) is admitted, with that sequence as its first user; `ready` once the work w
 queued on the main stream (a later prefill on that stream reads it safely). Sequences admitted
 later take a use of it (`acquire`) and wait for `ready`. When its last user finishes it stays
 cached and becomes evictable; the eviction policy picks victims among those only, so a block a
-running sequence reads is never evicted. Pages are owned by `BlockManager`; this class only
-keeps the table, the users and the policy.
+running sequence reads is never evicted. A block whose writer stops before writing it (an abort
+before its prefill) while no one else uses it is discarded. Pages are owned by `BlockManager`;
+this class only keeps the table, the users and the policy.
 """
 
 from __future__ import annotations
@@ -89,6 +90,13 @@ class PrefixCache:
         self.policy.unpin(block.key)
         if block.users == 0:
             self.evictable_pages += len(block.pages)
+
+    def discard(self, block: CachedBlock) -> None:
+        """Remove a block its one user (the sequence that registered it) never wrote."""
+        if block.users != 1 or block.ready:
+            raise ValueError(f"block {block.key.hex()[:16]} is in use or written; only an unwritten one goes")
+        del self.blocks[block.key]
+        self.policy.remove(block.key)
 
     def evict(self) -> CachedBlock | None:
         """Remove and return the policy's victim among blocks without users (None: none)."""

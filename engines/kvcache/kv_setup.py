@@ -1,11 +1,11 @@
-"""Building the prefix cache's parts from `FastOptions`: the GPU tier's table and policy, the
-pinned host tier, the disk tier and its threads."""
+"""Building the prefix cache's parts from the fast engine's resolved config: the GPU tier's
+table and policy, the pinned host tier, the disk tier and its threads."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from wicore.engines.fast.options import FastOptions
+from wicore.engines.fast.options import ResolvedFastConfig
 from wicore.engines.kvcache.disk_io import AsyncDiskTier
 from wicore.engines.kvcache.disk_tier import DiskTier
 from wicore.engines.kvcache.eviction import A2CR, LRU, EvictionPolicy
@@ -27,25 +27,25 @@ def make_policy(name: str, capacity: int) -> EvictionPolicy:
     raise ConfigError(f"unknown cache policy {name!r}")
 
 
-def build_prefix_cache(options: FastOptions, num_pages: int, layout: KVLayout) -> PrefixCache | None:
+def build_prefix_cache(options: ResolvedFastConfig, num_pages: int, layout: KVLayout) -> PrefixCache | None:
     if not options.prefix_cache:
         return None
     return PrefixCache(make_policy(options.cache_policy, num_pages // len(layout.groups)))
 
 
-def build_tiers(kv: KVCache, options: FastOptions, cuda: bool, kv_heads: int, head_dim: int) -> KVTiers:
+def build_tiers(kv: KVCache, options: ResolvedFastConfig, kv_heads: int, head_dim: int) -> KVTiers:
     shape = kv.layout.block_shape(kv_heads, head_dim)
     block_bytes = kv.tensor.element_size()
     for size in shape:
         block_bytes *= size
-    host_bytes = options.host_bytes(cuda)
+    host_bytes = options.host_cache_bytes
     host = None
     if host_bytes:
         num_blocks = host_bytes // block_bytes
         if num_blocks < 1:
             raise ConfigError(f"host_cache_bytes {host_bytes} is less than one KV block ({block_bytes} bytes)")
         policy = make_policy(options.cache_policy, num_blocks)
-        host = HostTier(num_blocks, shape, kv.tensor.dtype, policy, pin_memory=cuda)
+        host = HostTier(num_blocks, shape, kv.tensor.dtype, policy, pin_memory=options.cuda)
     disk = None
     if options.disk_cache_dir is not None:
         capacity = options.disk_cache_bytes // block_bytes

@@ -5,7 +5,7 @@ A match walks the keys in order: first the blocks in the GPU pool (`PrefixCache`
 ones a lower tier holds (`lower(seq, key)`: the host tier, or blocks prefetched from disk); it is
 cut back by `usable_prefix` (the last token recomputed, no split image unless allowed). The GPU hits go into
 the sequence's table as they are (shared pages); every other block gets fresh pages, the
-restored ones are queued in `seq.restores`, and all of them are registered in the cache at once,
+restored ones are queued in `seq.cache.restores`, and all of them are registered in the cache at once,
 so sequences admitted right after this one share them instead of recomputing them (they wait for
 `ready`). Admission still reserves every page the sequence can ever need.
 """
@@ -67,18 +67,19 @@ def place_cached(
     blocks.acquire(found.gpu)
     fresh = blocks.allocate(need)
     block_pages = [b.pages for b in found.gpu] + [tuple(fresh[i : i + groups]) for i in range(0, need, groups)]
-    seq.pages = [page for pages in block_pages for page in pages]
-    seq.table = block_table(block_pages, layout)
+    seq.kv.pages = [page for pages in block_pages for page in pages]
+    seq.kv.table = block_table(block_pages, layout)
     first = len(found.gpu)
     registered = [blocks.register(keys.keys[i], block_pages[i], keys.costs[i]) for i in range(first, len(keys.keys))]
-    seq.held = list(found.gpu) + [block for block in registered if block is not None]
-    seq.reads = list(found.gpu)
-    seq.restores = [
+    state = seq.cache
+    state.reads = list(found.gpu)
+    state.writes = [block for block in registered if block is not None]
+    state.restores = [
         Restore(keys.keys[i], block_pages[i], registered[i - first]) for i in range(first, found.num_blocks)
     ]
-    seq.prefix_len = found.prefix_len
-    seq.first_image = sum(1 for _, end in keys.image_spans if end <= found.prefix_len)  # wholly cached
-    seq.shared_len = found.num_blocks * layout.block_size
+    state.prefix_len = found.prefix_len
+    state.first_image = sum(1 for _, end in keys.image_spans if end <= found.prefix_len)  # wholly cached
+    state.shared_len = found.num_blocks * layout.block_size
     blocks.cache.stats.record(hits=len(found.gpu), misses=len(keys.keys) - len(found.gpu))
     return True
 

@@ -110,10 +110,10 @@ class Restorer:
                 copy.transfer.wait()  # the current (main) stream; complete already
                 pages = upload(copy.pages, self.kv.tensor.device, torch.int64)
                 self.kv.scatter_pages(pages, copy.data.view(-1, *copy.data.shape[2:]))
-            for restore in job.seq.restores:
+            for restore in job.seq.cache.restores:
                 if restore.block is not None:
                     restore.block.ready = True
-            job.seq.restores = []
+            job.seq.cache.restores = []
         self.running = still
 
     def _upload(self, restores: list[Restore], prefetched: dict) -> Copy:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-from concurrent.futures import Future
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -32,6 +31,7 @@ from wicore.engines.kvcache.gpu_tier import PrefixCache
 from wicore.engines.kvcache.host_tier import HostTier
 from wicore.engines.kvcache.kv_layout import KVCache
 from wicore.engines.kvcache.restores import Restorer
+from wicore.engines.pending import Pending
 from wicore.ops.transfer import upload
 
 if TYPE_CHECKING:
@@ -79,11 +79,13 @@ class KVTiers:
         if self.disk is None or cache is None:
             return
         for seq in itertools.islice(waiting, PREFETCH_AHEAD):
-            if not seq.disk_lookup or seq.prefetched is not None or not seq.keys_ready:
+            state = seq.cache
+            hashing = state.keys is not None and not state.keys.ready
+            if not state.disk_lookup or state.prefetched is not None or hashing:
                 continue
-            keys = seq.keys()
+            keys = seq.prompt_keys()
             if keys is None:
-                seq.disk_lookup = False
+                state.disk_lookup = False
                 continue
             start = len(cache.match(keys.keys))
             while start < len(keys.keys) and self.host is not None and keys.keys[start] in self.host:
@@ -91,29 +93,31 @@ class KVTiers:
             rest = keys.keys[start:]
             first = next((i for i, key in enumerate(rest) if self.disk.might_have(key)), None)
             if first is None:
-                seq.prefetched = {}
+                state.prefetched = Pending.now({})
             else:
-                seq.prefetched = self.disk.read_prefix(rest[first:], self.block_shape, self.kv.tensor.dtype, self.cuda)
+                read = self.disk.read_prefix(rest[first:], self.block_shape, self.kv.tensor.dtype, self.cuda)
+                state.prefetched = Pending(read)
 
     def _prefetched(self, seq: Sequence) -> dict:
-        if isinstance(seq.prefetched, Future):
-            error = seq.prefetched.exception()
-            if error is not None:
-                log.warning("disk tier: reading blocks for %s failed: %s", seq.id, error)
-            seq.prefetched = {} if error is not None else seq.prefetched.result()
-        return seq.prefetched or {}
+        """The blocks read from disk for `seq` (once ready); a failed read leaves none."""
+        read = seq.cache.prefetched
+        if read is not None and read.failed:
+            log.warning("disk tier: reading blocks for %s failed: %s", seq.id, read.error)
+            seq.cache.prefetched = read = Pending.now({})
+        return read.value if read is not None else {}
 
     # -- up ---------------------------------------------------------------------------------
 
     def start(self, seq: Sequence) -> None:
         """Queue the copies of an admitted sequence's `restores` (host or prefetched blocks)."""
-        prefetched, seq.prefetched = self._prefetched(seq), None
-        in_host = [r for r in seq.restores if self.host is not None and r.key in self.host]
-        from_disk = [r for r in seq.restores if self.host is None or r.key not in self.host]
+        prefetched, seq.cache.prefetched = self._prefetched(seq), None
+        restores = seq.cache.restores
+        in_host = [r for r in restores if self.host is not None and r.key in self.host]
+        from_disk = [r for r in restores if self.host is None or r.key not in self.host]
         self._count_lookups(seq, len(in_host))
-        if seq.restores:
+        if restores:
             self.restorer.queue(seq, in_host, from_disk, prefetched)
-            self.restored_bytes += len(seq.restores) * self.block_bytes
+            self.restored_bytes += len(restores) * self.block_bytes
 
     def land(self) -> None:
         """Scatter finished restores into their pages and start queued ones (`Restorer`)."""
@@ -121,8 +125,8 @@ class KVTiers:
 
     def _count_lookups(self, seq: Sequence, host_hits: int) -> None:
         if self.host is not None:
-            keys = seq.keys()
-            lookups = len(keys.keys) - len(seq.reads) if keys is not None else 0
+            keys = seq.prompt_keys()
+            lookups = len(keys.keys) - len(seq.cache.reads) if keys is not None else 0
             self.host.stats.record(hits=host_hits, misses=max(0, lookups - host_hits))
 
     # -- down -------------------------------------------------------------------------------

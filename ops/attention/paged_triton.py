@@ -134,33 +134,15 @@ def _paged_attention_kernel(
 
 
 def paged_attention_triton(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    rows: torch.Tensor,
-    context_lens: torch.Tensor,
-    scale: float,
-    ring: int,
-    window: int | None = None,
-    softcap: float | None = None,
-    tiles: tuple[torch.Tensor, torch.Tensor, int] | None = None,
-    ends: torch.Tensor | None = None,
+    q, k_cache, v_cache, block_tables, rows, context_lens, scale, ring, window=None, softcap=None, tiles=None, ends=None
 ) -> torch.Tensor:
-    """Same contract as `wicore.ops.attention.paged_attention`. Launch-only (no host sync), so
-    it can be captured in a CUDA graph."""
-    batch, q_heads, dim = q.shape
-    page, kv_heads = k_cache.shape[1], k_cache.shape[2]
-    qpk = q_heads // kv_heads
-    if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
-        raise ValueError("paged attention needs the head dimension contiguous")
+    """`wicore.ops.attention.paged_attention` on the GPU: same arguments, same result. Launch-only
+    (no host sync), so it can be captured in a CUDA graph."""
+    _require_contiguous_head_dim(q, k_cache, v_cache)
     out = torch.empty_like(q)
     tile_first, tile_count, tokens = tiles if tiles is not None else (rows, rows, 1)
-    grid = (tile_first.shape[0] if tiles is not None else batch, kv_heads)
-    # Keys per tile (any power of two >= 16; tokens map to pages one by one). 32 at head_dim 256
-    # keeps the pipelined K/V tiles (3 stages x 2 x 16 KiB in bf16) well inside shared memory.
-    block_n = 64 if dim <= 128 else 32
-    _paged_attention_kernel[grid](
+    programs = tile_first.shape[0] if tiles is not None else q.shape[0]  # one per tile (decode: per token)
+    _paged_attention_kernel[(programs, k_cache.shape[2])](
         q,
         k_cache,
         v_cache,
@@ -175,27 +157,43 @@ def paged_attention_triton(
         softcap or 1.0,
         window or 0,
         ring,
-        q.stride(0),
-        q.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        v_cache.stride(0),
-        v_cache.stride(1),
-        v_cache.stride(2),
-        out.stride(0),
-        out.stride(1),
-        block_tables.stride(0),
-        HEAD_DIM=dim,
-        DIM_PAD=triton.next_power_of_2(dim),
-        QPK=qpk,
-        TOKENS=tokens,
-        BLOCK_Q=max(16, triton.next_power_of_2(qpk * tokens)),
-        PAGE=page,
-        BLOCK_N=block_n,
-        USE_WINDOW=window is not None,
-        USE_SOFTCAP=softcap is not None,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        *_strides(q, k_cache, v_cache, out, block_tables),
+        **_constants(q, k_cache, tokens, window, softcap),
         num_warps=4,
     )
     return out
+
+
+def _require_contiguous_head_dim(*tensors: torch.Tensor) -> None:
+    if any(t.stride(-1) != 1 for t in tensors):
+        raise ValueError("paged attention needs the head dimension contiguous")
+
+
+def _strides(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor, block_tables: torch.Tensor
+) -> tuple[int, ...]:
+    """The kernel's stride arguments in its order: q by token and head; each cache by page, slot
+    and head; out by token and head; the block table by row (the last dimensions are contiguous)."""
+    return (*q.stride()[:2], *k_cache.stride()[:3], *v_cache.stride()[:3], *out.stride()[:2], block_tables.stride(0))
+
+
+def _constants(
+    q: torch.Tensor, k_cache: torch.Tensor, tokens: int, window: int | None, softcap: float | None
+) -> dict[str, int | bool | str]:
+    """The kernel's compile-time constants for these shapes and options."""
+    dim, page, kv_heads = q.shape[2], k_cache.shape[1], k_cache.shape[2]
+    qpk = q.shape[1] // kv_heads  # query heads per kv head (GQA)
+    return {
+        "HEAD_DIM": dim,
+        "DIM_PAD": triton.next_power_of_2(dim),
+        "QPK": qpk,
+        "TOKENS": tokens,
+        "BLOCK_Q": max(16, triton.next_power_of_2(qpk * tokens)),  # tl.dot needs 16 rows
+        "PAGE": page,
+        # Keys per tile (any power of two >= 16; tokens map to pages one by one). 32 at head_dim 256
+        # keeps the pipelined K/V tiles (3 stages x 2 x 16 KiB in bf16) well inside shared memory.
+        "BLOCK_N": 64 if dim <= 128 else 32,
+        "USE_WINDOW": window is not None,
+        "USE_SOFTCAP": softcap is not None,
+        "PRECISION": "ieee" if q.dtype == torch.float32 else "tf32",
+    }

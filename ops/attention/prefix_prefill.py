@@ -28,7 +28,6 @@ class PrefixBatch:
     queries: PackedBatch  # lengths S_b, padded [B, Lq]
     prefix_lens: torch.Tensor  # [B] int64 P_b
     key_gather: torch.Tensor  # [B, Lk] int64 row in cat(prefix rows, suffix rows); padding -> 0
-    key_valid: torch.Tensor  # [B, Lk] bool
 
     @property
     def key_len(self) -> int:
@@ -49,9 +48,7 @@ def prefix_layout(prefix_lens: list[int], suffix_lens: list[int], device: torch.
     valid = cols < total[:, None]
     gather = torch.where(in_prefix, prefix_start + cols, suffix_start + cols - p[:, None])
     gather = torch.where(valid, gather, torch.zeros((), dtype=torch.int64))
-    return PrefixBatch(
-        pack_layout(suffix_lens, device), upload(p, device), upload(gather, device), upload(valid, device)
-    )
+    return PrefixBatch(pack_layout(suffix_lens, device), upload(p, device), upload(gather, device))
 
 
 def gemma3_prefix_masks(

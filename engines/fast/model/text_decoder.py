@@ -2,7 +2,7 @@
 
 Tokens of all sequences in a step are packed along one axis ([N, hidden]); attention, the only
 place where sequences differ, is delegated to an `Attention` backend object (prefill or paged
-decode, see `batches.py`) that also writes each layer's K/V into the paged cache.
+decode, see `attention_backends`) that also writes each layer's K/V into the paged cache.
 Numerics follow transformers' `Gemma3TextModel`: RoPE cos/sin computed in float32 from the
 positions and cast to the model dtype, QK-norm before RoPE, four RMSNorms per layer, embeddings
 scaled by sqrt(hidden) in the model dtype.

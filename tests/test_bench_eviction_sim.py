@@ -3,8 +3,7 @@ import random
 
 import pytest
 
-from wicore.engines.kvcache.eviction import LRU
-from wicore.engines.kvcache.eviction_sim import (
+from wicore.bench.eviction_sim import (
     Trace,
     TraceSpec,
     default_policies,
@@ -15,6 +14,7 @@ from wicore.engines.kvcache.eviction_sim import (
     run_policy,
     simulate,
 )
+from wicore.engines.kvcache.eviction import LRU
 
 
 def trace_of(keys: str) -> Trace:

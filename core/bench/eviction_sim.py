@@ -1,7 +1,7 @@
 """Trace simulator: hit rates of LRU, A2CR and the offline optimum (Belady's MIN) on Zipf-skewed
 traces with one-off scans mixed in, at several cache sizes, with two recompute-cost classes.
 
-    python -m wicore.engines.kvcache.eviction_sim [--json out.json] [--png out.png] [--quick]
+    python -m wicore.bench.eviction_sim [--json out.json] [--png out.png] [--quick]
 
 Model: unit-size entries (a cache of C entries), every request is an access; a miss inserts the
 key (LRU and A2CR always admit). Keys fall in two cost classes, drawn independently of

@@ -1,0 +1,50 @@
+"""A verb's first contact with Redis, before anything slow starts (a worker's model load, a
+caption run's workers): is it reachable, does it take the credentials, does it take writes?
+Each failure is one line naming the URL without its password and saying what to do."""
+
+from __future__ import annotations
+
+import uuid
+from urllib.parse import urlsplit
+
+from redis import Redis
+from redis.exceptions import AuthenticationError, ReadOnlyError, RedisError, ResponseError
+
+from wicore import keys
+from wicore.cli.failures import redact
+from wicore.errors import ConfigError, RedisUnavailable
+
+CONNECT_TIMEOUT_S = 5.0
+URL_FORM = "redis://HOST:6379/0 (a password goes before the host, as :PASSWORD@), rediss:// for TLS, or unix://PATH"
+
+
+def connect(url: str | None, *, write: bool = True) -> Redis:
+    """A checked connection to `url`; with `write`, Redis must also accept a write."""
+    if not url:
+        raise ConfigError(f"this needs a Redis: pass --redis-url ({URL_FORM}) or set WICORE_REDIS_URL")
+    try:
+        connection = Redis.from_url(url, socket_connect_timeout=CONNECT_TIMEOUT_S)
+    except ValueError as exc:
+        raise ConfigError(f"--redis-url {redact(url)} is not a Redis URL ({exc}); use {URL_FORM}") from exc
+    try:
+        connection.ping()
+        if write:
+            probe = keys.probe(uuid.uuid4().hex)
+            connection.set(probe, b"1", px=10_000)
+            connection.delete(probe)
+    except RedisError as exc:
+        raise RedisUnavailable(problem(url, exc)) from exc
+    return connection
+
+
+def problem(url: str, exc: RedisError) -> str:
+    shown = redact(url)
+    if isinstance(exc, AuthenticationError):
+        if urlsplit(url).password is None:
+            return f"Redis at {shown} wants a password: put it in the URL before the host, as :PASSWORD@"
+        return f"Redis at {shown} refused the user name or password in the URL"
+    if isinstance(exc, ReadOnlyError):
+        return f"Redis at {shown} is a read-only replica: point --redis-url at the primary"
+    if isinstance(exc, ResponseError):
+        return f"Redis at {shown} refuses writes ({exc}): check its memory limit and persistence errors"
+    return f"cannot reach Redis at {shown} ({exc}): is redis-server running there? check --redis-url"

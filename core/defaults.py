@@ -1,0 +1,13 @@
+"""Defaults that several layers share, spelled once. The settings (core/config.py) take theirs
+from here, and so do the producer's, the worker's, the scheduler's and the image decoder's own
+configs, which their tests build without settings. This module imports nothing, so every layer
+may import it."""
+
+BATCH_SIZE = 8  # most jobs in one engine batch
+MAX_QUEUE_DELAY_S = 0.005  # longest a partial batch waits to fill
+MAX_IMAGE_BYTES = 32 * 2**20  # an image's encoded size
+MAX_IMAGE_PIXELS = 50_000_000  # width x height, judged from the header (decompression bombs)
+LIVENESS_TTL_S = 15.0  # a worker silent this long is dead; its jobs are requeued
+RESULT_TTL_S = 86_400  # a finished job's result (and its dedup mark) lives this long
+RETRIES = 2  # re-runs of a job after a transient failure or a dead worker
+NOTIFY_TTL_S = 3_600  # a producer's notification list lives this long after its last push (it may be gone)

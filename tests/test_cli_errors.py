@@ -1,0 +1,194 @@
+"""Every user-facing failure of the installed `wicore` command: one line on stderr saying what is
+wrong and what to do, its exit code, and never a password. Real redis-servers, one of them
+password-protected (requirepass); nothing here loads a model."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from redis import Redis
+from rq.job import Job
+from rq.serializers import JSONSerializer
+
+from tests.helpers import wicore, write_images
+from wicore.cli.failures import redact
+from wicore.embedded import EmbeddedRedis, free_port
+
+PASSWORD = "s3cret-Pw-for-the-tests"
+USAGE, REDIS = 2, 4
+
+
+@pytest.fixture(scope="module")
+def locked():
+    with EmbeddedRedis(password=PASSWORD) as server:
+        yield server
+
+
+@pytest.fixture
+def env(tmp_path):
+    return {"XDG_CACHE_HOME": str(tmp_path / "cache")}
+
+
+def fails(*args: str, code: int, says: str, env: dict | None = None) -> str:
+    """Run `wicore ARGS`; it must exit `code` with exactly one stderr line containing `says`."""
+    run = wicore(*args, env=env, check=False, timeout=120)
+    lines = run.stderr.strip().splitlines()
+    assert run.returncode == code, run.stderr
+    assert len(lines) == 1 and lines[0].startswith("error: ") and says in lines[0], run.stderr
+    assert PASSWORD not in run.stdout + run.stderr
+    return lines[0]
+
+
+@pytest.fixture
+def image(tmp_path):
+    return str(write_images(tmp_path / "imgs", 1)[0])
+
+
+@pytest.fixture
+def unloadable_model(tmp_path):
+    """Passes the cheap checks (config.json, a weights file) but cannot load: a worker that
+    reported this instead of a Redis problem would have loaded the model before Redis."""
+    folder = tmp_path / "broken-model"
+    folder.mkdir()
+    (folder / "config.json").write_text("{not json")
+    (folder / "model.safetensors").write_bytes(b"not weights")
+    return str(folder)
+
+
+def redis_cases(locked) -> dict[str, tuple[str, int, str]]:
+    bare = locked.url.replace(f":{PASSWORD}@", "")
+    return {
+        "refused": (f"redis://127.0.0.1:{free_port()}/0", REDIS, "cannot reach Redis at redis://127.0.0.1:"),
+        "http": ("http://127.0.0.1:6379/0", USAGE, "is not a Redis URL"),
+        "no password": (bare, REDIS, f"Redis at {bare} wants a password"),
+        "wrong password": (bare.replace("redis://", "redis://:wrong-one@"), REDIS, "refused the user name or password"),
+    }
+
+
+@pytest.mark.parametrize("case", ["refused", "http", "no password", "wrong password"])
+@pytest.mark.parametrize("verb", ["status", "enqueue", "result", "worker"])
+def test_redis_problems_are_one_line(verb, case, locked, image, unloadable_model, env):
+    url, code, says = redis_cases(locked)[case]
+    args = {"status": [], "enqueue": [image], "result": ["wc-0"], "worker": ["--model", unloadable_model]}[verb]
+    line = fails(verb, *args, "--redis-url", url, code=code, says=says, env=env)
+    assert "wrong-one" not in line, "a wrong password is not shown either"
+
+
+def test_without_a_redis_url_the_service_verbs_say_how_to_give_one(image, env):
+    for verb in ("status", "enqueue", "worker"):
+        fails(verb, *([image] if verb == "enqueue" else []), code=USAGE, says="pass --redis-url", env=env)
+
+
+def test_the_password_protected_server_works_with_its_url(locked, env):
+    status = json.loads(wicore("status", "--json", "--redis-url", locked.url, env=env).stdout)
+    assert status == {"queues": [], "workers": []}
+
+
+def test_config_errors_are_one_line_without_pydantic_noise(tmp_path, env):
+    toml = tmp_path / "wicore.toml"
+    toml.write_text(f'redis_url = "redis://:{PASSWORD}@127.0.0.1:1/0"\nbatch_size = "many"\nbatchsize = 3\n')
+    line = fails("status", "--config", str(toml), code=USAGE, says="bad configuration: setting batch_size:", env=env)
+    assert "unknown setting 'batchsize'" in line and "pydantic.dev" not in line
+    fails("status", code=USAGE, says="batch_size: Input should be greater than", env={**env, "WICORE_BATCH_SIZE": "0"})
+    fails("status", code=USAGE, says="WICORE_BATCHSIZE", env={**env, "WICORE_BATCHSIZE": "3"})
+    (tmp_path / "bad.toml").write_text("redis_url = \n")
+    fails("status", "--config", str(tmp_path / "bad.toml"), code=USAGE, says="cannot read config file", env=env)
+
+
+def test_usage_errors_are_one_line(env):
+    fails("caption", "--no-such-flag", code=USAGE, says="No such option: --no-such-flag", env=env)
+    fails("result", code=USAGE, says="Missing argument", env=env)
+    fails("schema", "nope", code=USAGE, says="'nope' is not one of 'manifest', 'result'", env=env)
+
+
+def test_debug_shows_the_traceback_before_the_line(env):
+    url = f"redis://:{PASSWORD}@127.0.0.1:{free_port()}/0"
+    for extra, more_env in ((["--debug"], {}), ([], {"WICORE_LOG_LEVEL": "debug"})):
+        run = wicore("status", "--redis-url", url, *extra, env={**env, **more_env}, check=False)
+        assert run.returncode == REDIS and "Traceback (most recent call last)" in run.stderr
+        assert run.stderr.strip().splitlines()[-1].startswith("error: cannot reach Redis at redis://:***@127.0.0.1")
+        assert PASSWORD not in run.stderr + run.stdout
+
+
+def test_missing_inputs_are_an_error_before_anything_starts(tmp_path, locked, env):
+    out = tmp_path / "out.jsonl"
+    fails(
+        "caption", "photos/", str(tmp_path), "-o", str(out), code=USAGE, says="no such file or folder: photos/", env=env
+    )
+    assert not out.exists()
+    fails(
+        "enqueue", "nope.jpg", "--redis-url", locked.url, code=USAGE, says="no such file or folder: nope.jpg", env=env
+    )
+
+
+def test_model_problems_are_one_line(tmp_path, image, locked, env):
+    out = str(tmp_path / "out.jsonl")
+    for verb, args in (("caption", [image, "-o", out]), ("worker", ["--redis-url", locked.url])):
+        fails(
+            verb, *args, "--model", "/nonexistent", code=USAGE, says="--model /nonexistent: no such directory", env=env
+        )
+        fails(verb, *args, "--engine", "turbo", code=USAGE, says="unknown engine 'turbo'; choose one of auto,", env=env)
+    assert not (tmp_path / "out.jsonl").exists()
+
+
+def test_a_checkpoint_without_weights_is_refused_unless_asked(tmp_path, image, locked, env):
+    model = tmp_path / "gemma3-4b"
+    wicore("make-model", "gemma3-4b", str(model), env=env)
+    out = str(tmp_path / "out.jsonl")
+    says = "has a config but no weights (*.safetensors): it would run random weights"
+    fails("caption", image, "-o", out, "--model", str(model), code=USAGE, says=says, env=env)
+    fails("worker", "--redis-url", locked.url, "--model", str(model), code=USAGE, says=says, env=env)
+    # Asked for, it gets past the check: the next problem shown is the (deliberately bad) device.
+    args = ["--redis-url", locked.url, "--model", str(model), "--allow-random-weights", "--device", "tpu"]
+    fails("worker", *args, code=USAGE, says="--device tpu: not a device name", env=env)
+
+
+def test_engine_option_the_engine_does_not_take_is_an_error(locked, env):
+    args = ["--redis-url", locked.url, "--engine", "reference", "--engine-option", "block_size=8"]
+    fails("worker", *args, code=USAGE, says="the reference engine takes no --engine-option (got block_size)", env=env)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_device_cuda_without_cuda(locked, env):
+    says = "--device cuda: no CUDA device here"
+    fails("worker", "--redis-url", locked.url, "--device", "cuda", code=USAGE, says=says, env=env)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_caption_relays_its_workers_one_line_and_exit_code(tmp_path, image, env):
+    """The workers fail on what only they can check; `caption` ends with their line and code."""
+    out = tmp_path / "out.jsonl"
+    line = fails("caption", image, "-o", str(out), "--device", "cuda", code=USAGE, says="no CUDA device here", env=env)
+    assert "the workers exited before the work was done" in line
+    log = Path(re.search(r"\(log: (\S+)\)", line)[1])
+    assert log.is_relative_to(tmp_path / "cache" / "wicore" / "logs")
+    assert "error: --device cuda: no CUDA device here" in log.read_text()
+
+
+def test_enqueue_names_each_input_and_reports_each_it_could_not_enqueue(tmp_path, locked, env):
+    images = write_images(tmp_path / "photos", 2)
+    (tmp_path / "photos" / "notes.txt").write_text("not an image")
+    run = wicore("enqueue", str(tmp_path / "photos"), "--redis-url", locked.url, env=env, check=False)
+    assert run.returncode == 1 and PASSWORD not in run.stdout + run.stderr
+    pairs = [line.split("\t") for line in run.stdout.splitlines()]
+    assert [item for _, item in pairs] == [str(p) for p in images]
+    warnings = run.stderr.strip().splitlines()
+    assert warnings[0] == f"warning: not enqueued: {tmp_path / 'photos' / 'notes.txt'}: InputError: " + (
+        f"{tmp_path / 'photos' / 'notes.txt'}: not an image file (supported: .bmp .gif .jpeg .jpg .png .tif .tiff .webp)"
+    )
+    assert warnings[1].startswith("warning: no live worker serves model democap (live workers serve: none)")
+    connection = Redis.from_url(locked.url)
+    for job_id, item in pairs:  # rq-dashboard shows which input a job is
+        assert Job.fetch(job_id, connection=connection, serializer=JSONSerializer).description == f"caption {item}"
+
+
+def test_redact_hides_passwords_in_any_url():
+    assert redact("at redis://:pw@h:6379/0 and rediss://user:p%40ss@h/1.") == (
+        "at redis://:***@h:6379/0 and rediss://user:***@h/1."
+    )
+    assert redact("redis://h:6379/0 redis://user@h/0") == "redis://h:6379/0 redis://user@h/0"

@@ -1,0 +1,67 @@
+"""wicore.cli.input_paths: what INPUT arguments expand to. Every file in a folder gets an item
+(hidden ones aside), every manifest line too; a missing argument is an error up front."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.helpers import write_images
+from wicore.cli.input_paths import expand_inputs
+from wicore.errors import ConfigError
+
+
+def test_a_folder_gives_every_file_an_item_and_unsupported_ones_an_error(tmp_path):
+    write_images(tmp_path / "photos" / "deep", 2)
+    (tmp_path / "photos" / "notes.txt").write_text("text")
+    (tmp_path / "photos" / "list.jsonl").write_text("{}")
+    (tmp_path / "photos" / ".DS_Store").write_text("hidden")
+    (tmp_path / "photos" / ".cache").mkdir()
+    (tmp_path / "photos" / ".cache" / "x.png").write_bytes(b"hidden too")
+    items = {item.input: item for item in expand_inputs([str(tmp_path / "photos")])}
+    images = {str(tmp_path / "photos" / "deep" / f"img000{i}.png") for i in range(2)}
+    others = {str(tmp_path / "photos" / name) for name in ("notes.txt", "list.jsonl")}
+    assert set(items) == images | others
+    assert all(items[key].error is None and items[key].path is not None for key in images)
+    for key in others:
+        assert items[key].path is None and items[key].error == (
+            f"InputError: {key}: not an image file (supported: .bmp .gif .jpeg .jpg .png .tif .tiff .webp)"
+        )
+
+
+def test_manifest_lines_each_get_an_item(tmp_path):
+    [image] = write_images(tmp_path, 1)
+    lines = [
+        {"image": image.name, "prompt": "What color?", "max_new_tokens": 5, "input": "first", "shop": 7},
+        {"image": "missing.png"},
+        {"prompt": "no image"},
+        {"image": image.name, "max_new_tokens": 0},
+    ]
+    manifest = tmp_path / "batch.jsonl"
+    manifest.write_text("\n".join([*map(json.dumps, lines), "{not json", "", "[1, 2]"]) + "\n")
+    items = expand_inputs([str(manifest)])
+    first = items[0]
+    assert (first.input, first.path, first.prompt, first.max_new_tokens) == ("first", image, "What color?", 5)
+    assert first.metadata == {"shop": 7} and first.error is None
+    errors = [item.error for item in items[1:]]
+    see = "; see `wicore schema manifest`)"
+    assert errors == [
+        f"InputError: missing.png: no such file ({manifest}:2)",
+        f"InputError: {manifest}:3: not a manifest line (image: Field required{see}",
+        f"InputError: {manifest}:4: not a manifest line (max_new_tokens: Input should be greater than or equal to 1{see}",
+        f"InputError: {manifest}:5: not a manifest line (invalid JSON: Expecting property name enclosed in double "
+        f"quotes{see}",
+        f"InputError: {manifest}:7: not a manifest line (not a JSON object{see}",
+    ]
+
+
+def test_a_missing_argument_is_an_error_before_anything_else(tmp_path):
+    [image] = write_images(tmp_path, 1)
+    with pytest.raises(ConfigError, match=r"^no such file or folder: nope\.png, gone/$"):
+        expand_inputs([str(image), "nope.png", "gone/"])
+
+
+def test_an_input_given_twice_is_one_item(tmp_path):
+    [image] = write_images(tmp_path, 1)
+    assert [item.input for item in expand_inputs([str(image), str(tmp_path), str(image)])] == [str(image)]
