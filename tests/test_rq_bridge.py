@@ -103,6 +103,30 @@ def test_transient_failure_is_retried_through_rq(redis_conn):
     assert Job.fetch("job-0", connection=redis_conn).get_status() == JobStatus.FAILED, "retries spent"
 
 
+def test_a_failure_of_a_job_canceled_while_it_ran_leaves_it_canceled(redis_conn):
+    """The engine may fail a job in the step before its worker reads the cancel: no retry runs
+    it again, and it is not counted as failed."""
+    queue, _ = enqueue(redis_conn, 1, retries=2)
+    bridge = bridge_for(redis_conn)
+    [claimed] = bridge.claim(QUEUE, 1)
+    Job.fetch("job-0", connection=redis_conn, serializer=JSONSerializer).cancel()
+    bridge.finish([Finished(claimed, error="EngineError: CUDA OOM", retry=True)])
+    job = Job.fetch("job-0", connection=redis_conn, serializer=JSONSerializer)
+    assert job.get_status() == JobStatus.CANCELED and queue.count == 0
+    assert FailedJobRegistry(QUEUE, connection=redis_conn).count == 0
+    assert redis_conn.zcard("rq:executions:job-0") == 0 and redis_conn.llen(bridge.claims_key) == 0
+
+
+def test_a_claim_drops_a_cancel_request_older_than_itself(redis_conn):
+    """A cancel request left in the worker's set for an earlier run of the job (canceled, then
+    submitted again) must not stop the new run."""
+    enqueue(redis_conn, 2)
+    bridge = bridge_for(redis_conn)
+    redis_conn.sadd(keys.cancel("w1"), "job-0", "job-9")
+    assert [c.id for c in bridge.claim(QUEUE, 2)] == ["job-0", "job-1"]
+    assert redis_conn.smembers(keys.cancel("w1")) == {b"job-9"}
+
+
 def test_requeue_claims_of_a_dead_worker(redis_conn):
     queue, _ = enqueue(redis_conn, 4, retries=1)
     dead = bridge_for(redis_conn, "dead")

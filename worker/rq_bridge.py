@@ -5,13 +5,15 @@ RQ has no API to take or finish several jobs at once, and its per-job Python boo
 more than the work of a small job. So the common paths run server-side, one Lua call per batch:
 
 - `claim`: LMOVE up to N job ids from a bucket queue into this worker's claims list (a job RQ
-  has canceled is dropped, never started), mark each started exactly as RQ's worker does (job status/started_at/worker_name, an execution hash,
-  the job's execution registry, the queue's started registry, the worker's executions index)
-  and return the fields the worker needs.
+  has canceled is dropped, never started; a cancel request this worker holds for an id is older
+  than the claim and dropped too), mark each started exactly as RQ's worker does (job
+  status/started_at/worker_name, an execution hash, the job's execution registry, the queue's
+  started registry, the worker's executions index) and return the fields the worker needs.
 - `finish` (successes): status finished, the RQ result stream entry, the finished registry,
   TTLs, execution records removed, worker counters, claims list and producer notifications.
   A job canceled while it ran (`Job.cancel` set its status and its canceled-registry entry) ends
-  through the same call with no result: only its execution records and claim are removed.
+  through the same call with no result: only its execution records and claim are removed. A
+  failure of such a job stays canceled too (no retry, not counted as failed).
 
 Failures, retries and requeues are rare and go through RQ's own Python methods.
 The scripts touch keys they compute (rq:job:<id>, ...): fine on one Redis, not on Redis Cluster.
@@ -45,7 +47,7 @@ DEFAULT_JOB_TIMEOUT = Queue.DEFAULT_TIMEOUT
 NO_TIMEOUT_TTL = DEFAULT_WORKER_TTL
 TTL_GRACE_S = 60  # RQ adds it to every execution TTL; rq spells it as a literal, not a constant
 
-# KEYS: queue, claims list, worker executions index, worker hash, claimants set.
+# KEYS: queue, claims list, worker executions index, worker hash, claimants set, worker cancel set.
 # ARGV: count, worker name, now (unix), now (RQ text), default job timeout, TTL of a job without
 # timeout, TTL grace, then `count` fresh execution ids.
 _CLAIM_LUA = """
@@ -58,6 +60,8 @@ for i = 1, n do
   if not id then break end
   local job = 'rq:job:' .. id
   local f = redis.call('HMGET', job, 'data', 'meta', 'origin', 'retries_left', 'result_ttl', 'timeout', 'status')
+  -- A cancel request this worker holds for the id predates this claim: it was for an earlier run.
+  redis.call('SREM', KEYS[6], id)
   if not f[1] or f[7] == 'canceled' then
     redis.call('LREM', KEYS[2], 1, id)
   else
@@ -235,7 +239,8 @@ class RQBridge:
             TTL_GRACE_S,
         ]
         args += [uuid.uuid4().hex for _ in range(count)]
-        rows = self._claim(keys=["rq:queue:" + queue_name, *self._worker_keys(), keys.CLAIMANTS], args=args)
+        claim_keys = ["rq:queue:" + queue_name, *self._worker_keys(), keys.CLAIMANTS, keys.cancel(self.record.name)]
+        rows = self._claim(keys=claim_keys, args=args)
         return [decode_claimed(row, at.timestamp()) for row in rows]
 
     # -- finishing jobs -----------------------------------------------------------------------
@@ -264,7 +269,9 @@ class RQBridge:
         jobs = Job.fetch_many([i.claimed.id for i in items], connection=self.connection, serializer=JSONSerializer)
         with self.connection.pipeline() as pipe:  # MULTI ... EXEC
             for item, job in zip(items, jobs):
-                if job is not None:
+                if job is not None and job.get_status(refresh=False) == JobStatus.CANCELED:
+                    self._forget_executions(job, pipe)  # canceled while it ran: stays canceled, never retried
+                elif job is not None:
                     self._fail_or_retry(item, job, pipe)
                 pipe.lrem(self.claims_key, 1, item.claimed.id)
             pipe.execute()
