@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import json
 import threading
+from concurrent.futures import wait
 
 import pytest
 from rq.job import Job, JobStatus
-from rq.registry import CanceledJobRegistry, StartedJobRegistry
+from rq.registry import CanceledJobRegistry, FailedJobRegistry, StartedJobRegistry
 
 from tests.helpers import png_bytes, wait_until, wicore
 from wicore.engines import EngineConfig
@@ -136,6 +137,58 @@ def test_a_canceled_sequence_stops_within_a_step(redis_url, redis_conn, fast):
     stats = fast.stats()
     assert stats["decode_steps"] < LONG.max_new_tokens // 2, "the aborted sequence kept decoding"
     assert stats["kv_pages_used"] == 0 and fast.num_unfinished() == 0
+
+
+@pytest.fixture(scope="module")
+def window_128(tmp_path_factory):
+    """The tiny model with a sliding window longer than the prompts: every prompt block is cached."""
+    from wicore.models.gemma3 import make_tiny
+
+    return make_tiny(tmp_path_factory.mktemp("models") / "tiny-w128", sliding_window=128)
+
+
+def test_a_deferred_abort_ends_its_job_canceled_from_a_later_step(redis_conn, window_128):
+    """Three jobs on one image and prompt, behind another image in a one-image vision batch: after
+    the first step the first of them has registered the prompt's blocks and the other two wait
+    to read them, so `Engine.abort` stops it only once its prefill is launched, and a later
+    `step` returns it. The worker keeps it in hand until then, and it still ends canceled: no
+    result, no failure, no retry. The loop is driven step by step so that the cancel lands there."""
+    options = FastOptions(block_size=4, vision_batch_size=1, torch_threads=1)
+    engine = FastEngine(EngineConfig(str(window_128), max_batch_size=4, options=options))
+    producer = Producer(redis_conn, model=MODEL)
+    first = producer.submit(png_bytes(51), "Describe this image.", params=SHORT)
+    same = [
+        Submission(png_bytes(50), "Describe this image.", params=SHORT.model_copy(update={"seed": s}))
+        for s in (1, 2, 3)
+    ]
+    doomed, *readers = producer.submit_many(same)
+    worker = burst_worker(redis_conn, engine)
+    worker._start()
+    try:
+        assert worker._admit() and list(worker.in_flight) == [first, doomed, *readers]
+        wait([flight.loading for flight in worker.in_flight.values()])
+        worker._hand_over_loaded()
+        worker._finish(worker._step())
+        assert {seq.id: seq for seq in engine.planner.sequences()}[doomed].cache.others_wait
+        producer.cancel([doomed])
+        worker._cancel()
+        assert doomed in worker.in_flight, "the abort waits for its prefill"
+        while worker.in_flight:
+            worker._finish(worker._step())
+    finally:
+        worker._stop()
+    outcomes = {o.job_id: o for o in producer.wait([first, doomed, *readers], timeout=10)}
+    assert outcomes[doomed].status == "canceled" and redis_conn.xlen(f"rq:results:{doomed}") == 0
+    origin = Job.fetch(doomed, connection=redis_conn).origin
+    assert FailedJobRegistry(origin, connection=redis_conn).count == 0
+    assert all(outcomes[job_id].result.output_tokens == 6 for job_id in (first, *readers))
+    assert engine.stats()["aborted"] == 1 and engine.blocks.num_used == 0
+    counts = {name: metric_sum(worker, f"wicore:request_{name}_total") for name in ("success", "failure", "canceled")}
+    assert counts == {"success": 3, "failure": 0, "canceled": 1}
+
+
+def metric_sum(worker: BatchingWorker, sample: str) -> float:
+    return sum(s.value for metric in worker.metrics.registry.collect() for s in metric.samples if s.name == sample)
 
 
 def _request(job_id, sub):
