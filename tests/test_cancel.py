@@ -4,6 +4,8 @@ queued job never runs, a running one ends canceled while the rest of its batch f
 from __future__ import annotations
 
 import json
+import logging
+import re
 import threading
 from concurrent.futures import wait
 
@@ -117,8 +119,13 @@ def run_with_a_running_cancel(redis_url, redis_conn, engine):
     return producer, subs, ids, doomed, worker
 
 
-def test_a_running_job_ends_canceled_and_its_batch_mates_finish(redis_url, redis_conn, fast):
-    producer, subs, ids, doomed, worker = run_with_a_running_cancel(redis_url, redis_conn, fast)
+def test_a_running_job_ends_canceled_and_its_batch_mates_finish(redis_url, redis_conn, fast, caplog):
+    with caplog.at_level(logging.INFO, logger="wicore.worker.batches"):
+        producer, subs, ids, doomed, worker = run_with_a_running_cancel(redis_url, redis_conn, fast)
+    lines = [r.getMessage() for r in caplog.records if r.name == "wicore.worker.batches"]  # a claim per bucket
+    [line] = [line for line in lines if "canceled" in line]
+    assert len(lines) == 2 and re.fullmatch(r"batch \S+: 1 jobs \(1 canceled\) in \d+ ms, [\d.]+ tokens/s", line)
+    assert not any("failed" in line for line in lines), "a cancel is no failure"
     outcomes = {o.job_id: o for o in producer.wait([*ids, doomed], timeout=10)}
     assert outcomes[doomed].status == "canceled" and outcomes[doomed].result is None
     assert redis_conn.xlen(f"rq:results:{doomed}") == 0, "no result is written for a canceled job"
