@@ -32,8 +32,8 @@ def server():
         yield s
 
 
-def start_supervisor(url: str, log: Path, *args: str) -> subprocess.Popen:
-    command = [WICORE, "worker", "--workers", "2", "--name", "sup", "--redis-url", url, *args]
+def start_supervisor(url: str, log: Path, *args: str, workers: int = 2) -> subprocess.Popen:
+    command = [WICORE, "worker", "--workers", str(workers), "--name", "sup", "--redis-url", url, *args]
     with open(log, "wb") as sink:
         return subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, env={**os.environ, **TTL_ENV})
 
@@ -44,9 +44,9 @@ def worker_pid(connection: Redis, name: str) -> int | None:
     return int(pid) if pid else None
 
 
-def wait_for_workers(connection: Redis, supervisor: subprocess.Popen, log: Path) -> dict[str, int]:
-    """Both workers registered, as children of the supervisor: name -> pid."""
-    pids = lambda: {name: worker_pid(connection, name) for name in ("sup-0", "sup-1")}  # noqa: E731
+def wait_for_workers(connection: Redis, supervisor: subprocess.Popen, log: Path, count: int = 2) -> dict[str, int]:
+    """Every worker registered, as a child of the supervisor: name -> pid."""
+    pids = lambda: {f"sup-{i}": worker_pid(connection, f"sup-{i}") for i in range(count)}  # noqa: E731
     registered = lambda: set(pids().values()) <= set(children_of(supervisor.pid))  # noqa: E731
     wait_until(lambda: None not in pids().values() and registered() or supervisor.poll() is not None, 120, 0.2)
     assert supervisor.poll() is None, log.read_text()
@@ -102,6 +102,22 @@ def test_a_killed_worker_comes_back_and_no_job_is_lost(tmp_path, server, tiny_mo
     assert f"worker sup-0 started again (pid {again['sup-0']})" in text and text.rstrip().endswith("2 workers stopped")
     assert not any(alive(pid) for pid in [*first.values(), *again.values()]) and process_group_members(group) == []
     assert children_of(supervisor.pid) == [] and not connection.smembers("rq:workers")
+
+
+def test_a_lone_worker_killed_comes_back_in_a_process_group_of_its_own(tmp_path, server):
+    """The killed worker was its group's last member: the group is gone, so its successor founds
+    a new one (joining the old number could join someone else's group)."""
+    connection, log = Redis.from_url(server.url), tmp_path / "supervisor.log"
+    supervisor = start_supervisor(server.url, log, "--engine", "null", workers=1)
+    first = wait_for_workers(connection, supervisor, log, count=1)["sup-0"]
+    old_group = process_group(first)
+    os.kill(first, signal.SIGKILL)
+    wait_until(lambda: worker_pid(connection, "sup-0") not in (None, first), 120, 0.2, "sup-0 registered again")
+    second = wait_for_workers(connection, supervisor, log, count=1)["sup-0"]
+    assert process_group(second) == second != old_group and process_group_members(old_group) == []
+    supervisor.send_signal(signal.SIGTERM)
+    assert supervisor.wait(timeout=120) == 0, log.read_text()[-3000:]
+    assert not alive(second) and process_group_members(second) == []
 
 
 def test_sigterm_twice_stops_every_worker_at_once_and_their_jobs_go_back(tmp_path, server, tiny_model_dir):

@@ -3,6 +3,7 @@ its own run, `wicore worker --gpus/--workers` keeps them running (supervisor.py)
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -170,7 +171,12 @@ class Relay(threading.Thread):
                 line = raw.decode(errors="replace").rstrip()
                 self.tail.append(line)
                 if line and not line.startswith("error: "):
-                    sys.stderr.write(self.prefix + line + "\n")
+                    self._copy(line)
+
+    def _copy(self, line: str) -> None:
+        # Our stderr may be gone (a closed terminal): keep draining, or the worker blocks on a full pipe.
+        with contextlib.suppress(OSError, ValueError):
+            sys.stderr.write(self.prefix + line + "\n")
 
 
 def read_lines(log: Path) -> list[str]:

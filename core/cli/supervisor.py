@@ -9,7 +9,7 @@ kept running.
   again: the others stop, and the supervisor ends with that worker's one-line error and status.
 - A worker that exits by itself with status 0 (--burst, --max-jobs) is done; once all are, so
   is the supervisor.
-- SIGTERM, SIGINT or SIGHUP once: every worker gets SIGTERM (warm: finish what it holds, take
+- SIGTERM or SIGINT once: every worker gets SIGTERM (warm: finish what it holds, take
   nothing new). Again, or after WARM_STOP_S: SIGTERM again (cold: claims go back to their queues
   now). A worker still running COLD_STOP_S after that gets SIGKILL.
 
@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass
 
 from wicore.cli.common import console
-from wicore.cli.failures import STOP_SIGNALS, ExitCode
+from wicore.cli.failures import ExitCode
 from wicore.cli.logs import level_or
 from wicore.cli.pool import COLD_STOP_S, WARM_STOP_S, WorkerPool, WorkersDied
 from wicore.cli.process_group import ProcessGroup
@@ -89,7 +89,7 @@ class Supervisor:
     def run(self) -> int:
         """Run the workers until they are all done or stopped. Returns 0, or raises WorkersDied
         with the one-line error of a worker that cannot start."""
-        for signum in STOP_SIGNALS:
+        for signum in (signal.SIGTERM, signal.SIGINT):  # as a plain worker takes them
             signal.signal(signum, self._on_signal)
         with self.pool:
             self.slots = [Slot(started_at=time.monotonic()) for _ in self.pool.specs]
