@@ -40,9 +40,9 @@ def run_scaling_bench(bench: CaptionBench) -> dict:
     model_dir = bench.model_dir or make_gemma3_4b(bench.workdir / "gemma3-4b")
     warm, n = warmup_per_gpu(bench), bench.gpus
     paths = make_images(bench.workdir / "images", (warm + bench.images) * n, processes=os.cpu_count() or 4)
-    one = run_product(bench, model_dir, paths[:warm], paths[warm : warm + bench.images], bench.workdir / "x1.log")
-    many_log = bench.workdir / f"x{n}.log"
-    many = run_product(bench, model_dir, paths[: warm * n], paths[warm * n :], many_log, gpus=n)
+    plain_log, supervised_log = bench.workdir / "plain-worker.log", bench.workdir / f"supervised-x{n}.log"
+    one = run_product(bench, model_dir, paths[:warm], paths[warm : warm + bench.images], plain_log)
+    many = run_product(bench, model_dir, paths[: warm * n], paths[warm * n :], supervised_log, gpus=n)
     return scaling_report(bench, one, many, device_name(bench.device))
 
 
