@@ -26,6 +26,7 @@ from wicore.cli.common import (
 from wicore.cli.failures import DebugOption, debug_level
 from wicore.cli.logs import configure_logging, level_or, quiet_progress_bars
 from wicore.cli.redis_check import connect
+from wicore.config import Settings
 from wicore.errors import ConfigError
 
 
@@ -105,7 +106,7 @@ def worker_flags(*, allow_random_weights: bool, burst: bool, max_jobs: int | Non
     return flags
 
 
-def supervised(settings, base: str, gpus: str | None, workers: int | None, flags: list[str]) -> int:
+def supervised(settings: Settings, base: str, gpus: str | None, workers: int | None, flags: list[str]) -> int:
     """`worker --gpus/--workers`: what can fail in a second fails here (the flags, the model
     folder, Redis), before any worker loads a model; then the supervisor runs them."""
     from wicore.cli.supervisor import supervise
