@@ -22,11 +22,19 @@ import tomllib
 from collections.abc import Callable
 from contextvars import ContextVar
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
-from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
-from pydantic_settings import BaseSettings, EnvSettingsSource, PydanticBaseSettingsSource, SettingsConfigDict
+from pydantic import (
+    Field,
+    SecretStr,
+    SerializationInfo,
+    ValidationError,
+    field_serializer,
+    field_validator,
+    model_validator,
+)
+from pydantic_settings import BaseSettings, EnvSettingsSource, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict
 
 from wicore import defaults
 from wicore.engines import ENGINES
@@ -35,6 +43,7 @@ from wicore.errors import ConfigError
 
 CONFIG_ENV = "WICORE_CONFIG"  # path of a TOML file; `--config` wins over it
 ENGINE_NAMES = ("auto", *ENGINES)  # auto: fast on CUDA, else reference
+REVEAL_SECRETS = "reveal_secrets"  # a serialization context key: write the API keys themselves
 _config_file: ContextVar[Path | None] = ContextVar("config_file", default=None)  # `--config`, while loading
 
 
@@ -84,6 +93,19 @@ class Settings(BaseSettings):
     vision_cache_ttl_s: float = Field(86_400, gt=0)  # a shared embedding lives this long unread; one day
     dashboard_auth: SecretStr | None = None  # USER:PASSWORD for `wicore dashboard`'s basic auth; none
     log_level: str = "WARNING"  # DEBUG | INFO | WARNING | ERROR
+    # The HTTP gateway (`wicore serve`) and the workers' Prometheus endpoints.
+    host: str = "127.0.0.1"  # interface `wicore serve` and a worker's /metrics listen on
+    port: int = Field(8000, ge=1, le=65535)  # `wicore serve`'s port; 8000
+    metrics_port: int | None = Field(None, ge=1, le=65535)  # `wicore worker` serves /metrics here; none by default
+    api_keys: Annotated[list[SecretStr], NoDecode] = []  # bearer keys the gateway accepts; none: open
+    max_request_bytes: int = Field(64 * 2**20, ge=1024)  # largest HTTP request body the gateway reads; 64 MiB
+    request_timeout_s: float = Field(300.0, gt=0)  # longest a chat completion waits for its job; 5 min
+
+    @field_validator("api_keys", mode="before")
+    @classmethod
+    def _comma_separated(cls, value: Any) -> Any:
+        """WICORE_API_KEYS=key1,key2 (the TOML file and flags give lists)."""
+        return [k.strip() for k in value.split(",") if k.strip()] if isinstance(value, str) else value
 
     @classmethod
     def settings_customise_sources(
@@ -96,8 +118,16 @@ class Settings(BaseSettings):
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         return (init_settings, Environment(settings_cls), TomlFile(settings_cls))
 
+    @field_serializer("api_keys", when_used="json")
+    def _masked_keys(self, keys: list[SecretStr], info: SerializationInfo) -> list[str]:
+        """'***' per key in JSON (logs, `public`); the keys themselves only when the context
+        asks for them (`write_settings_file`)."""
+        reveal = bool(info.context and info.context.get(REVEAL_SECRETS))
+        return [key.get_secret_value() if reveal else "***" for key in keys]
+
     def public(self) -> dict[str, Any]:
-        """The settings as JSON-able values, fit for a log: the Redis URL's password is masked."""
+        """The settings as JSON-able values, fit for a log: the Redis URL's password and the API
+        keys are masked."""
         values = self.model_dump(mode="json")
         if self.redis_url:
             values["redis_url"] = redact_url(self.redis_url)
@@ -201,11 +231,12 @@ def _validated(build: Callable[[], Settings]) -> Settings:
 
 def write_settings_file(settings: Settings, folder: Path) -> Path:
     """The settings in a JSON file only this user can read (it may hold a Redis password): what a
-    child process is started with instead of the parent's environment. All but the dashboard's
-    login: no child serves the dashboard, and pydantic writes a SecretStr masked."""
+    child process is started with instead of the parent's environment. The API keys are written
+    themselves (a child gateway needs them); the dashboard's login is left out: no child serves
+    the dashboard, and it never leaves the process that was given it."""
     fd, name = tempfile.mkstemp(prefix="settings-", suffix=".json", dir=folder)  # mode 0600
     with os.fdopen(fd, "w") as sink:
-        sink.write(settings.model_dump_json(exclude={"dashboard_auth"}))
+        sink.write(settings.model_dump_json(exclude={"dashboard_auth"}, context={REVEAL_SECRETS: True}))
     return Path(name)
 
 

@@ -10,3 +10,4 @@ MAX_IMAGE_PIXELS = 50_000_000  # width x height, judged from the header (decompr
 LIVENESS_TTL_S = 15.0  # a worker silent this long is dead; its jobs are requeued
 RESULT_TTL_S = 86_400  # a finished job's result (and its dedup mark) lives this long
 RETRIES = 2  # re-runs of a job after a transient failure or a dead worker
+NOTIFY_TTL_S = 3_600  # a producer's notification list lives this long after its last push (it may be gone)

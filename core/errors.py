@@ -86,6 +86,10 @@ class JobFailed(WicoreError):
         self.message = message
 
 
+class JobCanceled(JobFailed):
+    """Raised to a producer waiting on a job that was canceled before it ended."""
+
+
 class UnknownJob(WicoreError):
     """No such job in Redis (never submitted, or its result expired)."""
 

@@ -20,6 +20,9 @@ NOTIFY = NOTIFY_PREFIX + "{session}"
 # Queue entries that name no job a worker could fail through RQ's records (a stream: id, queue,
 # reason, worker, at).
 DEAD_LETTER = PREFIX + ":dead-letter"
+# Job ids a worker must stop (a set per worker): `Producer.cancel` adds, the worker takes them.
+CANCEL_PREFIX = PREFIX + ":cancel:"
+CANCEL = CANCEL_PREFIX + "{worker}"
 # Per-worker model, engine, device and dtype, engine and cache counters (JSON), for `wicore status`.
 STATS = PREFIX + ":stats:{worker}"
 # Set and deleted at once by a verb's start-up check that Redis takes writes.
@@ -51,6 +54,10 @@ def notify(session: str) -> str:
 
 def stats(worker: str) -> str:
     return STATS.format(worker=worker)
+
+
+def cancel(worker: str) -> str:
+    return CANCEL.format(worker=worker)
 
 
 def probe(token: str) -> str:

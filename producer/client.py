@@ -23,34 +23,93 @@ from rq.job import Job, JobStatus
 from rq.results import Result
 from rq.serializers import JSONSerializer
 
-from wicore import keys
-from wicore.errors import JobFailed, ResultTimeout, UnknownJob
+from wicore import defaults, keys
+from wicore.errors import JobCanceled, JobFailed, ResultTimeout, UnknownJob
 from wicore.producer.image_refs import prepare_image
 from wicore.producer.outcome import Outcome, outcome_of
-from wicore.producer.submission import ProducerConfig, Submission
+from wicore.producer.submission import Prepared, ProducerConfig, Submission
 from wicore.scheduler.buckets import ShapeRules
 from wicore.schemas import CaptionJob, CaptionResult
 
 TASK = "wicore.worker.tasks.caption"  # by name: the producer never imports the worker
+ENDED = frozenset({JobStatus.FINISHED.value, JobStatus.FAILED.value, JobStatus.STOPPED.value, JobStatus.CANCELED.value})
+NO_ENTRY = "0-0"  # a stream id before every entry
+MISSING = "missing"  # the status of an id with no job in Redis (never submitted, expired or deleted)
 
-# ARGV: this producer's session, the dedup marks' key prefix, then job ids. A job goes only if
-# its mark is this session's, its status is queued and its id was still in its queue (LREM; a
-# key of another type answers an error, which pcall turns into "not there").
+
+def result_stream(job_id: str) -> str:
+    """The job's RQ result stream: workers add an entry when it ends (XREAD on it to wait)."""
+    return Result.get_key(job_id)
+
+
+# ARGV: this producer's session, own-queued-only ('1' or '0'), now (unix), TTL of a canceled job
+# and of a worker's cancel set, notify TTL, the key prefixes of notification lists, cancel sets
+# and dedup marks, then job ids. Returns each id's status afterwards:
+# 'canceled', the status it keeps (ended, or not this producer's queued job when own-queued-only),
+# or 'missing'. One call, so no worker claims a job between its check and its cancel; fields are
+# read as plain strings (a job hash RQ could not restore cancels like any other). A canceled job
+# is what RQ's `Job.cancel` makes of it (status, out of its queue and the started registry, in
+# the canceled registry), its worker (if one started it) finds it in its cancel set, its dedup
+# mark goes (submitting the same work again runs it) and its producer's `wait` hears of it.
 _CANCEL_LUA = """
-local session, marks, taken = ARGV[1], ARGV[2], 0
-for i = 3, #ARGV do
+local session, own_only, now = ARGV[1], ARGV[2] == '1', tonumber(ARGV[3])
+local ttl, notify_ttl = tonumber(ARGV[4]), tonumber(ARGV[5])
+local notify_prefix, cancel_prefix, marks = ARGV[6], ARGV[7], ARGV[8]
+local ended = {finished = 1, failed = 1, stopped = 1, canceled = 1}
+local function expire(key, seconds)
+  if seconds < 0 then redis.call('PERSIST', key) else redis.call('EXPIRE', key, math.max(seconds, 1)) end
+end
+local function notify_key(meta)
+  local ok, decoded = pcall(cjson.decode, meta or '')
+  local key = ok and type(decoded) == 'table' and decoded['notify']
+  if type(key) == 'string' and #key <= 200 and string.sub(key, 1, #notify_prefix) == notify_prefix then return key end
+  return nil
+end
+local function leave_registries(id, origin, status)
+  redis.pcall('LREM', 'rq:queue:' .. origin, 0, id)
+  if status == 'started' then
+    local eids = redis.pcall('ZRANGE', 'rq:executions:' .. id, 0, -1)
+    if type(eids) == 'table' and eids.err == nil then
+      for _, eid in ipairs(eids) do redis.pcall('ZREM', 'rq:wip:' .. origin, id .. ':' .. eid) end
+    end
+  end
+  redis.pcall('ZREM', 'rq:deferred:' .. origin, id)
+  redis.pcall('ZREM', 'rq:scheduled:' .. origin, id)
+  redis.pcall('ZADD', 'rq:canceled:' .. origin, now, id)
+end
+local function cancel(id, job, f)
+  redis.call('HSET', job, 'status', 'canceled')
+  if f[2] then leave_registries(id, f[2], f[1]) end
+  if f[1] == 'started' and f[3] and #f[3] <= 200 then
+    redis.call('SADD', cancel_prefix .. f[3], id)
+    expire(cancel_prefix .. f[3], ttl)
+  end
+  expire(job, ttl)
+  redis.call('DEL', marks .. id)
+  local notify = notify_key(f[4])
+  if notify then
+    redis.call('RPUSH', notify, id)
+    redis.call('EXPIRE', notify, notify_ttl)
+  end
+end
+local out = {}
+for i = 9, #ARGV do
   local id = ARGV[i]
   local job = 'rq:job:' .. id
-  local f = redis.call('HMGET', job, 'status', 'origin')
-  if redis.call('GET', marks .. id) == session and f[1] == 'queued' and f[2] then
-    local removed = redis.pcall('LREM', 'rq:queue:' .. f[2], 0, id)
-    if type(removed) == 'number' and removed > 0 then
-      redis.call('DEL', job, 'rq:results:' .. id, job .. ':dependents', job .. ':dependencies', marks .. id)
-      taken = taken + 1
+  if redis.call('TYPE', job)['ok'] ~= 'hash' then
+    out[i - 8] = 'missing'
+  else
+    local f = redis.call('HMGET', job, 'status', 'origin', 'worker_name', 'meta')
+    local mine = redis.pcall('GET', marks .. id) == session and f[1] == 'queued'
+    if ended[f[1]] or (own_only and not mine) then
+      out[i - 8] = f[1] or 'unknown'
+    else
+      cancel(id, job, f)
+      out[i - 8] = 'canceled'
     end
   end
 end
-return taken
+return out
 """
 
 
@@ -90,12 +149,16 @@ class Producer:
         return ids + (self._submit_chunk(batch) if batch else [])
 
     def _submit_chunk(self, submissions: list[Submission]) -> list[str]:
-        prepared = [self._prepare(s) for s in submissions]
-        jobs = [job for job, _ in prepared]
-        blobs = {job.image.sha256: data for job, data in prepared if data is not None}
+        return self.enqueue_prepared([self.prepare(s) for s in submissions])
+
+    def enqueue_prepared(self, prepared: list[Prepared]) -> list[str]:
+        """Enqueue jobs made by `prepare` (a caller that wants each submission's own error
+        prepares them one by one first). One job id per job, in order."""
+        jobs = [p.job for p in prepared]
+        blobs = {p.job.image.sha256: p.blob for p in prepared if p.blob is not None}
         new_ids, stored = self._claim_new([job.job_id for job in jobs], list(blobs))
         new_jobs = list({job.job_id: job for job in jobs if job.job_id in new_ids}.values())
-        labels = {job.job_id: s.label for job, s in zip(jobs, submissions)}
+        labels = {p.job.job_id: p.label for p in prepared}
         with self.connection.pipeline(transaction=True) as pipe:  # all of the chunk is enqueued, or none
             for sha in {job.image.sha256 for job in new_jobs if job.image.is_blob}:
                 if sha in stored:
@@ -106,8 +169,9 @@ class Producer:
             pipe.execute()
         return [job.job_id for job in jobs]
 
-    def _prepare(self, submission: Submission) -> tuple[CaptionJob, bytes | None]:
-        """The job, and the image bytes when they travel as a blob."""
+    def prepare(self, submission: Submission) -> Prepared:
+        """The job, the image bytes when they travel as a blob, and its label. Raises ImageError
+        or pydantic's ValidationError for a submission that cannot become a job."""
         ref, data = prepare_image(submission.image, by_path=self.config.by_path, limit=self.config.max_image_bytes)
         job = CaptionJob(
             image=ref,
@@ -119,7 +183,7 @@ class Producer:
             deadline=submission.deadline,
             metadata=submission.metadata,
         )
-        return job, data
+        return Prepared(job, data, submission.label)
 
     def _claim_new(self, job_ids: Sequence[str], blob_shas: Sequence[str]) -> tuple[set[str], set[str]]:
         """(ids to enqueue, blobs already in Redis). SET NX per id: only the first submission of
@@ -161,49 +225,44 @@ class Producer:
             result_ttl=self.config.result_ttl_s,
             failure_ttl=self.config.failure_ttl_s,
             retry=Retry(max=self.config.retries) if self.config.retries else None,
-            meta={"notify": self.notify_key},
+            meta={"notify": self.notify_key} if self.config.notify else {},
             description=f"caption {label or job.image.path or job.image.sha256[:12]}",
         )
-
-    def cancel(self, job_ids: Iterable[str]) -> int:
-        """Take back the jobs this producer enqueued that no worker has started: removed from
-        their queue and Redis, with their dedup mark, so submitting the same work again enqueues
-        it anew. Jobs enqueued by another producer, or already started, are left alone. One
-        server-side call: a worker cannot claim a job between its check and its removal, and no
-        job hash is parsed here. Returns how many were removed."""
-        ids = list(dict.fromkeys(job_ids))
-        if not ids:
-            return 0
-        return int(self._cancel(args=[self.session, keys.submitted(""), *ids]))
 
     # -- results ----------------------------------------------------------------------------
 
     def outcome(self, job_id: str, timeout: float | None = None) -> Outcome:
         """The job's outcome now; with `timeout`, block on its RQ result stream (XREAD, no
         polling) until it ends or the time is up. A 'retried' entry is not an end."""
-        if not self.connection.exists(f"rq:job:{job_id}"):
-            raise UnknownJob(f"no job {job_id} in Redis (never submitted, or expired)")
-        # Only the id and the status are read: a job hash that RQ could not restore still has
-        # its outcome in the result stream (the worker fails unreadable jobs with the reason).
-        job = Job(job_id, connection=self.connection, serializer=JSONSerializer)
         deadline = time.monotonic() + (timeout or 0.0)
-        last_seen = "0-0"
         while True:
-            latest = Result.fetch_latest(job, serializer=JSONSerializer)
-            status = self.connection.hget(f"rq:job:{job_id}", "status")
-            outcome = outcome_of(job_id, status.decode(errors="replace") if status else "unknown", latest)
+            outcome, last_seen = self.poll(job_id)
             left = deadline - time.monotonic()
             if outcome.done or left <= 0:
                 return outcome
-            last_seen = latest.id if latest else last_seen
             # Block in slices: redis-py's default socket timeout (5 s) would cut a longer wait.
-            self.connection.xread({Result.get_key(job_id): last_seen}, block=max(1, int(min(left, 2.0) * 1000)))
+            self.connection.xread({result_stream(job_id): last_seen}, block=max(1, int(min(left, 2.0) * 1000)))
+
+    def poll(self, job_id: str) -> tuple[Outcome, str]:
+        """The job's outcome now, and the id of the newest entry of its result stream: a waiter
+        blocks on `result_stream(job_id)` for entries after it."""
+        if not self.connection.exists(f"rq:job:{job_id}"):
+            raise no_such_job(job_id)
+        # Only the id and the status are read: a job hash that RQ could not restore still has
+        # its outcome in the result stream (the worker fails unreadable jobs with the reason).
+        job = Job(job_id, connection=self.connection, serializer=JSONSerializer)
+        latest = Result.fetch_latest(job, serializer=JSONSerializer)
+        # The status is read after the result: read before it, a job that ended in between
+        # would show its result under its old status.
+        status = self.connection.hget(job.key, "status")
+        outcome = outcome_of(job_id, status.decode(errors="replace") if status else "unknown", latest)
+        return outcome, latest.id if latest else NO_ENTRY
 
     def result(self, job_id: str, timeout: float | None = None) -> CaptionResult:
-        """The job's result; raises JobFailed, ResultTimeout or UnknownJob."""
+        """The job's result; raises JobFailed (JobCanceled), ResultTimeout or UnknownJob."""
         outcome = self.outcome(job_id, timeout)
         if outcome.error is not None:
-            raise JobFailed(job_id, outcome.error)
+            raise (JobCanceled if outcome.canceled else JobFailed)(job_id, outcome.error)
         if outcome.result is None:
             raise ResultTimeout(f"job {job_id} is {outcome.status} after waiting {timeout or 0}s")
         return outcome.result
@@ -247,11 +306,33 @@ class Producer:
             for job_id in ids:
                 pipe.hget(f"rq:job:{job_id}", "status")
             statuses = pipe.execute()
-        ended = {JobStatus.FINISHED.value, JobStatus.FAILED.value, JobStatus.STOPPED.value, JobStatus.CANCELED.value}
         outcomes = []
         for job_id, status in zip(ids, statuses):
             if status is None:
-                outcomes.append(Outcome(job_id, "missing", error="job no longer in Redis (expired or deleted)"))
-            elif status.decode() in ended:
+                outcomes.append(Outcome(job_id, MISSING, error="job no longer in Redis (expired or deleted)"))
+            elif status.decode() in ENDED:
                 outcomes.append(self.outcome(job_id))
         return outcomes
+
+    # -- canceling --------------------------------------------------------------------------
+
+    def cancel(self, job_ids: Iterable[str], *, own_queued_only: bool = False) -> dict[str, str]:
+        """Cancel jobs as RQ's `Job.cancel` does: a queued job leaves its queue and never runs; a
+        running one is stopped by its worker at the engine's next step boundary. Either reads
+        'canceled', its dedup mark goes (submitting the same work again runs it) and its producer's
+        `wait` hears of it. Returns each id's status afterwards: 'canceled', the status it had
+        already ended with, or 'missing'. `own_queued_only`: cancel only the jobs this producer
+        enqueued that no worker has started (what `wicore caption` takes back when it stops); the
+        others keep their status. One server-side call (`_CANCEL_LUA`)."""
+        ids = list(dict.fromkeys(job_ids))
+        if not ids:
+            return {}
+        ttl = self.config.result_ttl_s
+        args = [self.session, int(own_queued_only), time.time(), ttl, defaults.NOTIFY_TTL_S]
+        args += [keys.NOTIFY_PREFIX, keys.CANCEL_PREFIX, keys.submitted(""), *ids]
+        statuses = self._cancel(args=args)
+        return {job_id: raw.decode(errors="replace") for job_id, raw in zip(ids, statuses)}
+
+
+def no_such_job(job_id: str) -> UnknownJob:
+    return UnknownJob(f"no job {job_id} in Redis (never submitted, or expired)")

@@ -20,6 +20,14 @@ class Outcome:
     def done(self) -> bool:
         return self.result is not None or self.error is not None
 
+    @property
+    def canceled(self) -> bool:
+        return self.status == CANCELED_STATUS
+
+
+CANCELED_STATUS = "canceled"  # RQ's JobStatus.CANCELED
+CANCELED_MESSAGE = "JobCanceled: canceled on request before it ended"
+
 
 def error_line(exc_string: str | None) -> str:
     """The last non-empty line of a traceback, or the message itself."""
@@ -29,6 +37,8 @@ def error_line(exc_string: str | None) -> str:
 
 def outcome_of(job_id: str, status, result: Result | None) -> Outcome:
     status_text = getattr(status, "value", status) or "unknown"
+    if status_text == CANCELED_STATUS:  # a result written in a race with the cancel does not count
+        return Outcome(job_id, status_text, error=CANCELED_MESSAGE)
     if result is None:
         return Outcome(job_id, status_text)
     if result.type == Result.Type.SUCCESSFUL:

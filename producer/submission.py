@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from wicore import defaults
-from wicore.schemas import ChatMessage, GenerationParams, Lane
+from wicore.schemas import CaptionJob, ChatMessage, GenerationParams, Lane
 
 
 @dataclass(frozen=True)
@@ -28,6 +28,14 @@ class Submission:
         return None if isinstance(self.image, bytes | bytearray | memoryview) else str(self.image)
 
 
+class Prepared(NamedTuple):
+    """A submission made into its job (`Producer.prepare`), ready to enqueue."""
+
+    job: CaptionJob
+    blob: bytes | None  # the image bytes when they travel as a blob
+    label: str | None  # the submission's `label`: the job's description
+
+
 @dataclass(frozen=True)
 class ProducerConfig:
     by_path: bool = False  # send paths (workers must see the same files) instead of blobs
@@ -37,3 +45,4 @@ class ProducerConfig:
     retries: int = defaults.RETRIES  # re-runs after a transient failure or a dead worker
     job_timeout_s: int = 3_600
     max_image_bytes: int = defaults.MAX_IMAGE_BYTES
+    notify: bool = True  # workers push each ended job to this producer's list (`wait` reads it)

@@ -48,14 +48,58 @@ def wicore(
     return result
 
 
-def start_worker(*args: str, env: dict | None = None, log: Path | None = None) -> subprocess.Popen:
+def start_cli(verb: str, *args: str, env: dict | None = None, log: Path | None = None) -> subprocess.Popen:
+    """A long-running `wicore <verb>` in a subprocess, its output into `log`."""
     sink = open(log, "wb") if log else subprocess.DEVNULL  # noqa: SIM115 (closed with the process)
     return subprocess.Popen(
-        [WICORE, "worker", *args],
+        [WICORE, verb, *args],
         env={**os.environ, **(env or {})},
         stdout=sink,
         stderr=subprocess.STDOUT,
     )
+
+
+def start_worker(*args: str, env: dict | None = None, log: Path | None = None) -> subprocess.Popen:
+    return start_cli("worker", *args, env=env, log=log)
+
+
+def start_gateway(*args: str, env: dict | None = None, log: Path | None = None) -> subprocess.Popen:
+    """`wicore serve` in a subprocess; pair it with `wait_http` on its /health/live."""
+    return start_cli("serve", *args, env=env, log=log)
+
+
+def scrape_metrics(url: str) -> dict[tuple[str, tuple], float]:
+    """A Prometheus page parsed with prometheus_client's text parser: {(sample, labels): value}."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def metric_total(samples: dict, name: str, **labels) -> float:
+    """The sum of `name`'s samples whose labels include `labels`."""
+    return sum(v for (n, ls), v in samples.items() if n == name and set(labels.items()) <= set(ls))
+
+
+def wait_http(url: str, timeout: float, process: subprocess.Popen | None = None) -> None:
+    """Until `url` answers 200 (fails early if `process` exits)."""
+    import urllib.request
+
+    def answers() -> bool:
+        if process is not None and process.poll() is not None:
+            raise AssertionError(f"the process serving {url} exited with {process.returncode}")
+        try:
+            return urllib.request.urlopen(url, timeout=2).status == 200
+        except OSError:
+            return False
+
+    wait_until(answers, timeout, 0.1, f"{url} to answer")
 
 
 def stop(process: subprocess.Popen, sig: int = signal.SIGTERM, timeout: float = 60) -> int:

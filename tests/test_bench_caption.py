@@ -4,12 +4,25 @@ test): the real run happens on the GPU machine; this keeps the code from rotting
 from __future__ import annotations
 
 import json
+import math
+from pathlib import Path
 
 import pytest
+import torch
 
-from wicore.bench.caption_bench import CaptionBench, parity, run_caption_bench
-from wicore.bench.report import gpu_slug, write_caption_report
+from tests.helpers import wicore
+from wicore.bench.caption_bench import CaptionBench, parity, run_caption_bench, worker_command
+from wicore.bench.caption_scaling import (
+    RUN_KEYS,
+    gpu_count_check,
+    run_scaling_bench,
+    scaling,
+    scaling_report,
+    warmup_per_gpu,
+)
+from wicore.bench.report import gpu_slug, write_caption_report, write_scaling_report
 from wicore.bench.roofline import Ceilings, image_work, roofline_images_per_s
+from wicore.errors import ConfigError
 from wicore.models.gemma3 import gemma3_4b_config
 
 pytestmark = pytest.mark.slow
@@ -46,3 +59,78 @@ def test_bench_runs_end_to_end_on_cpu(tmp_path, tiny_model_dir):
     assert report["parity_vs_hf_best_batch"]["share"] == 1.0
     paths = write_caption_report(report, tmp_path / "results")
     assert json.loads(paths[0].read_text())["gpu"] == "cpu" and paths[1].stat().st_size > 0
+
+
+def test_scaling_is_the_ratio_of_the_two_runs_and_its_share_of_perfect():
+    assert scaling(190.0, 100.0, 2) == pytest.approx({"scaling": 1.9, "scaling_efficiency": 0.95})
+    assert scaling(40.0, 40.0, 1) == {"scaling": 1.0, "scaling_efficiency": 1.0}
+    assert math.isnan(scaling(10.0, 0.0, 2)["scaling"]), "no 1-GPU rate, no ratio"
+
+
+def test_every_gpu_warms_up_with_at_least_a_full_claim():
+    assert warmup_per_gpu(CaptionBench(workdir=Path("/x"), warmup_images=64, batch_size=384)) == 384
+    assert warmup_per_gpu(CaptionBench(workdir=Path("/x"), warmup_images=64, batch_size=8)) == 64
+
+
+def test_the_benchmark_needs_the_gpus_it_names():
+    gpu_count_check(2, 2)
+    with pytest.raises(ConfigError, match="^--gpus 2: the benchmark needs 2 GPUs and 1 are visible here$"):
+        gpu_count_check(2, 1)
+
+
+def test_worker_command_plain_per_gpu_and_on_cpu():
+    def extra(device: str, gpus: int) -> list[str]:
+        command = worker_command(
+            CaptionBench(workdir=Path("/x"), device=device), "redis://r", Path("/m"), Path("/i"), gpus
+        )
+        assert command[1:4] == ["-m", "wicore.cli.main", "worker"]
+        return command[command.index("--allow-random-weights") + 1 :]
+
+    assert extra("cuda", 0) == [] and extra("cpu", 0) == []
+    assert extra("cuda", 1) == ["--gpus", "0"] and extra("cuda", 4) == ["--gpus", "0,1,2,3"]
+    assert extra("cpu", 2) == ["--workers", "2"], "the same supervisor, CPU workers"
+
+
+def product_run(images_per_s: float) -> dict:
+    """What `run_product` returns, at this rate."""
+    return {**dict.fromkeys(RUN_KEYS, 0), "images_per_s": images_per_s, "errors": [], "engine_stats_by_worker": {}}
+
+
+def test_scaling_report_files_have_the_keys_and_a_plot(tmp_path):
+    bench = CaptionBench(workdir=tmp_path, images=512, gpus=2)
+    report = scaling_report(bench, product_run(40.0), product_run(76.0), "NVIDIA H100 80GB HBM3")
+    json_path, png = write_scaling_report(report, tmp_path / "results")
+    assert json_path.name == "caption-gemma3-4b-h100-x2.json" and png.name == "caption-gemma3-4b-h100-x2.png"
+    saved = json.loads(json_path.read_text())
+    assert {k: saved[k] for k in ("gpus", "images_per_s", "images_per_s_1gpu", "scaling")} == {
+        "gpus": 2, "images_per_s": 76.0, "images_per_s_1gpu": 40.0, "scaling": 1.9,
+    }  # fmt: skip
+    assert saved["command"] == "wicore bench caption --preset gemma3-4b --gpus 2 --images 512"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_bench_gpus_flag_is_checked_before_anything_runs(tmp_path):
+    negative = wicore("bench", "caption", "--gpus", "-1", "--workdir", str(tmp_path), check=False)
+    assert negative.returncode == 2 and negative.stderr.startswith("error: Invalid value for '--gpus': Input should")
+    missing = wicore("bench", "caption", "--gpus", "2", "--workdir", str(tmp_path), check=False)
+    assert (missing.returncode, missing.stderr) == (
+        2,
+        "error: --gpus 2: the benchmark needs 2 GPUs and 0 are visible here\n",
+    )
+    assert not any(tmp_path.iterdir()), "nothing made, nothing run"
+
+
+def test_scaling_bench_runs_end_to_end_on_cpu(tmp_path, tiny_model_dir):
+    """On CPU the N-GPU side is `wicore worker --workers N`: the same supervisor, the same path."""
+    bench = CaptionBench(workdir=tmp_path, images=4, new_tokens=4, batch_size=2, engine="reference",
+                         warmup_images=2, device="cpu", model_dir=tiny_model_dir, gpus=2)  # fmt: skip
+    report = run_scaling_bench(bench)
+    assert report["run_1gpu"]["error_count"] == report["run_ngpu"]["error_count"] == 0
+    assert report["run_1gpu"]["images"] == 4 and report["run_ngpu"]["images"] == 8, "the same work per worker"
+    assert report["images_per_s"] > 0 and report["scaling"] == report["images_per_s"] / report["images_per_s_1gpu"]
+    workers = report["engine_stats_by_worker"]
+    assert sorted(name[-2:] for name in workers) == ["-0", "-1"], "one supervised worker per slot"
+    assert all(stats["jobs_done"] > 0 for stats in workers.values()), "both served"
+    paths = write_scaling_report(report, tmp_path / "results")
+    assert [p.name for p in paths] == ["caption-gemma3-4b-cpu-x2.json", "caption-gemma3-4b-cpu-x2.png"]

@@ -138,9 +138,11 @@ def test_the_config_file_flag_leaves_the_environment_alone(tmp_path):
 
 
 def test_settings_file_round_trip_ignores_the_environment(tmp_path, monkeypatch):
-    settings = load_settings(redis_url="redis://:secret@127.0.0.1:1/0", engine="fast", engine_options={"block_size": 4})
+    settings = load_settings(
+        redis_url="redis://:secret@127.0.0.1:1/0", api_keys=["k-1"], engine="fast", engine_options={"block_size": 4}
+    )
     path = write_settings_file(settings, tmp_path)
-    assert stat.S_IMODE(path.stat().st_mode) == 0o600, "it may hold a Redis password"
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600, "it may hold a Redis password and API keys"
     monkeypatch.setenv("WICORE_ENGINE__BLOCK_SIZE", "64")
     monkeypatch.setenv("WICORE_BATCH_SIZE", "3")
     assert read_settings_file(path) == settings
@@ -163,8 +165,13 @@ def test_credentials_are_masked():
         "rediss://:***@host/0?password=***&ssl_cert_reqs=none"
     )
     assert redact_url("redis://host/0") == "redis://host/0"
-    public = load_settings(redis_url="redis://:secret@127.0.0.1:1/0").public()
-    assert "secret" not in json.dumps(public)
+    public = load_settings(redis_url="redis://:secret@127.0.0.1:1/0", api_keys=["key-secret"]).public()
+    assert "secret" not in json.dumps(public) and public["api_keys"] == ["***"]
+
+
+def test_api_keys_from_the_environment_are_comma_separated(monkeypatch):
+    monkeypatch.setenv("WICORE_API_KEYS", "k1, k2,")
+    assert [key.get_secret_value() for key in load_settings().api_keys] == ["k1", "k2"]
 
 
 @pytest.mark.slow
@@ -173,11 +180,12 @@ def test_the_worker_logs_its_resolved_config_once_without_the_password(tmp_path,
         Redis.from_url(server.url).config_set("requirepass", "sesame")
         url = server.url.replace("redis://", "redis://:sesame@")
         done = wicore("worker", "--redis-url", url, "--model", str(tiny_model_dir), "--engine", "fast", "--burst",
-                      env={"WICORE_LOG_LEVEL": "INFO"})  # fmt: skip
+                      env={"WICORE_LOG_LEVEL": "INFO", "WICORE_API_KEYS": "open-sesame"})  # fmt: skip
     lines = [line for line in done.stderr.splitlines() if "config: {" in line]
     assert len(lines) == 1 and "sesame" not in done.stdout + done.stderr
     config = json.loads(lines[0].split("config: ", 1)[1])
     assert config["settings"]["redis_url"].startswith("redis://:***@")
+    assert config["settings"]["api_keys"] == ["***"]
     engine = config["engine"]
     assert (engine["name"], engine["vision_batch_size"], engine["compile_text"], engine["cuda_graphs"]) == (
         "fast",

@@ -80,6 +80,15 @@ def test_producer_and_scheduler_import_neither_torch_nor_transformers():
     assert skipped == []
 
 
+def test_the_gateway_imports_neither_torch_nor_transformers():
+    """`wicore serve` holds no model: a gateway host needs no torch."""
+    modules = [name for name in modules_under("core") if name.startswith("wicore.gateway")] + ["wicore.cli.gateway"]
+    assert {"wicore.gateway.app", "wicore.gateway.submissions"} <= set(modules)
+    pulled, skipped = first_importers(modules, {"torch", "transformers", "PIL"})
+    assert pulled == {}, f"a gateway host would need these: {pulled}"
+    assert skipped == []
+
+
 def test_engines_and_ops_import_neither_redis_nor_rq():
     modules = modules_under("engines") + modules_under("ops")
     assert {

@@ -45,18 +45,29 @@ def test_a_mark_without_a_job_is_a_submission_that_never_happened(redis_conn):
     assert producer.outcome(job_id).status == "queued"
 
 
-def test_cancel_takes_back_only_this_producers_unstarted_jobs_whatever_their_hashes_hold(redis_conn):
-    """A job hash RQ could not restore (a bad date, a missing `data`) is taken back like any
-    other; a started job, another producer's job and an unknown id stay as they are."""
+def test_cancel_own_queued_only_takes_this_producers_unstarted_jobs_whatever_their_hashes_hold(redis_conn):
+    """A job hash RQ could not restore (a bad date, no `data`, meta that is not JSON) is canceled
+    like any other; a started job, another producer's job and an unknown id keep their status."""
     producer, other = Producer(redis_conn, model="m"), Producer(redis_conn, model="m")
     ids = producer.submit_many([Submission(png_bytes(10 + i), f"job {i}") for i in range(4)])
     foreign = other.submit(png_bytes(20), "another producer's")
     redis_conn.hset(f"rq:job:{ids[0]}", "created_at", "not a date")
     redis_conn.hdel(f"rq:job:{ids[1]}", "data")
+    redis_conn.hset(f"rq:job:{ids[1]}", "meta", "not json")
     redis_conn.hset(f"rq:job:{ids[2]}", "status", "started")  # a worker took it
-    assert producer.cancel([*ids, foreign, "no-such-job", ids[0]]) == 3
+    statuses = producer.cancel([*ids, foreign, "no-such-job", ids[0]], own_queued_only=True)
+    assert statuses == {
+        ids[0]: "canceled",
+        ids[1]: "canceled",
+        ids[2]: "started",
+        ids[3]: "canceled",
+        foreign: "queued",
+        "no-such-job": "missing",
+    }
     assert queued_ids(redis_conn) == [ids[2].encode(), foreign.encode()]
     for job_id in (ids[0], ids[1], ids[3]):
-        assert not redis_conn.exists(f"rq:job:{job_id}", keys.submitted(job_id))
-    assert redis_conn.exists(f"rq:job:{ids[2]}", keys.submitted(ids[2]), f"rq:job:{foreign}") == 3
+        assert redis_conn.hget(f"rq:job:{job_id}", "status") == b"canceled"
+        assert not redis_conn.exists(keys.submitted(job_id))
+    assert redis_conn.exists(keys.submitted(ids[2]), keys.submitted(foreign)) == 2
+    assert producer.outcome(ids[1]).canceled, "an unreadable job hash still reads canceled"
     assert producer.submit(png_bytes(13), "job 3") == ids[3] and ids[3].encode() in queued_ids(redis_conn)

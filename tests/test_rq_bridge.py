@@ -106,6 +106,57 @@ def test_transient_failure_is_retried_through_rq(redis_conn):
     assert Job.fetch("job-0", connection=redis_conn).get_status() == JobStatus.FAILED, "retries spent"
 
 
+def test_a_failure_of_a_job_canceled_while_it_ran_leaves_it_canceled(redis_conn):
+    """The engine may fail a job in the step before its worker reads the cancel: no retry runs
+    it again, and it is not counted as failed."""
+    queue, _ = enqueue(redis_conn, 1, retries=2)
+    bridge = bridge_for(redis_conn)
+    [claimed] = bridge.claim(QUEUE, 1)
+    Job.fetch("job-0", connection=redis_conn, serializer=JSONSerializer).cancel()
+    bridge.finish([Finished(claimed, error="EngineError: CUDA OOM", retry=True)])
+    job = Job.fetch("job-0", connection=redis_conn, serializer=JSONSerializer)
+    assert job.get_status() == JobStatus.CANCELED and queue.count == 0
+    assert FailedJobRegistry(QUEUE, connection=redis_conn).count == 0
+    assert redis_conn.zcard("rq:executions:job-0") == 0 and redis_conn.llen(bridge.claims_key) == 0
+
+
+def test_a_claim_drops_a_cancel_request_older_than_itself(redis_conn):
+    """A cancel request left in the worker's set for an earlier run of the job (canceled, then
+    submitted again) must not stop the new run."""
+    enqueue(redis_conn, 2)
+    bridge = bridge_for(redis_conn)
+    redis_conn.sadd(keys.cancel("w1"), "job-0", "job-9")
+    assert [c.id for c in bridge.claim(QUEUE, 2)] == ["job-0", "job-1"]
+    assert redis_conn.smembers(keys.cancel("w1")) == {b"job-9"}
+
+
+def test_a_cancel_settles_only_a_job_that_reads_canceled(redis_conn):
+    """An engine abort ends a canceled job with no result; one whose status is not 'canceled'
+    (nothing canceled it) is never written as finished: it fails with the reason."""
+    enqueue(redis_conn, 2)
+    bridge = bridge_for(redis_conn)
+    canceled, other = bridge.claim(QUEUE, 2)
+    Job.fetch("job-0", connection=redis_conn, serializer=JSONSerializer).cancel()
+    assert bridge.finish([Finished(canceled, canceled=True), Finished(other, error="aborted", canceled=True)]) == 2
+    assert Job.fetch("job-0", connection=redis_conn).get_status() == JobStatus.CANCELED
+    assert redis_conn.xlen("rq:results:job-0") == 0
+    assert Job.fetch("job-1", connection=redis_conn).get_status() == JobStatus.FAILED
+    assert FailedJobRegistry(QUEUE, connection=redis_conn).get_job_ids() == ["job-1"]
+    assert Worker.find_by_key(bridge.record.key, connection=redis_conn).failed_job_count == 1
+
+
+def test_a_dead_workers_canceled_job_stays_canceled(redis_conn):
+    queue, _ = enqueue(redis_conn, 2, retries=1)
+    dead = bridge_for(redis_conn, "dead")
+    dead.claim(QUEUE, 2)
+    Job.fetch("job-0", connection=redis_conn, serializer=JSONSerializer).cancel()
+    redis_conn.delete(dead.record.key)
+    assert bridge_for(redis_conn, "alive").requeue(dead.claims_key, died=True, owner="dead") == 2
+    assert queue.job_ids == ["job-1"]
+    job = Job.fetch("job-0", connection=redis_conn)
+    assert job.get_status() == JobStatus.CANCELED and job.get_executions() == []
+
+
 def test_requeue_claims_of_a_dead_worker(redis_conn):
     queue, _ = enqueue(redis_conn, 5, retries=1)
     dead = bridge_for(redis_conn, "dead")

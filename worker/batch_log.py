@@ -1,7 +1,7 @@
 """What a worker's log says about its work: one INFO line per batch once all of its jobs have
-ended (bucket, size, milliseconds, output tokens per second) and one WARNING per failed job with
-its reason. A batch is what one claim took from one bucket queue; with continuous batching its
-jobs end at different steps, so its line comes with the last of them."""
+ended (bucket, size, how many failed or were canceled, milliseconds, output tokens per second) and
+one WARNING per failed job with its reason. A batch is what one claim took from one bucket queue;
+with continuous batching its jobs end at different steps, so its line comes with the last of them."""
 
 from __future__ import annotations
 
@@ -22,12 +22,14 @@ class Batch:
     started: float = field(default_factory=time.perf_counter)
     tokens: int = 0
     failed: int = 0
+    canceled: int = 0
 
     def line(self) -> str:
         seconds = max(1e-9, time.perf_counter() - self.started)
-        failed = f" ({self.failed} failed)" if self.failed else ""
+        ended = [f"{n} {word}" for n, word in ((self.failed, "failed"), (self.canceled, "canceled")) if n]
+        notes = f" ({', '.join(ended)})" if ended else ""
         return (
-            f"batch {self.queue}: {self.size} jobs{failed} in {seconds * 1000:.0f} ms, "
+            f"batch {self.queue}: {self.size} jobs{notes} in {seconds * 1000:.0f} ms, "
             f"{self.tokens / seconds:.1f} tokens/s"
         )
 
@@ -53,6 +55,7 @@ class BatchLog:
     def _count(self, batch: Batch, item: Finished) -> None:
         batch.open -= 1
         batch.failed += item.error is not None
+        batch.canceled += item.canceled
         tokens = (item.result or {}).get("output_tokens")
         batch.tokens += tokens if isinstance(tokens, int) else 0
         if batch.open == 0:

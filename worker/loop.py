@@ -2,6 +2,7 @@
 engine, write each job's result the moment its sequence ends.
 
     while running:
+        cancel()       # jobs canceled while in hand leave the engine at this step boundary
         admit()        # scheduler picks a bucket; claim, start, load images, engine.add
         step()         # engine.step(); finish what ended
         or idle()      # nothing to do: wait on the doorbell
@@ -32,7 +33,7 @@ from redis import Redis
 from rq.serializers import JSONSerializer
 
 from wicore import defaults, keys
-from wicore.engines.base import Completion, Engine
+from wicore.engines.base import ABORTED, Completion, Engine
 from wicore.errors import ShutdownRequested
 from wicore.scheduler.policy import BatchPolicy, Take, Wait, choose, split_expired
 from wicore.scheduler.queues import BucketQueues
@@ -41,11 +42,14 @@ from wicore.worker.batch_log import BatchLog
 from wicore.worker.engine_gate import EngineGate
 from wicore.worker.job_inputs import InputConfig, InputLoader, Loaded, deadline_message, parse_payloads
 from wicore.worker.liveness import Heartbeat, reap_dead_workers, take_over_name
+from wicore.worker.metrics import WorkerMetrics
 from wicore.worker.redis_link import REDIS_DOWN, Backoff
 from wicore.worker.results import caption_result
 from wicore.worker.rq_bridge import Claimed, Finished, RQBridge, RQWorkerRecord
 
 log = logging.getLogger(__name__)
+
+CANCELS_PER_TAKE = 1024  # cancel requests read per loop iteration (the rest wait for the next)
 
 
 class WorkerState(str, Enum):
@@ -100,6 +104,7 @@ class BatchingWorker:
         self.gate = EngineGate(engine)
         self.in_flight: dict[str, InFlight] = {}
         self.unwritten: list[Finished] = []  # ended here, not yet written to Redis
+        self.metrics = WorkerMetrics(config.model_id)
         self.batch_log = BatchLog()
         self.jobs_done = 0
         self.stopping = False
@@ -134,6 +139,7 @@ class BatchingWorker:
     def _turn(self) -> bool:
         """One pass of the loop; False when the worker is done (burst, max_jobs, stopped)."""
         self._maintain()
+        self._cancel()
         self._fetch_images()
         admitted = self._admit() if not self.stopping else False
         going = self._work() or admitted or (not self.stopping and self._idle())
@@ -145,12 +151,19 @@ class BatchingWorker:
         False when there was nothing to do."""
         self._hand_over_loaded()
         if self.gate.busy():
-            self._collect(self.gate.step())
+            self._collect(self._step())
         elif self._loading():
             wait([f.loading for f in self._loading()], timeout=0.01, return_when=FIRST_COMPLETED)
         else:
             return False
         return True
+
+    def _step(self) -> list[Completion]:
+        batch, start = self.engine.num_unfinished(), time.perf_counter()
+        done = self.gate.step()
+        self.metrics.stepped(batch, time.perf_counter() - start)
+        self.metrics.in_hand(self.engine.num_unfinished(), len(self._loading()))
+        return done
 
     def _start(self) -> None:
         self._install_signal_handlers()
@@ -209,6 +222,8 @@ class BatchingWorker:
         identity = {"model": self.config.model_id, "engine": self.engine.name}
         identity |= {"device": self.engine.config.device, "dtype": self.engine.config.dtype}
         stats = {**identity, "jobs_done": self.jobs_done, "in_flight": len(self.in_flight), **self.engine.stats()}
+        self.metrics.engine_snapshot(stats)
+        self.metrics.in_hand(self.engine.num_unfinished(), len(self._loading()))
         self.connection.set(keys.stats(self.name), json.dumps(stats), ex=max(60, int(self.config.liveness_ttl_s * 4)))
 
     def _idle(self) -> bool:
@@ -223,6 +238,32 @@ class BatchingWorker:
     def _wait_for_work(self, seconds: float) -> None:
         # Redis reads a timeout under 1 ms as 0, which would block forever.
         self.connection.blpop([keys.doorbell(self.config.model_id)], timeout=max(seconds, 0.002))
+
+    # -- canceling jobs -----------------------------------------------------------------------
+
+    def _cancel(self) -> None:
+        """Jobs canceled while this worker held them (`Producer.cancel` names them in our cancel
+        set). One not yet in the engine (its image unread or loading) ends now; one in the
+        engine gate is aborted there (`EngineGate.abort`: a request waiting in the gate stops at
+        once, one in the engine at once or from a later step) and ends when it comes back. Either
+        ends canceled, with no result. One SPOP a loop iteration while jobs are in hand; a failed
+        SPOP is an outage like any other (a request lost with its reply costs only work: the
+        settle script writes no result for a canceled job)."""
+        if not self.in_flight:
+            return
+        taken = {raw.decode() for raw in self.connection.spop(keys.cancel(self.name), CANCELS_PER_TAKE) or []}
+        held = [self.in_flight[job_id] for job_id in taken if job_id in self.in_flight]
+        before_engine = [flight for flight in held if flight.loading is not None or not flight.fetched]
+        for flight in before_engine:
+            if flight.loading is not None:
+                flight.loading.cancel()  # a load already running ends unread: the job leaves `in_flight`
+            self.in_flight.pop(flight.claimed.id)
+        self._end([Finished(flight.claimed, canceled=True) for flight in before_engine])
+        in_engine = [flight.claimed.id for flight in held if flight.loading is None and flight.fetched]
+        if in_engine:
+            self._collect(self.gate.abort(in_engine))
+        if held:
+            log.info("worker %s: canceling %d jobs in hand", self.name, len(held))
 
     # -- riding out a Redis outage ------------------------------------------------------------
 
@@ -295,6 +336,7 @@ class BatchingWorker:
         live, expired = split_expired(payloads, lambda cp: cp[1].deadline, time.time())
         invalid += [(c, deadline_message(payload)) for c, payload in expired]
         self._end([Finished(c, error=reason) for c, reason in invalid])
+        self.metrics.failed("input", len(invalid))
         batch = next(self._batches)
         for c, payload in live:
             self.in_flight[c.id] = InFlight(c, payload, batch)
@@ -332,6 +374,7 @@ class BatchingWorker:
             else:
                 requests.append(loaded.request)
         if bad or requests:
+            self.metrics.admitted(sum(len(r.images) for r in requests))
             self._collect(bad + (self.gate.add(requests) if requests else []))
 
     # -- finishing jobs -----------------------------------------------------------------------
@@ -343,6 +386,7 @@ class BatchingWorker:
         self.unwritten += items
         self.batch_log.ended(items)
         self.jobs_done += len(items)
+        self.metrics.canceled(sum(item.canceled for item in items))
 
     def _flush(self) -> None:
         """Write what ended; on an outage the items stay for the next try."""
@@ -352,7 +396,10 @@ class BatchingWorker:
 
     def _finished(self, completion: Completion) -> Finished:
         flight = self.in_flight.pop(completion.id)
+        if completion.error == ABORTED:  # only `_cancel` aborts: RQ reads the job canceled already
+            return Finished(flight.claimed, canceled=True)
         if not completion.ok:
+            self.metrics.failed("input" if completion.input_error else "transient")
             return Finished(flight.claimed, error=completion.error, retry=not completion.input_error)
         submitted = flight.payload.submitted_at
         timings = Timings(
@@ -364,6 +411,7 @@ class BatchingWorker:
         result = caption_result(
             completion, timings, worker=self.name, engine=self.engine.name, model=self.config.model_id
         )
+        self.metrics.succeeded(completion, timings)
         return Finished(flight.claimed, result=result.model_dump(mode="json"))
 
     # -- signals ------------------------------------------------------------------------------

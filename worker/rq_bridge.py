@@ -6,9 +6,13 @@ than the work of a small job, and its `Job.restore` raises on a malformed field.
 to a job's records runs server-side, one Lua call per batch (worker/rq_scripts.py):
 
 - `claim`: LMOVE up to N job ids from a bucket queue into this worker's claims list and mark each
-  started exactly as RQ's worker does; ids that name no job go to a dead-letter stream.
-- `finish`: results, failures and retries; only for jobs still in this worker's claims list, so
-  it may be repeated (after a lost reply, or when Redis is back after an outage).
+  started exactly as RQ's worker does; ids that name no job go to a dead-letter stream, a job
+  canceled while its id sat in the queue is dropped unrun, and a cancel request this worker
+  holds for a claimed id (older than the claim) is dropped.
+- `finish`: results, failures, retries and cancellations; only for jobs still in this worker's
+  claims list, so it may be repeated (after a lost reply, or when Redis is back after an
+  outage). A job canceled while it ran (`Producer.cancel`) ends with no result, and a failure
+  of it stays canceled (no retry, not counted as failed).
 - `requeue`: a dead worker's claims, or our own orphans, back to the head of their queues.
 
 The fields a claim returns are parsed here, defensively: a job whose record cannot be read is
@@ -44,7 +48,6 @@ from wicore.worker import rq_scripts
 DEFAULT_JOB_TIMEOUT = Queue.DEFAULT_TIMEOUT
 NO_TIMEOUT_TTL = DEFAULT_WORKER_TTL
 TTL_GRACE_S = 60  # RQ adds it to every execution TTL; rq spells it as a literal, not a constant
-NOTIFY_TTL_S = 3_600  # a notification list expires this long after its last push (its producer may be gone)
 MAX_JOB_DATA = 16 * 2**20  # bytes of a job's (inflated) data we are willing to parse
 WORKER_DIED = "WorkerDied: the worker running this job stopped (no retries left)"
 
@@ -95,6 +98,7 @@ class Finished:
     result: dict[str, Any] | None = None  # JSON-able return value
     error: str | None = None
     retry: bool = False  # transient failure: run it again if it has retries left
+    canceled: bool = False  # RQ canceled it while it ran (only after `Job.cancel` committed)
 
 
 # -- reading a claimed job's fields ---------------------------------------------------------------
@@ -173,6 +177,13 @@ def optional_int(raw: bytes) -> int | None:
         return None
 
 
+def settle_kind(item: Finished) -> str:
+    """The settle script's kind for a job that ended without a result."""
+    if item.canceled:
+        return "cancel"
+    return "retry" if item.retry else "fail"
+
+
 def exc_string(message: str) -> str:
     """RQ's encoding of a failure's text in its result stream."""
     return b64encode(zlib.compress(message.encode(errors="replace"))).decode()
@@ -199,9 +210,8 @@ class RQBridge:
         at = now()
         args = [count, self.record.name, at.timestamp(), utcformat(at), queue_name]
         args += [DEFAULT_JOB_TIMEOUT, NO_TIMEOUT_TTL, TTL_GRACE_S, *(uuid.uuid4().hex for _ in range(count))]
-        rows = self._claim(
-            keys=["rq:queue:" + queue_name, *self._worker_keys(), keys.CLAIMANTS, keys.DEAD_LETTER], args=args
-        )
+        claim_keys = ["rq:queue:" + queue_name, *self._worker_keys(), keys.CLAIMANTS, keys.DEAD_LETTER]
+        rows = self._claim(keys=[*claim_keys, keys.cancel(self.record.name)], args=args)
         return [decode_claimed(row, at.timestamp()) for row in rows]
 
     def finish(self, items: list[Finished]) -> int:
@@ -211,7 +221,7 @@ class RQBridge:
         if not items:
             return 0
         at = now()
-        args: list[Any] = [self.record.name, at.timestamp(), utcformat(at), DEFAULT_FAILURE_TTL, NOTIFY_TTL_S]
+        args: list[Any] = [self.record.name, at.timestamp(), utcformat(at), DEFAULT_FAILURE_TTL, defaults.NOTIFY_TTL_S]
         for item in items:
             args += self._settle_args(item)
         return int(self._settle(keys=self._worker_keys(), args=args))
@@ -221,7 +231,7 @@ class RQBridge:
         if item.result is not None:
             kind, value = "ok", b64encode(JSONSerializer.dumps(item.result)).decode()
         else:
-            kind, value = ("retry" if item.retry else "fail"), exc_string(item.error or "failed")
+            kind, value = settle_kind(item), exc_string(item.error or "failed")
         ttl = c.result_ttl if c.result_ttl is not None else self.result_ttl
         return [c.id, c.execution_id, c.origin, kind, value, ttl, c.started_at, c.notify]
 

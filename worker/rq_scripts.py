@@ -87,13 +87,16 @@ local function fail(id, origin, exc, worker, eid, started, now, now_text, defaul
 end
 """
 
-# KEYS: queue, claims list, worker executions index, worker hash, claimants set, dead-letter stream.
+# KEYS: queue, claims list, worker executions index, worker hash, claimants set, dead-letter stream,
+# this worker's cancel set.
 # ARGV: count, worker name, now (unix), now (RQ text), queue name, default job timeout, TTL of a
 # job without timeout, TTL grace, then `count` fresh execution ids.
 # Takes up to `count` jobs and starts each as RQ's worker does (status, execution hash, the job's
 # executions index, the started registry, the worker's executions index). An id RQ could not have
 # made, or one with no job hash, goes to the dead-letter stream; an id whose job is no longer
-# queued (a duplicate entry) is dropped. Returns per started job: id, execution id, data, meta,
+# queued (a duplicate entry, or a job canceled while its id sat in the queue) is dropped, never
+# started. A cancel request this worker holds for a claimed id predates the claim (it was for an
+# earlier run of the job) and is dropped. Returns per started job: id, execution id, data, meta,
 # origin, result_ttl ('' for a missing field).
 CLAIM = (
     _LIB
@@ -111,6 +114,7 @@ end
 for i = 1, n do
   local id = redis.call('LMOVE', KEYS[1], KEYS[2], 'LEFT', 'RIGHT')
   if not id then break end
+  redis.call('SREM', KEYS[7], id)
   local job = 'rq:job:' .. id
   if #id > 200 or not string.find(id, '^[%w_-]+$') then
     dead_letter(id, 'not a job id: RQ ids are letters, digits, _ and -')
@@ -154,13 +158,16 @@ return out
 #   id, execution id, origin, kind, value, result ttl, started (unix), notify key.
 # kind 'ok': value is the return value (base64 JSON); 'fail': value is RQ's exc_string (base64
 # zlib); 'retry': a transient failure, requeued at the back if the job has retries left, else
-# failed with `value`. A job no longer in this worker's claims list is skipped.
+# failed with `value`; 'cancel': the engine aborted it on a cancel request (value as 'fail').
+# A job canceled while it ran (its status reads 'canceled') stays canceled whatever its kind: no
+# result, no retry, not counted as failed; a 'cancel' of a job not canceled fails it with
+# `value`. A job no longer in this worker's claims list is skipped. Returns how many were settled.
 SETTLE = (
     _LIB
     + """
 local worker, now, now_text, default_ttl = ARGV[1], tonumber(ARGV[2]), ARGV[3], tonumber(ARGV[4])
 local notify_ttl = tonumber(ARGV[5])
-local ok, failed, worked = 0, 0, 0
+local ok, failed, canceled, worked = 0, 0, 0, 0
 for i = 6, #ARGV, 8 do
   local id, eid, origin, kind, value = ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3], ARGV[i + 4]
   local ttl, started, notify = ttl_of(ARGV[i + 5], 0), tonumber(ARGV[i + 6]), ARGV[i + 7]
@@ -170,6 +177,8 @@ for i = 6, #ARGV, 8 do
     local ended = true
     if redis.call('EXISTS', job) == 0 then
       ended = false
+    elseif redis.call('HGET', job, 'status') == 'canceled' then
+      canceled = canceled + 1
     elseif kind == 'ok' then
       redis.call('HSET', job, 'status', 'finished', 'ended_at', now_text)
       add_result(id, {'type', 1, 'worker_name', worker, 'return_value', value, 'execution_id', eid,
@@ -199,7 +208,7 @@ redis.call('HINCRBY', KEYS[3], 'successful_job_count', ok)
 redis.call('HINCRBY', KEYS[3], 'failed_job_count', failed)
 redis.call('HINCRBYFLOAT', KEYS[3], 'total_working_time', worked)
 if redis.call('SCARD', KEYS[2]) == 0 then redis.call('HSET', KEYS[3], 'state', 'idle') end
-return ok + failed
+return ok + failed + canceled
 """
 )
 
@@ -210,7 +219,8 @@ return ok + failed
 # then the job ids to give back (none: every id in the list, and the list is deleted).
 # Returns the jobs to their queues' heads in their claimed order: unstarted ones as they were,
 # started ones with their execution records dropped (so RQ's started-registry cleanup never
-# counts them as abandoned again), or failed once their retries are spent.
+# counts them as abandoned again), or failed once their retries are spent. A job canceled while its
+# worker held it stays canceled; only its execution records go.
 REQUEUE = (
     _LIB
     + """
@@ -229,6 +239,8 @@ for i = #ids, 1, -1 do
   if mine and f[2] then
     if f[1] == 'queued' then
       push(f[2], id, true)
+    elseif f[1] == 'canceled' then
+      forget_executions(id, f[2], KEYS[2])
     elseif f[1] == 'started' then
       forget_executions(id, f[2], KEYS[2])
       if not spend then

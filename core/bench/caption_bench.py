@@ -37,6 +37,7 @@ class CaptionBench:
     warmup_images: int = 64
     prompt: str = DEFAULT_PROMPT
     device: str = "cuda"
+    gpus: int = 0  # 0: the plain worker; N: also a worker process per GPU on N GPUs (caption_scaling.py)
     model_dir: Path | None = None  # default: `make-model gemma3-4b` (seeded weights on the device)
 
 
@@ -50,20 +51,39 @@ def percentile(values: list[float], q: float) -> float:
     return float(np.percentile(np.asarray(values), q)) if values else float("nan")
 
 
-def wait_for_worker(connection, process, log: Path, timeout: float = 900) -> str:
+def wait_for_workers(connection, process, log: Path, count: int, timeout: float = 900) -> list[str]:
+    """The names of the `count` workers once all have registered (their models loaded)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if process.poll() is not None:
             raise RuntimeError(f"worker exited ({process.returncode}):\n{log.read_text()[-3000:]}")
-        names = [n.decode().split(":")[-1] for n in connection.smembers("rq:workers")]
-        if names:
-            return names[0]
+        names = sorted(n.decode().split(":")[-1] for n in connection.smembers("rq:workers"))
+        if len(names) >= count:
+            return names
         time.sleep(0.5)
-    raise RuntimeError("worker did not start in time")
+    raise RuntimeError(f"{count} workers did not start in time")
 
 
-def run_product(bench: CaptionBench, model_dir: Path, paths: list[Path], log: Path) -> dict:
-    """Warm up on separate images, then time `bench.images` images end to end."""
+def worker_command(bench: CaptionBench, url: str, model_dir: Path, root: Path, gpus: int) -> list[str]:
+    """`wicore worker` as the benchmark runs it: plain (gpus=0), or one worker process per GPU
+    under the supervisor (`--gpus 0,...,N-1`; on CPU, `--workers N`)."""
+    args = ["--redis-url", url, "--model", str(model_dir), "--model-id", MODEL_ID, "--engine", bench.engine,
+            "--device", bench.device, "--batch-size", str(bench.batch_size), "--allow-root", str(root),
+            "--max-queue-delay-ms", "20", "--allow-random-weights"]  # fmt: skip
+    for key, value in bench.engine_options.items():
+        args += ["--engine-option", f"{key}={json.dumps(value)}"]
+    if gpus and bench.device.startswith("cuda"):
+        args += ["--gpus", ",".join(str(i) for i in range(gpus))]
+    elif gpus:
+        args += ["--workers", str(gpus)]
+    return [sys.executable, "-m", "wicore.cli.main", "worker", *args]
+
+
+def run_product(
+    bench: CaptionBench, model_dir: Path, warm: list[Path], timed: list[Path], log: Path, gpus: int = 0
+) -> dict:
+    """Warm up on `warm`, then time `timed` end to end, on the plain worker (gpus=0) or on a
+    worker process per GPU (gpus=N)."""
     from redis import Redis
 
     from wicore.embedded import EmbeddedRedis
@@ -71,22 +91,15 @@ def run_product(bench: CaptionBench, model_dir: Path, paths: list[Path], log: Pa
     from wicore.schemas import GenerationParams
 
     params = GenerationParams(max_new_tokens=bench.new_tokens, ignore_eos=True)
-    warm, timed = paths[: bench.warmup_images], paths[bench.warmup_images :]
     with EmbeddedRedis() as server:
-        args = ["--redis-url", server.url, "--model", str(model_dir), "--model-id", MODEL_ID, "--engine", bench.engine,
-                "--device", bench.device,
-                "--batch-size", str(bench.batch_size), "--allow-root", str(paths[0].parent), "--max-queue-delay-ms", "20",
-                "--allow-random-weights"]  # fmt: skip
-        for key, value in bench.engine_options.items():
-            args += ["--engine-option", f"{key}={json.dumps(value)}"]
+        command = worker_command(bench, server.url, model_dir, timed[0].parent, gpus)
         env = {**os.environ, "WICORE_LOG_LEVEL": "INFO"}
         with open(log, "wb") as sink:
-            worker = subprocess.Popen([sys.executable, "-m", "wicore.cli.main", "worker", *args], stdout=sink,
-                                      stderr=subprocess.STDOUT, env=env)  # fmt: skip
+            worker = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, env=env)
         try:
             connection = Redis.from_url(server.url)
             started = time.perf_counter()
-            name = wait_for_worker(connection, worker, log)
+            names = wait_for_workers(connection, worker, log, max(1, gpus))
             load_s = time.perf_counter() - started
             producer = Producer(server.url, model=MODEL_ID, config=ProducerConfig(by_path=True))
             warm_ids = producer.submit_many(Submission(p, bench.prompt, params=params) for p in warm)
@@ -98,7 +111,7 @@ def run_product(bench: CaptionBench, model_dir: Path, paths: list[Path], log: Pa
         finally:
             worker.send_signal(signal.SIGTERM)
             worker.wait(timeout=120)
-        stats = json.loads(connection.get(f"wicore:stats:{name}") or b"{}")  # published at the worker's stop
+        stats = {name: json.loads(connection.get(f"wicore:stats:{name}") or b"{}") for name in names}  # at stop
     errors = [o.error for o in outcomes.values() if o.error]
     results = [o.result for o in outcomes.values() if o.result]
     tokens = {str(p): list(outcomes[i].result.token_ids) for p, i in zip(timed, ids) if outcomes[i].result}
@@ -113,7 +126,8 @@ def run_product(bench: CaptionBench, model_dir: Path, paths: list[Path], log: Pa
         "errors": errors[:5],
         "error_count": len(errors),
         "worker_start_s": load_s,
-        "engine_stats": stats,
+        "engine_stats": stats[names[0]],
+        "engine_stats_by_worker": stats,
         "tokens": tokens,
     }
 
@@ -178,7 +192,8 @@ def run_caption_bench(bench: CaptionBench, ceilings: Ceilings | None = None) -> 
     ceilings = ceilings or measure_ceilings(bench.device)
     model_dir = bench.model_dir or make_gemma3_4b(bench.workdir / "gemma3-4b")
     paths = make_images(bench.workdir / "images", bench.warmup_images + bench.images, processes=os.cpu_count() or 4)
-    product = run_product(bench, model_dir, paths, bench.workdir / "worker.log")
+    warm, timed = paths[: bench.warmup_images], paths[bench.warmup_images :]
+    product = run_product(bench, model_dir, warm, timed, bench.workdir / "worker.log")
     peers = run_peers(bench, model_dir, paths)
     config = AutoConfig.from_pretrained(model_dir)
     prompt_tokens = product["engine_stats"].get("mean_prompt_tokens") or 281  # 281: the 4B prompt here

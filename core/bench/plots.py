@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 
@@ -22,3 +23,11 @@ def bar_plot(path: Path, title: str, labels: list[str], values: list[float], yla
     fig.savefig(path)
     plt.close(fig)
     return path
+
+
+def write_report(report: dict, stem: Path, title: str, bars: dict[str, float], ylabel: str) -> list[Path]:
+    """`stem`.json (the report) and `stem`.png (one bar per entry of `bars`)."""
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    json_path = stem.with_suffix(".json")
+    json_path.write_text(json.dumps(report, indent=2) + "\n")
+    return [json_path, bar_plot(stem.with_suffix(".png"), title, list(bars), list(bars.values()), ylabel)]

@@ -6,7 +6,6 @@ the same Redis. Reports jobs/s, their ratio, and Redis commands and Redis CPU pe
 from __future__ import annotations
 
 import io
-import json
 import os
 import time
 from dataclasses import dataclass
@@ -16,7 +15,7 @@ from redis import Redis
 from rq import Queue, SimpleWorker
 from rq.serializers import JSONSerializer
 
-from wicore.bench.plots import bar_plot
+from wicore.bench.plots import write_report
 from wicore.engines import EngineConfig
 from wicore.engines.null import NullEngine
 from wicore.producer import Producer, ProducerConfig, Submission
@@ -82,7 +81,7 @@ def bench_plain_rq(connection: Redis, jobs: int) -> RunStats:
     """The same payloads as plain RQ jobs, run one by one by RQ's SimpleWorker."""
     producer = Producer(connection, model=MODEL_ID + "-rq", config=ProducerConfig(retries=1))
     image = tiny_png()
-    payloads = [producer._prepare(Submission(image, f"bench job {i}"))[0] for i in range(jobs)]
+    payloads = [producer.prepare(Submission(image, f"bench job {i}")).job for i in range(jobs)]
     connection.set(f"wicore:blob:{payloads[0].image.sha256}", image)
     queue = Queue("bench-plain-rq", connection=connection, serializer=JSONSerializer)
     queue.enqueue_many(
@@ -93,18 +92,12 @@ def bench_plain_rq(connection: Redis, jobs: int) -> RunStats:
 
 
 def write_results(report: dict, folder: Path) -> list[Path]:
-    folder.mkdir(parents=True, exist_ok=True)
-    stem = folder / f"queue-{os.cpu_count()}cpu"
-    json_path = stem.with_suffix(".json")
-    json_path.write_text(json.dumps(report, indent=2) + "\n")
-    png = bar_plot(
-        stem.with_suffix(".png"),
-        f"{report['jobs']} jobs, null engine: {report['ratio']:.1f}x plain RQ",
-        [f"wicore batching worker (batch {report['batch_size']})", "RQ SimpleWorker"],
-        [report["batch_jobs_per_s"], report["rq_jobs_per_s"]],
-        "jobs / s",
-    )
-    return [json_path, png]
+    bars = {
+        f"wicore batching worker (batch {report['batch_size']})": report["batch_jobs_per_s"],
+        "RQ SimpleWorker": report["rq_jobs_per_s"],
+    }
+    title = f"{report['jobs']} jobs, null engine: {report['ratio']:.1f}x plain RQ"
+    return write_report(report, folder / f"queue-{os.cpu_count()}cpu", title, bars, "jobs / s")
 
 
 def run_bench(redis_url: str, jobs: int, batch_size: int) -> dict:

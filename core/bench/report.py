@@ -9,6 +9,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from wicore.bench.plots import bar_plot
+
 
 def gpu_slug(name: str) -> str:
     """'NVIDIA H100 80GB HBM3' -> 'h100'; 'NVIDIA H200' -> 'h200'."""
@@ -17,11 +19,45 @@ def gpu_slug(name: str) -> str:
 
 
 def write_caption_report(report: dict, folder: Path) -> list[Path]:
-    folder.mkdir(parents=True, exist_ok=True)
-    stem = folder / f"caption-gemma3-4b-{gpu_slug(report['gpu'])}"
-    json_path = stem.with_suffix(".json")
+    """caption-gemma3-4b-<gpu>.json and .png."""
+    return write_with_plot(report, folder / f"caption-gemma3-4b-{gpu_slug(report['gpu'])}", plot_caption)
+
+
+def write_scaling_report(report: dict, folder: Path) -> list[Path]:
+    """caption-gemma3-4b-<gpu>-x<N>.json and .png."""
+    stem = folder / f"caption-gemma3-4b-{gpu_slug(report['gpu'])}-x{report['gpus']}"
+    return write_with_plot(report, stem, plot_scaling)
+
+
+def write_with_plot(report: dict, stem: Path, plot) -> list[Path]:
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    json_path = stem.with_name(stem.name + ".json")
     json_path.write_text(json.dumps(report, indent=2, default=str) + "\n")
-    return [json_path, plot_caption(report, stem.with_suffix(".png"))]
+    return [json_path, plot(report, stem.with_name(stem.name + ".png"))]
+
+
+def plot_scaling(report: dict, path: Path) -> Path:
+    n, one = report["gpus"], report["images_per_s_1gpu"]
+    gpus = f"{n} GPUs" if n > 1 else "1 GPU"
+    labels = ["1 GPU\nwicore worker", f"{gpus}\nwicore worker --gpus", f"{n} x 1 GPU\n(perfect)"]
+    title = (
+        f"Gemma-3-4B shape on {gpu_slug(report['gpu']).upper()}, {report['images_per_gpu']} images per GPU\n"
+        f"{report['scaling']:.2f}x on {gpus} ({100 * report['scaling_efficiency']:.0f}% of perfect)"
+    )
+    return bar_plot(path, title, labels, [one, report["images_per_s"], n * one], "images / s")
+
+
+def print_scaling_report(report: dict) -> None:
+    table = Table("metric", "value", title=f"wicore bench caption --gpus {report['gpus']} ({report['gpu']})")
+    rows = [
+        (f"images/s on {report['gpus']} GPU(s) (wicore worker --gpus)", f"{report['images_per_s']:.2f}"),
+        ("images/s on 1 GPU (wicore worker)", f"{report['images_per_s_1gpu']:.2f}"),
+        ("scaling", f"{report['scaling']:.3f}x ({100 * report['scaling_efficiency']:.1f}% of perfect)"),
+        ("errors", str(report["run_1gpu"]["error_count"] + report["run_ngpu"]["error_count"])),
+    ]
+    for name, value in rows:
+        table.add_row(name, value)
+    Console().print(table)
 
 
 def plot_caption(report: dict, path: Path) -> Path:

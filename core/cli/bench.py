@@ -45,21 +45,56 @@ def queue(
 
 @app.command()
 @friendly_errors
+def http(
+    jobs: int = typer.Option(2000, help="Jobs per side."),
+    redis_url: str = typer.Option(None, help="Redis to use (default: a fresh embedded one)."),
+    as_json: bool = typer.Option(False, "--json", help="End with one JSON line."),
+    out: Path = typer.Option(Path("bench/results"), help="Folder for http-<host>.json and .png."),
+) -> None:
+    """Submitting through the gateway (`wicore serve`) vs the Python producer, on the same jobs."""
+    from wicore.bench.http_bench import run_bench, write_results
+    from wicore.embedded import redis_url_or_embedded
+
+    with redis_url_or_embedded(redis_url) as url:
+        report = run_bench(url, jobs)
+    console.print(
+        f"producer: {report['producer_jobs_per_s']:.0f} jobs/s one by one (p50 {report['producer_p50_ms']} ms, "
+        f"p99 {report['producer_p99_ms']} ms), {report['producer_bulk_jobs_per_s']:.0f} jobs/s with submit_many\n"
+        f"gateway:  {report['gateway_jobs_per_s']:.0f} jobs/s one by one (p50 {report['gateway_p50_ms']} ms, "
+        f"p99 {report['gateway_p99_ms']} ms), {report['gateway_bulk_jobs_per_s']:.0f} jobs/s with /v1/jobs/batch\n"
+        f"ratio: the gateway costs {report['jobs_per_s_ratio']:.1f}x the producer one by one "
+        f"(p50 latency {report['latency_ratio_p50']:.1f}x), {report['bulk_jobs_per_s_ratio']:.1f}x in bulk"
+    )
+    for path in write_results(report, out):
+        console.print(f"wrote {path}")
+    if as_json:
+        typer.echo(json.dumps(report))
+
+
+@app.command()
+@friendly_errors
 def caption(
     preset: str = typer.Option("gemma3-4b", help="Model shape (only gemma3-4b)."),
-    images: int = typer.Option(1024, help="Timed images (distinct, mixed sizes)."),
+    images: int = typer.Option(1024, help="Timed images (distinct, mixed sizes); per GPU with --gpus."),
     batch_size: int = typer.Option(384, help="Engine running sequences and claim size."),
     engine: str = typer.Option("fast", help="Engine under test."),
     engine_option: list[str] = typer.Option(None, "--engine-option", help="KEY=VALUE engine option; repeatable."),
     hf_batches: str = typer.Option("8,32,64", help="Static batch sizes of the HF peer."),
     hf_images: int = typer.Option(128, help="Images per batched HF peer run."),
+    gpus: int = typer.Option(
+        0,
+        min=0,
+        help="0: the plain worker on one GPU against HF generate and the roofline. N: the product on GPUs "
+        "0..N-1 (`wicore worker --gpus`) and on one GPU (the plain worker), in the same run: "
+        "caption-gemma3-4b-<gpu>-xN.json.",
+    ),
     workdir: Path = typer.Option(Path("/tmp/wicore-bench"), help="Scratch folder (model config, images, logs)."),
     out: Path = typer.Option(Path("bench/results"), help="Folder for the JSON and the PNG."),
     as_json: bool = typer.Option(False, "--json", help="End with one JSON line."),
 ) -> None:
-    """Bulk captioning on the GPU: the whole product vs HF generate, with the roofline."""
-    from wicore.bench.caption_bench import CaptionBench, run_caption_bench
-    from wicore.bench.report import print_caption_report, write_caption_report
+    """Bulk captioning on the GPU: the whole product vs HF generate, with the roofline; or, with
+    --gpus N, the whole product on N GPUs vs on one."""
+    from wicore.bench.caption_bench import CaptionBench
     from wicore.cli.common import engine_options
     from wicore.errors import ConfigError
 
@@ -73,13 +108,35 @@ def caption(
         engine_options=engine_options(engine_option),
         hf_batches=tuple(int(b) for b in hf_batches.split(",")),
         hf_images=hf_images,
+        gpus=gpus,
     )
+    report = caption_scaling(bench, out) if gpus else caption_vs_hf(bench, out)
+    if as_json:
+        typer.echo(json.dumps({k: v for k, v in report.items() if not k.startswith("engine_stats")}))
+
+
+def caption_vs_hf(bench, out: Path) -> dict:
+    from wicore.bench.caption_bench import run_caption_bench
+    from wicore.bench.report import print_caption_report, write_caption_report
+
     report = run_caption_bench(bench)
     for path in write_caption_report(report, out):
         console.print(f"wrote {path}")
     print_caption_report(report)
-    if as_json:
-        typer.echo(json.dumps({k: v for k, v in report.items() if k != "engine_stats"}))
+    return report
+
+
+def caption_scaling(bench, out: Path) -> dict:
+    from wicore.bench.caption_scaling import gpu_count_check, run_scaling_bench
+    from wicore.bench.report import print_scaling_report, write_scaling_report
+    from wicore.cli.worker_specs import cuda_device_count
+
+    gpu_count_check(bench.gpus, cuda_device_count())
+    report = run_scaling_bench(bench)
+    for path in write_scaling_report(report, out):
+        console.print(f"wrote {path}")
+    print_scaling_report(report)
+    return report
 
 
 @app.command("cache")

@@ -53,6 +53,7 @@ from wicore.cli.output_file import drop_inputs, read_records, settled_inputs
 from wicore.cli.pool import WorkerPool
 from wicore.cli.process_group import ProcessGroup
 from wicore.cli.result_lines import error_line, wait_lines
+from wicore.cli.worker_specs import WorkerSpec, plan_workers
 from wicore.config import Settings
 from wicore.schemas import ResultLine
 
@@ -69,7 +70,10 @@ def caption(
     model_id: str = ModelIdOption,
     engine: str = typer.Option(None, help="reference | fast (default: auto: fast on CUDA)", show_default=False),
     redis_url: str = RedisOption,
-    workers: int = typer.Option(1, min=1, help="Worker processes to start (each loads the model)."),
+    workers: int = typer.Option(
+        None, min=1, help="Worker processes to start (each loads the model) [1].", show_default=False
+    ),
+    gpus: str = typer.Option(None, help="all, or GPU indices (0,1): one worker process per GPU instead of --workers."),
     batch_size: int = BatchSizeOption,
     prompt: str = typer.Option(None, help="Prompt (default: 'Describe this image in detail.')."),
     max_new_tokens: int = typer.Option(64, min=1, help="Most tokens to generate per image."),
@@ -90,6 +94,8 @@ def caption(
         config, engine_option=engine_option, redis_url=redis_url, model=model, model_id=model_id, engine=engine,
         device=device, dtype=dtype, batch_size=batch_size, no_cache=no_cache, log_level=debug_level(debug),
     )  # fmt: skip
+    run_id = new_run_id()
+    specs = plan_workers(f"caption-{run_id}", settings, gpus=gpus, workers=workers)
     todo, done = plan(expand_inputs(inputs), output, skip_errors)
     if not todo:
         console.print(f"nothing to do: all {done} inputs already have a line in {output}", markup=False)
@@ -100,9 +106,9 @@ def caption(
 
         connect(settings.redis_url).close()
     extra = ["--allow-random-weights"] if allow_random_weights else []  # engine options travel in the settings
-    config = RunConfig(settings, model_dir, served_id, output, prompt, max_new_tokens, workers, redis_dir, tuple(extra))
-    run = CaptionRun(config)
-    run.run(todo)
+    config = RunConfig(settings, model_dir, served_id, output, prompt, max_new_tokens, redis_dir, tuple(extra))
+    run = CaptionRun(config, run_id=run_id)
+    run.run(todo, specs)
     console.print(run.summary(len(todo), done), markup=False)
     if run.errors:
         raise typer.Exit(ExitCode.FAILED)
@@ -145,6 +151,11 @@ class RateColumn(ProgressColumn):
         return Text("" if rate is None else f"{rate:.2f} img/s")
 
 
+def new_run_id() -> str:
+    """'20260101-120000-4242': when the run started, and its process."""
+    return f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+
+
 @dataclass(frozen=True)
 class RunConfig:
     settings: Settings
@@ -153,7 +164,6 @@ class RunConfig:
     output: Path
     prompt: str | None
     max_new_tokens: int
-    workers: int
     redis_dir: Path | None
     extra_args: tuple[str, ...] = ()
 
@@ -171,10 +181,10 @@ class CaptionRun:
     submitted: dict[str, list[InputItem]] = field(default_factory=dict)  # job id -> the inputs it answers
     ended: set[str] = field(default_factory=set)  # job ids
     started: float = field(default_factory=time.time)
-    run_id: str = field(default_factory=lambda: f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
+    run_id: str = field(default_factory=new_run_id)
     log_dir: Path | None = None
 
-    def run(self, todo: list[InputItem]) -> None:
+    def run(self, todo: list[InputItem], specs: list[WorkerSpec]) -> None:
         from wicore.producer import Producer, ProducerConfig
 
         group = ProcessGroup()
@@ -189,10 +199,7 @@ class CaptionRun:
             stack.push(lambda *exc: self._leave(producer, exc[1]))  # runs once the workers have stopped
             self.log_dir = run_log_dir(Path(self.config.settings.cache_dir) / "logs", self.run_id)
             settings = self._worker_settings(url, todo)
-            pool = WorkerPool(
-                self.config.workers, settings, list(self.config.extra_args), self.log_dir, group, self.run_id
-            )
-            stack.enter_context(pool)
+            pool = stack.enter_context(WorkerPool(specs, settings, list(self.config.extra_args), group, self.log_dir))
             sink = stack.enter_context(self.config.output.open("a"))
             stack.callback(hold_signals)  # the first step of the way out: a second Ctrl-C cannot cut it short
             self._caption(producer, pool, todo, sink)
@@ -267,9 +274,10 @@ class CaptionRun:
 
         where = redact(self.config.settings.redis_url)
         try:
-            removed = producer.cancel(pending)
+            statuses = producer.cancel(pending, own_queued_only=True)
         except RedisError as error:
             return f"could not remove this run's {len(pending)} unfinished jobs from Redis at {where} ({error})"
+        removed = sum(status == "canceled" for status in statuses.values())
         running = f" ({len(pending) - removed} were running there and will finish)" if removed < len(pending) else ""
         return f"removed {removed} unstarted jobs of this run from Redis at {where}{running}"
 

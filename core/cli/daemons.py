@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import uuid
 from pathlib import Path
 
 import typer
@@ -25,7 +26,7 @@ from wicore.cli.common import (
 from wicore.cli.failures import DebugOption, debug_level
 from wicore.cli.logs import configure_logging, level_or, quiet_progress_bars
 from wicore.cli.redis_check import connect
-from wicore.config import redact_url
+from wicore.config import Settings, redact_url
 from wicore.errors import ConfigError
 
 
@@ -45,15 +46,22 @@ def worker(
     name: str = typer.Option(None, help="Worker name (default: random)."),
     burst: bool = typer.Option(False, help="Exit once the queues are empty."),
     max_jobs: int = typer.Option(None, help="Exit after this many jobs."),
+    metrics_port: int = typer.Option(None, help="Serve Prometheus /metrics on this port.", show_default=False),
     no_cache: bool = NoCacheOption,
     engine_option: list[str] = EngineOption,
     allow_random_weights: bool = AllowRandomWeightsOption,
     config: Path = ConfigOption,
     debug: bool = DebugOption,
-    settings_file: Path = typer.Option(None, hidden=True, help="Settings from `wicore caption` (its workers)."),
+    gpus: str = typer.Option(
+        None, help="all, or GPU indices (0,1): one worker process per GPU, each pinned to it, kept running."
+    ),
+    workers: int = typer.Option(None, min=1, help="N worker processes kept running (on CPU; --gpus on GPUs)."),
+    settings_file: Path = typer.Option(None, hidden=True, help="Settings from the parent (caption, --gpus)."),
 ) -> None:
     """Serve caption jobs from Redis: take batches by shape bucket, run them, write results.
-    Logs one INFO line per batch and one WARNING per failed job (WICORE_LOG_LEVEL=warning: fewer)."""
+    Logs one INFO line per batch and one WARNING per failed job (WICORE_LOG_LEVEL=warning: fewer).
+    With --gpus or --workers: worker processes named NAME-gpuI (NAME-I), each restarted when it
+    crashes; SIGTERM stops them all (twice: at once, their jobs back in the queues)."""
     settings = settings_from(
         config,
         engine_option=engine_option,
@@ -68,8 +76,12 @@ def worker(
         max_queue_delay_ms=max_queue_delay_ms,
         allowed_roots=allow_root or None,
         no_cache=no_cache,
+        metrics_port=metrics_port,
         log_level=debug_level(debug),
     )
+    if gpus is not None or workers is not None:
+        flags = worker_flags(allow_random_weights=allow_random_weights, burst=burst, max_jobs=max_jobs)
+        raise typer.Exit(supervised(settings, name or uuid.uuid4().hex[:8], gpus, workers, flags))
     configure_logging(level_or(settings, "INFO"))  # a worker's log is its output
     quiet_progress_bars()
     model_dir, served_id = checked_model(settings, allow_random_weights)
@@ -83,8 +95,35 @@ def worker(
     worker_obj = build_worker(settings, connection, engine_obj, served_id, name=name, burst=burst, max_jobs=max_jobs)
     where = f"{engine_obj.name} engine on {engine_obj.config.device} ({engine_obj.config.dtype})"
     console.print(f"worker {worker_obj.name}: serving model {served_id} ({model_dir}), {where}", markup=False)
+    if settings.metrics_port is not None:
+        worker_obj.metrics.serve(settings.metrics_port, settings.host)
+        console.print(f"worker {worker_obj.name}: metrics on http://{settings.host}:{settings.metrics_port}/metrics")
     done = worker_obj.run()
     console.print(f"worker {worker_obj.name}: {done} jobs done, stopped", markup=False)
+
+
+def worker_flags(*, allow_random_weights: bool, burst: bool, max_jobs: int | None) -> list[str]:
+    """The flags each supervised worker takes beyond its settings file."""
+    flags = []
+    if allow_random_weights:
+        flags.append("--allow-random-weights")
+    if burst:
+        flags.append("--burst")
+    if max_jobs is not None:
+        flags += ["--max-jobs", str(max_jobs)]
+    return flags
+
+
+def supervised(settings: Settings, base: str, gpus: str | None, workers: int | None, flags: list[str]) -> int:
+    """`worker --gpus/--workers`: what can fail in a second fails here (the flags, the model
+    folder, Redis), before any worker loads a model; then the supervisor runs them."""
+    from wicore.cli.supervisor import supervise
+    from wicore.cli.worker_specs import plan_workers
+
+    specs = plan_workers(base, settings, gpus=gpus, workers=workers)
+    model_dir, served_id = checked_model(settings, "--allow-random-weights" in flags)
+    connect(settings.redis_url).close()
+    return supervise(settings.model_copy(update={"model": model_dir, "model_id": served_id}), specs, flags)
 
 
 @friendly_errors

@@ -6,7 +6,7 @@ import sys
 
 import typer
 
-from wicore.cli import bench, caption, daemons, formats, jobs, models
+from wicore.cli import bench, caption, daemons, formats, gateway, jobs, models
 from wicore.cli.failures import ExitCode, exit_codes_help, report
 
 try:  # recent typer vendors click
@@ -27,6 +27,8 @@ app.command(epilog=exit_codes_help(E.USAGE, E.REDIS, E.INTERRUPTED))(daemons.wor
 app.command(epilog=exit_codes_help(E.FAILED, E.USAGE, E.REDIS))(jobs.enqueue)
 app.command(epilog=exit_codes_help(E.FAILED, E.USAGE, E.UNFINISHED, E.REDIS))(jobs.result)
 app.command(epilog=exit_codes_help(E.USAGE, E.REDIS))(jobs.status)
+app.command(epilog=exit_codes_help(E.FAILED, E.USAGE, E.REDIS))(gateway.cancel)
+app.command(epilog=exit_codes_help(E.USAGE, E.REDIS, E.INTERRUPTED))(gateway.serve)
 app.command(epilog=exit_codes_help(E.USAGE, E.REDIS, E.INTERRUPTED))(daemons.dashboard)
 app.command("make-model", epilog=exit_codes_help(E.USAGE))(models.make_model)
 app.command(epilog=exit_codes_help(E.USAGE))(formats.schema)

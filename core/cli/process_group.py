@@ -28,13 +28,24 @@ def _prctl():
 class ProcessGroup:
     def __init__(self) -> None:
         self.pgid: int | None = None
+        self.members: list[subprocess.Popen] = []
         self._prctl = _prctl()
 
     def popen(self, args: list[str], **kwargs) -> subprocess.Popen:
-        """Start a child in the group (the first one founds it)."""
-        process = subprocess.Popen(args, process_group=self.pgid or 0, preexec_fn=self._die_with_parent, **kwargs)
-        if self.pgid is None:
-            self.pgid = process.pid
+        """Start a child in the group. The first child founds it, and so does a child started
+        once every member has exited: a group ends with its last member, and its number may
+        later name another group, which no child of ours may join."""
+        if not any(member.poll() is None for member in self.members):
+            self.pgid = None
+        try:
+            process = subprocess.Popen(args, process_group=self.pgid or 0, preexec_fn=self._die_with_parent, **kwargs)
+        except PermissionError:  # the group's last member exited just now (setpgid: EPERM)
+            if self.pgid is None:
+                raise
+            self.pgid = None
+            return self.popen(args, **kwargs)
+        self.pgid = self.pgid or process.pid
+        self.members.append(process)
         return process
 
     def _die_with_parent(self) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 from wicore.errors import ResultTimeout
+from wicore.producer.client import MISSING
 from wicore.producer.outcome import Outcome
 from wicore.schemas import ResultLine
 
@@ -15,7 +16,7 @@ GONE = "no such job in Redis (never submitted, or its result expired)"
 def line_of(outcome: Outcome, input: str | None) -> ResultLine:
     if outcome.result is not None:
         return ResultLine.of_result(outcome.result, input)
-    if outcome.status == "missing":
+    if outcome.status == MISSING:
         return ResultLine(input=input, job_id=outcome.job_id, status="unknown", error=GONE)
     if outcome.error is not None:
         return ResultLine(input=input, job_id=outcome.job_id, status="failed", error=outcome.error)

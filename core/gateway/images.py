@@ -1,0 +1,71 @@
+"""Images as HTTP clients send them: base64 or a data URI (the bytes travel to Redis as a blob),
+or an absolute path under the allowed roots (workers read the file; the gateway reads it once to
+hash it, so it must see the same files)."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import re
+from pathlib import Path
+
+from wicore.gateway.errors import ApiError
+
+DATA_URI = re.compile(r"^data:(?:[\w.+-]+/[\w.+-]+)?(?:;[\w.+-]+=[\w.+-]+)*;base64,", re.IGNORECASE)
+FILE_URL = "file://"
+
+
+def decode_image(text: str, field: str) -> bytes:
+    """'data:image/png;base64,...' or bare base64 -> the image's bytes."""
+    body = text
+    if text[:5].lower() == "data:":
+        match = DATA_URI.match(text)
+        if match is None:
+            raise ApiError(400, f"{field}: a data URI must read data:image/<type>;base64,<data>", param=field)
+        body = text[match.end() :]
+    try:
+        data = base64.b64decode("".join(body.split()), validate=True)
+    except (binascii.Error, ValueError):
+        raise ApiError(
+            400, f"{field}: not valid base64 (send the image's bytes base64-encoded, or a data URI)", param=field
+        ) from None
+    if not data:
+        raise ApiError(400, f"{field}: the image is empty", param=field)
+    return data
+
+
+def allowed_path(raw: str, roots: tuple[Path, ...], field: str) -> Path:
+    """An absolute path (or file:// URL) that resolves under one of `roots`."""
+    if not roots:
+        raise ApiError(
+            400,
+            f"{field}: image paths are not accepted by this gateway (it has no --allow-root); "
+            "send the image's bytes instead",
+            param=field,
+        )
+    text = raw[len(FILE_URL) :] if raw.startswith(FILE_URL) else raw
+    try:
+        path = Path(text)
+        resolved = path.resolve() if path.is_absolute() else None
+    except (OSError, ValueError):
+        resolved = None
+    if resolved is None:
+        raise ApiError(400, f"{field}: {raw!r} is not a valid absolute path", param=field)
+    if not any(resolved.is_relative_to(root) for root in roots):
+        listed = ", ".join(str(r) for r in roots)
+        raise ApiError(400, f"{field}: {raw} is outside the allowed roots ({listed})", param=field)
+    return resolved
+
+
+def image_from_url(url: str, roots: tuple[Path, ...], field: str) -> bytes | Path:
+    """An OpenAI `image_url.url`: a data URI, or a path / file:// URL under the allowed roots."""
+    if url[:5].lower() == "data:":
+        return decode_image(url, field)
+    if url.startswith(("/", FILE_URL)):
+        return allowed_path(url, roots, field)
+    raise ApiError(
+        400,
+        f"{field}: the gateway fetches no URLs; send a data URI (data:image/png;base64,...) "
+        "or a path under the allowed roots",
+        param=field,
+    )

@@ -1,0 +1,163 @@
+"""OpenAI's chat-completion shapes, as far as a captioning service answers them, and the
+conversion of a request into a wicore submission."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from wicore.gateway.errors import ApiError
+from wicore.gateway.images import image_from_url
+from wicore.producer import Submission
+from wicore.schemas import CaptionResult, ChatMessage, GenerationParams, ImagePart, Lane, TextPart
+
+
+class ImageURL(BaseModel):
+    url: str = Field(description="A data URI, or an absolute path / file:// URL under the allowed roots.")
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class ImageURLPart(BaseModel):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+class TextContentPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+ContentPart = Annotated[TextContentPart | ImageURLPart, Field(discriminator="type")]
+
+
+class Message(BaseModel):
+    role: Literal["system", "user", "assistant"]
+    content: str | list[ContentPart]
+    name: str | None = None
+
+
+class ChatCompletionRequest(BaseModel):
+    """OpenAI's request body; `top_k`, `ignore_eos` and `priority` are wicore's additions (send
+    them through the client's `extra_body`). Unknown fields are an error, as at OpenAI."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+    messages: list[Message] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0)  # default 0: greedy (OpenAI's is 1)
+    top_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+    user: str | None = None
+    top_k: int | None = None
+    ignore_eos: bool = False
+    priority: Lane = Lane.NORMAL
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class Choice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    finish_reason: Literal["stop", "length"]
+    logprobs: None = None
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[Choice]
+    usage: Usage
+    system_fingerprint: str | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = 0
+    owned_by: str = "wicore"
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+def check_supported(request: ChatCompletionRequest) -> None:
+    if request.stream:
+        raise ApiError(400, "stream: streaming is not supported yet; send stream: false", param="stream")
+    if request.n != 1:
+        raise ApiError(400, "n: only one choice per request is supported; send n: 1", param="n")
+
+
+def generation_params(request: ChatCompletionRequest) -> GenerationParams:
+    fields = {
+        "max_new_tokens": request.max_completion_tokens or request.max_tokens,
+        "temperature": request.temperature,
+        "top_p": request.top_p,
+        "top_k": request.top_k,
+        "seed": request.seed,
+        "stop": (request.stop,) if isinstance(request.stop, str) else request.stop,
+        "ignore_eos": request.ignore_eos or None,
+    }
+    return GenerationParams(**{k: v for k, v in fields.items() if v is not None})
+
+
+def chat_submission(request: ChatCompletionRequest, roots: tuple[Path, ...]) -> Submission:
+    """The request as a wicore submission: its one image part becomes the job's image."""
+    check_supported(request)
+    images: list[bytes | Path] = []
+    messages = tuple(_message(m, i, images, roots) for i, m in enumerate(request.messages))
+    if len(images) != 1:
+        raise ApiError(400, f"messages: exactly one image_url part is needed, found {len(images)}", param="messages")
+    return Submission(image=images[0], messages=messages, params=generation_params(request), priority=request.priority)
+
+
+def _message(message: Message, index: int, images: list, roots: tuple[Path, ...]) -> ChatMessage:
+    if isinstance(message.content, str):
+        return ChatMessage(role=message.role, content=message.content)
+    parts: list[TextPart | ImagePart] = []
+    for j, part in enumerate(message.content):
+        if isinstance(part, TextContentPart):
+            parts.append(TextPart(text=part.text))
+        else:
+            images.append(image_from_url(part.image_url.url, roots, f"messages.{index}.content.{j}.image_url.url"))
+            parts.append(ImagePart())
+    return ChatMessage(role=message.role, content=parts)
+
+
+def finish_reason(result: CaptionResult) -> Literal["stop", "length"]:
+    return "length" if result.finish_reason == "length" else "stop"
+
+
+def chat_completion(result: CaptionResult, model: str) -> ChatCompletion:
+    return ChatCompletion(
+        id=f"chatcmpl-{result.job_id}",
+        created=int(time.time()),
+        model=model,
+        choices=[Choice(message=AssistantMessage(content=result.text), finish_reason=finish_reason(result))],
+        usage=Usage(
+            prompt_tokens=result.prompt_tokens,
+            completion_tokens=result.output_tokens,
+            total_tokens=result.prompt_tokens + result.output_tokens,
+        ),
+    )

@@ -1,0 +1,49 @@
+"""The routes operators call: liveness and readiness probes, Prometheus metrics, and the JSON
+of `wicore status`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request, Response
+from fastapi.responses import JSONResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from redis.exceptions import RedisError
+
+from wicore.gateway.auth import require_key
+from wicore.worker.status import collect_status
+
+router = APIRouter(tags=["service"])
+
+
+@router.get("/health/live")
+def live() -> dict[str, str]:
+    """The process answers (restart it when this fails)."""
+    return {"status": "ok"}
+
+
+@router.get("/health/ready", responses={503: {"description": "Redis down, or no live worker serves the model."}})
+def ready(request: Request) -> JSONResponse:
+    """Redis answers and at least one live worker serves the gateway's model."""
+    gateway = request.app.state.gateway
+    model = gateway.config.model
+    try:
+        gateway.connection.ping()
+        workers = gateway.live_models().get(model, 0)
+    except RedisError as exc:
+        return JSONResponse({"status": "unavailable", "reason": f"Redis does not answer ({exc})"}, status_code=503)
+    if not workers:
+        return JSONResponse({"status": "unavailable", "reason": f"no live worker serves model {model}"}, 503)
+    return JSONResponse({"status": "ok", "model": model, "workers": workers})
+
+
+@router.get("/metrics", response_class=Response)
+def metrics(request: Request) -> Response:
+    """Prometheus text format: HTTP requests, jobs submitted, queue depth per bucket, workers."""
+    return Response(request.app.state.gateway.metrics.page(), media_type=CONTENT_TYPE_LATEST)
+
+
+@router.get("/v1/stats", dependencies=[Depends(require_key)])
+def stats(request: Request) -> dict[str, Any]:
+    """What `wicore status` shows: bucket queues with their registries, workers and their counters."""
+    return collect_status(request.app.state.gateway.connection)

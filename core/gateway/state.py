@@ -1,0 +1,79 @@
+"""What every route shares: Redis connections, one producer per model, the live workers, the
+metrics, and the wait for a job's end."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from redis import Redis
+from redis.asyncio import Redis as AsyncRedis
+from starlette.concurrency import run_in_threadpool
+
+from wicore.gateway.errors import ApiError
+from wicore.gateway.metrics import GatewayMetrics
+from wicore.gateway.workers import live_models
+from wicore.producer import Outcome, Producer, ProducerConfig
+from wicore.producer.client import result_stream
+
+WAIT_SLICE_S = 1.0  # a waiter re-reads the job's status this often (a cancel writes no result)
+WORKERS_TTL_S = 2.0  # how long a read of the live workers is reused by the per-request model check
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    redis_url: str
+    model: str  # jobs without a model go to this one; readiness asks for a worker serving it
+    allowed_roots: tuple[Path, ...] = ()
+    api_keys: frozenset[str] = frozenset()
+    max_request_bytes: int = 64 * 2**20
+    request_timeout_s: float = 300.0
+    producer: ProducerConfig = field(default_factory=lambda: ProducerConfig(by_path=True, notify=False))
+
+
+class Gateway:
+    def __init__(self, config: GatewayConfig):
+        self.config = config
+        self.connection = Redis.from_url(config.redis_url)
+        self.waiting = AsyncRedis.from_url(config.redis_url)  # blocking reads, off the thread pool
+        self.metrics = GatewayMetrics(self.connection)
+        self._producers: dict[str, Producer] = {}
+        self._models: tuple[float, dict[str, int]] = (float("-inf"), {})
+
+    def producer(self, model: str | None = None) -> Producer:
+        """The producer for `model` (default: the gateway's). Another model must be served by a
+        live worker: a typo would otherwise queue jobs no one takes."""
+        name = model or self.config.model
+        if name != self.config.model and name not in self.live_models(cached=True):
+            served = ", ".join(sorted(self.live_models(cached=True))) or "none"
+            raise ApiError(404, f"model {name!r} is not served by any live worker (served: {served})", param="model")
+        if name not in self._producers:
+            self._producers[name] = Producer(self.connection, model=name, config=self.config.producer)
+        return self._producers[name]
+
+    def live_models(self, cached: bool = False) -> dict[str, int]:
+        """model -> number of live workers serving it (a worker is live while its RQ key lives)."""
+        read_at, models = self._models
+        if cached and time.monotonic() - read_at < WORKERS_TTL_S:
+            return models
+        models = live_models(self.connection)
+        self._models = (time.monotonic(), models)
+        return models
+
+    async def wait(self, job_id: str, seconds: float) -> Outcome:
+        """The job's outcome once it ends, or as it is after `seconds`. Blocks on the job's RQ
+        result stream, the notification `Producer.result` waits on, without holding a thread."""
+        deadline = time.monotonic() + seconds
+        producer = self.producer()
+        while True:
+            outcome, last_seen = await run_in_threadpool(producer.poll, job_id)
+            left = deadline - time.monotonic()
+            if outcome.done or left <= 0:
+                return outcome
+            block_ms = max(1, int(min(left, WAIT_SLICE_S) * 1000))
+            await self.waiting.xread({result_stream(job_id): last_seen}, block=block_ms)
+
+    async def close(self) -> None:
+        await self.waiting.aclose()
+        self.connection.close()

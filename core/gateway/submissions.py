@@ -1,0 +1,132 @@
+"""Requests -> jobs in Redis: each request (or batch line) becomes a producer submission, is
+prepared alone (so a bad one gets its own error), and the good ones are enqueued together, one
+pipeline per model."""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from wicore.errors import WicoreError
+from wicore.gateway.errors import ApiError, describe_validation
+from wicore.gateway.images import allowed_path, decode_image
+from wicore.gateway.openai_schemas import ChatCompletionRequest, chat_submission
+from wicore.gateway.schemas import BatchLine, BatchReply, JobAccepted, JobFields, JobRequest, OpenAIBatchLine
+from wicore.producer import Submission
+from wicore.producer.submission import Prepared
+
+MAX_BATCH_LINES = 100_000
+
+
+@dataclass
+class Line:
+    """One job of a request: what to submit, or why it cannot be."""
+
+    index: int
+    custom_id: str | None = None
+    model: str | None = None
+    submission: Submission | None = None
+    error: str | None = None
+    prepared: Prepared | None = field(default=None, repr=False)  # from Producer.prepare
+    job_id: str | None = None
+
+
+def job_submission(job: JobFields, image: bytes | Path) -> Submission:
+    messages = tuple(job.messages) if job.messages is not None else None
+    return Submission(image, job.prompt, messages, job.params, job.priority, job.deadline, job.metadata)
+
+
+def image_of(job: JobRequest, roots: tuple[Path, ...]) -> bytes | Path:
+    if job.image is not None:
+        return decode_image(job.image, "image")
+    return allowed_path(job.image_path or "", roots, "image_path")
+
+
+def problem(exc: Exception) -> str:
+    """One line saying what is wrong with a batch line."""
+    if isinstance(exc, ValidationError):
+        return describe_validation(exc.errors(), skip_root=False)[0]
+    if isinstance(exc, ApiError):
+        return exc.message
+    return f"{type(exc).__name__}: {exc}"
+
+
+def parse_line(index: int, obj: Any, roots: tuple[Path, ...], openai_shape: bool) -> Line:
+    """A JSON-list element (a JobRequest) or a JSONL line (an OpenAI batch line)."""
+    line = Line(index)
+    try:
+        if openai_shape:
+            batch_line = OpenAIBatchLine.model_validate(obj)
+            line.custom_id = batch_line.custom_id
+            obj = batch_line.body
+            if batch_line.url == "/v1/chat/completions":
+                chat = ChatCompletionRequest.model_validate(obj)
+                line.model, line.submission = chat.model, chat_submission(chat, roots)
+                return line
+        job = JobRequest.model_validate(obj)
+        line.model, line.submission = job.model, job_submission(job, image_of(job, roots))
+    except (ValidationError, ApiError, WicoreError) as exc:
+        line.error = problem(exc)
+    return line
+
+
+def jsonl_objects(raw: bytes) -> list[Any]:
+    """Each non-blank line parsed; a line that is not JSON becomes the string describing why."""
+    objects: list[Any] = []
+    for number, text in enumerate(raw.splitlines(), start=1):
+        if not text.strip():
+            continue
+        try:
+            objects.append(json.loads(text))
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            objects.append(NotJson(f"line {number} is not valid JSON ({exc})"))
+    return objects
+
+
+class NotJson(str):
+    """A JSONL line that did not parse: its error, kept in line order."""
+
+
+def parse_batch(objects: list[Any], roots: tuple[Path, ...], openai_shape: bool) -> list[Line]:
+    if not objects:
+        raise ApiError(400, "the batch is empty; send a JSON list of jobs or JSONL lines")
+    if len(objects) > MAX_BATCH_LINES:
+        raise ApiError(400, f"the batch has {len(objects)} lines; send at most {MAX_BATCH_LINES} per request")
+    return [
+        Line(i, error=str(obj)) if isinstance(obj, NotJson) else parse_line(i, obj, roots, openai_shape)
+        for i, obj in enumerate(objects)
+    ]
+
+
+def enqueue_lines(gateway, lines: list[Line]) -> BatchReply:
+    """Prepare each line alone, then enqueue the prepared ones, one pipeline per model."""
+    by_model: dict[str, list[Line]] = defaultdict(list)
+    for line in lines:
+        if line.error is None:
+            try:
+                producer = gateway.producer(line.model)
+                line.prepared = producer.prepare(line.submission)
+                by_model[producer.model].append(line)
+            except (ValidationError, ApiError, WicoreError) as exc:
+                line.error = problem(exc)
+    for model, good in by_model.items():
+        ids = gateway.producer(model).enqueue_prepared([line.prepared for line in good])
+        gateway.metrics.submitted.labels(model).inc(len(ids))
+        for line, job_id in zip(good, ids):
+            line.job_id, line.prepared = job_id, None
+    jobs = [BatchLine(index=ln.index, custom_id=ln.custom_id, job_id=ln.job_id, error=ln.error) for ln in lines]
+    accepted = sum(1 for j in jobs if j.job_id)
+    return BatchReply(jobs=jobs, accepted=accepted, rejected=len(jobs) - accepted)
+
+
+def enqueue_one(gateway, model: str | None, submission: Submission) -> JobAccepted:
+    """A single job: its errors are the request's (ApiError, WicoreError, ValidationError)."""
+    producer = gateway.producer(model)
+    [job_id] = producer.enqueue_prepared([producer.prepare(submission)])
+    gateway.metrics.submitted.labels(producer.model).inc()
+    return JobAccepted(job_id=job_id, status_url=f"/v1/jobs/{job_id}", model=producer.model)
