@@ -94,13 +94,14 @@ def test_fast_engine_batch_past_free_gpu_memory_is_split_and_none_fail(redis_con
     ids = producer.submit_many(subs)
     torch.cuda.empty_cache()
     free, _ = torch.cuda.mem_get_info()
-    ballast = torch.empty(max(0, free - 2**30), dtype=torch.uint8, device="cuda")  # leave 1 GiB
+    ballast = torch.empty(max(0, free - 3 * 2**30), dtype=torch.uint8, device="cuda")  # leave 3 GiB
     try:
         policy = BatchPolicy(max_batch_size=32, max_queue_delay_s=0)
         worker = BatchingWorker(redis_conn, engine, WorkerConfig("g4b", policy=policy, burst=True))
         assert worker.run() == 32
     finally:
         del ballast
+        engine.close()
     results = outcomes(producer, ids)
     assert [results[i].error for i in ids if results[i].result is None] == [], "no job failed"
     assert worker.gate.limit < 32, "the full batch did not fit: it was split"

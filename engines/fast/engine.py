@@ -27,7 +27,7 @@ from functools import partial
 
 import torch
 
-from wicore.engines.base import Completion, Engine, EngineConfig, EngineRequest, aborted, failed
+from wicore.engines.base import Completion, Engine, EngineConfig, EngineRequest, aborted, failed, is_out_of_memory
 from wicore.engines.checkpoint import load_processor, torch_dtype
 from wicore.engines.fast.device_handles import Readback
 from wicore.engines.fast.engine_stats import EngineStats
@@ -334,4 +334,8 @@ class FastEngine(Engine):
         self.blocks.drop_cache()  # blocks being written when the step failed are suspect
         self.images.reset()
         self.readbacks.clear()
+        if self.resolved.cuda and is_out_of_memory(error):
+            # The failed step's blocks stay cached in the allocator, split to the sizes it asked
+            # for: hand them back so the smaller batch the worker retries with can use them.
+            torch.cuda.empty_cache()
         return [failed(seq.id, error, input_error=False) for seq in seqs]
