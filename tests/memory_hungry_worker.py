@@ -21,7 +21,8 @@ from redis import Redis
 from wicore.engines.base import Completion, EngineConfig, failed
 from wicore.engines.null import NullEngine
 from wicore.scheduler.policy import BatchPolicy
-from wicore.worker.loop import BatchingWorker, WorkerConfig
+from wicore.worker.loop import BatchingWorker
+from wicore.worker.worker_config import WorkerConfig
 
 PER_REQUEST = 300 * 2**20
 HUGE = 200 * PER_REQUEST  # does not fit even alone

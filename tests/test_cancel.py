@@ -22,7 +22,8 @@ from wicore.errors import JobCanceled
 from wicore.producer import Producer, Submission
 from wicore.scheduler.policy import BatchPolicy
 from wicore.schemas import GenerationParams
-from wicore.worker.loop import BatchingWorker, WorkerConfig
+from wicore.worker.loop import BatchingWorker
+from wicore.worker.worker_config import WorkerConfig
 
 MODEL = "tiny"
 LONG = GenerationParams(max_new_tokens=1000, ignore_eos=True)  # a thousand steps unless stopped

@@ -14,8 +14,9 @@ from wicore.engines import EngineConfig
 from wicore.engines.null import NullEngine
 from wicore.producer import Producer, Submission
 from wicore.scheduler.policy import BatchPolicy
-from wicore.worker.loop import BatchingWorker, WorkerConfig
+from wicore.worker.loop import BatchingWorker
 from wicore.worker.rq_bridge import RQWorkerRecord
+from wicore.worker.worker_config import WorkerConfig
 
 pytest.importorskip("rq_dashboard")
 

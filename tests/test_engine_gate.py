@@ -71,7 +71,8 @@ def test_fast_engine_batch_past_free_gpu_memory_is_split_and_none_fail(redis_con
     from wicore.engines.fast.options import FastOptions
     from wicore.models.gemma3 import make_gemma3_4b
     from wicore.scheduler.policy import BatchPolicy
-    from wicore.worker.loop import BatchingWorker, WorkerConfig
+    from wicore.worker.loop import BatchingWorker
+    from wicore.worker.worker_config import WorkerConfig
 
     options = FastOptions(
         max_prefill_tokens=131_072,

@@ -21,7 +21,8 @@ from wicore.engines.reference import ReferenceEngine
 from wicore.producer import Producer, ProducerConfig, Submission
 from wicore.scheduler.policy import BatchPolicy
 from wicore.schemas import GenerationParams
-from wicore.worker.loop import BatchingWorker, WorkerConfig
+from wicore.worker.loop import BatchingWorker
+from wicore.worker.worker_config import WorkerConfig
 
 MODEL = "tiny"
 
@@ -256,7 +257,7 @@ def test_worker_reports_waiting_for_redis_and_carries_on_when_it_is_back(tmp_pat
     from tests.helpers import wait_until
     from wicore.embedded import EmbeddedRedis, free_port
     from wicore.engines.null import NullEngine
-    from wicore.worker.loop import WorkerState
+    from wicore.worker.worker_config import WorkerState
 
     port, data = free_port(), tmp_path / "redis"
     server = EmbeddedRedis(data, persist=True, port=port).start()

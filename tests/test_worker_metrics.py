@@ -11,7 +11,8 @@ from wicore.engines.fast.options import FastOptions
 from wicore.producer import Producer, Submission
 from wicore.scheduler.policy import BatchPolicy
 from wicore.schemas import GenerationParams
-from wicore.worker.loop import BatchingWorker, WorkerConfig
+from wicore.worker.loop import BatchingWorker
+from wicore.worker.worker_config import WorkerConfig
 
 MODEL = "tiny"
 

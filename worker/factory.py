@@ -15,7 +15,8 @@ from wicore.errors import ConfigError
 from wicore.ops.image_decode import ImageLimits
 from wicore.scheduler.policy import BatchPolicy
 from wicore.worker.job_inputs import InputConfig
-from wicore.worker.loop import BatchingWorker, WorkerConfig
+from wicore.worker.loop import BatchingWorker
+from wicore.worker.worker_config import WorkerConfig
 
 log = logging.getLogger(__name__)
 

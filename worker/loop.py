@@ -25,70 +25,30 @@ import json
 import logging
 import signal
 import time
-from concurrent.futures import FIRST_COMPLETED, Future, wait
-from dataclasses import dataclass, field
-from enum import Enum
+from concurrent.futures import FIRST_COMPLETED, wait
 
 from redis import Redis
 from rq.serializers import JSONSerializer
 
-from wicore import defaults, keys
+from wicore import keys
 from wicore.engines.base import ABORTED, Completion, Engine
 from wicore.errors import ShutdownRequested
-from wicore.scheduler.policy import BatchPolicy, Take, Wait, choose, split_expired
+from wicore.scheduler.policy import Take, Wait, choose, split_expired
 from wicore.scheduler.queues import BucketQueues
-from wicore.schemas import CaptionJob, Timings
+from wicore.schemas import Timings
 from wicore.worker.batch_log import BatchLog
 from wicore.worker.engine_gate import EngineGate
-from wicore.worker.job_inputs import InputConfig, InputLoader, Loaded, deadline_message, parse_payloads
+from wicore.worker.job_inputs import InputLoader, deadline_message, parse_payloads
 from wicore.worker.liveness import Heartbeat, reap_dead_workers, take_over_name
 from wicore.worker.metrics import WorkerMetrics
 from wicore.worker.redis_link import REDIS_DOWN, Backoff
 from wicore.worker.results import caption_result
 from wicore.worker.rq_bridge import Claimed, Finished, RQBridge, RQWorkerRecord
+from wicore.worker.worker_config import InFlight, WorkerConfig, WorkerState
 
 log = logging.getLogger(__name__)
 
 CANCELS_PER_TAKE = 1024  # cancel requests read per loop iteration (the rest wait for the next)
-
-
-class WorkerState(str, Enum):
-    """What a readiness probe reports."""
-
-    STARTING = "starting"
-    READY = "ready"
-    WAITING_FOR_REDIS = "waiting for Redis"
-    STOPPING = "stopping"
-
-
-@dataclass(frozen=True)
-class WorkerConfig:
-    model_id: str
-    name: str | None = None
-    policy: BatchPolicy = field(default_factory=BatchPolicy)
-    inputs: InputConfig = field(default_factory=InputConfig)
-    liveness_ttl_s: float = defaults.LIVENESS_TTL_S  # a worker silent this long is dead; its jobs are requeued
-    heartbeat_s: float = 3.0
-    reap_every_s: float = 5.0
-    idle_wait_s: float = 1.0  # longest doorbell wait before looking at the queues again
-    result_ttl_s: int = defaults.RESULT_TTL_S
-    burst: bool = False  # exit once the queues are empty and the engine is idle
-    max_jobs: int | None = None  # exit after this many jobs ended (tests, benchmarks)
-
-    @property
-    def maintain_every_s(self) -> float:
-        """Reaping and reconciling run at least three times per liveness TTL."""
-        return min(self.reap_every_s, self.liveness_ttl_s / 3)
-
-
-@dataclass
-class InFlight:
-    claimed: Claimed
-    payload: CaptionJob
-    batch: int  # jobs claimed together reach the engine together
-    fetched: bool = False  # its image bytes were asked of Redis (an outage can come between)
-    loading: Future[Loaded] | None = None  # the image, until it reaches the engine
-    preprocess_s: float = 0.0
 
 
 class BatchingWorker:

@@ -30,7 +30,8 @@ from wicore.engines import EngineConfig
 from wicore.engines.null import NullEngine
 from wicore.producer import Producer, Submission
 from wicore.scheduler.policy import BatchPolicy
-from wicore.worker.loop import BatchingWorker, WorkerConfig
+from wicore.worker.loop import BatchingWorker
+from wicore.worker.worker_config import WorkerConfig
 
 MODEL_ID = "bench-http"
 CHUNK = 256  # jobs per submit_many chunk and per batch request

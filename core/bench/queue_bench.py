@@ -20,7 +20,8 @@ from wicore.engines import EngineConfig
 from wicore.engines.null import NullEngine
 from wicore.producer import Producer, ProducerConfig, Submission
 from wicore.scheduler.policy import BatchPolicy
-from wicore.worker.loop import BatchingWorker, WorkerConfig
+from wicore.worker.loop import BatchingWorker
+from wicore.worker.worker_config import WorkerConfig
 
 MODEL_ID = "bench-null"
 

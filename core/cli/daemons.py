@@ -82,6 +82,13 @@ def worker(
     if gpus is not None or workers is not None:
         flags = worker_flags(allow_random_weights=allow_random_weights, burst=burst, max_jobs=max_jobs)
         raise typer.Exit(supervised(settings, name or uuid.uuid4().hex[:8], gpus, workers, flags))
+    serve_jobs(settings, name, allow_random_weights=allow_random_weights, burst=burst, max_jobs=max_jobs)
+
+
+def serve_jobs(
+    settings: Settings, name: str | None, *, allow_random_weights: bool, burst: bool, max_jobs: int | None
+) -> None:
+    """One worker in this process: check the model and Redis, load the engine, serve until stopped."""
     configure_logging(level_or(settings, "INFO"))  # a worker's log is its output
     quiet_progress_bars()
     model_dir, served_id = checked_model(settings, allow_random_weights)

@@ -1,0 +1,53 @@
+"""What a batching worker is told (`WorkerConfig`), what it reports (`WorkerState`), and the
+record it keeps of each job in hand (`InFlight`)."""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from enum import Enum
+
+from wicore import defaults
+from wicore.scheduler.policy import BatchPolicy
+from wicore.schemas import CaptionJob
+from wicore.worker.job_inputs import InputConfig, Loaded
+from wicore.worker.rq_bridge import Claimed
+
+
+class WorkerState(str, Enum):
+    """What a readiness probe reports."""
+
+    STARTING = "starting"
+    READY = "ready"
+    WAITING_FOR_REDIS = "waiting for Redis"
+    STOPPING = "stopping"
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    model_id: str
+    name: str | None = None
+    policy: BatchPolicy = field(default_factory=BatchPolicy)
+    inputs: InputConfig = field(default_factory=InputConfig)
+    liveness_ttl_s: float = defaults.LIVENESS_TTL_S  # a worker silent this long is dead; its jobs are requeued
+    heartbeat_s: float = 3.0
+    reap_every_s: float = 5.0
+    idle_wait_s: float = 1.0  # longest doorbell wait before looking at the queues again
+    result_ttl_s: int = defaults.RESULT_TTL_S
+    burst: bool = False  # exit once the queues are empty and the engine is idle
+    max_jobs: int | None = None  # exit after this many jobs ended (tests, benchmarks)
+
+    @property
+    def maintain_every_s(self) -> float:
+        """Reaping and reconciling run at least three times per liveness TTL."""
+        return min(self.reap_every_s, self.liveness_ttl_s / 3)
+
+
+@dataclass
+class InFlight:
+    claimed: Claimed
+    payload: CaptionJob
+    batch: int  # jobs claimed together reach the engine together
+    fetched: bool = False  # its image bytes were asked of Redis (an outage can come between)
+    loading: Future[Loaded] | None = None  # the image, until it reaches the engine
+    preprocess_s: float = 0.0
