@@ -46,7 +46,6 @@ from wicore.cli.failures import (
     debug_level,
     hold_signals,
     raise_on_signals,
-    redact,
 )
 from wicore.cli.input_paths import InputItem, expand_inputs
 from wicore.cli.output_file import drop_inputs, read_records, settled_inputs
@@ -54,7 +53,7 @@ from wicore.cli.pool import WorkerPool
 from wicore.cli.process_group import ProcessGroup
 from wicore.cli.result_lines import error_line, wait_lines
 from wicore.cli.worker_specs import WorkerSpec, plan_workers
-from wicore.config import Settings
+from wicore.config import Settings, redact_url
 from wicore.schemas import ResultLine
 
 KEEP_RUN_LOGS = 20  # per-run log folders kept in the cache dir
@@ -272,7 +271,7 @@ class CaptionRun:
     def _take_back(self, producer, pending: list[str]) -> str:
         from redis.exceptions import RedisError
 
-        where = redact(self.config.settings.redis_url)
+        where = redact_url(self.config.settings.redis_url)
         try:
             statuses = producer.cancel(pending, own_queued_only=True)
         except RedisError as error:

@@ -13,6 +13,7 @@ from redis.exceptions import AuthenticationError, ReadOnlyError, RedisError, Res
 
 from wicore import keys
 from wicore.cli.failures import redact
+from wicore.config import redact_url
 from wicore.errors import ConfigError, RedisUnavailable
 
 CONNECT_TIMEOUT_S = 5.0
@@ -40,7 +41,7 @@ def connect(url: str | None, *, write: bool = True, **options: Any) -> Redis:
 
 
 def problem(url: str, exc: RedisError) -> str:
-    shown = redact(url)
+    shown = redact_url(url)
     if isinstance(exc, AuthenticationError):
         if urlsplit(url).password is None:
             return f"Redis at {shown} wants a password: put it in the URL before the host, as :PASSWORD@"
