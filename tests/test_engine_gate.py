@@ -61,7 +61,7 @@ gpu = pytest.mark.gpu
 
 @gpu
 def test_fast_engine_batch_past_free_gpu_memory_is_split_and_none_fail(redis_conn, tmp_path):
-    """Gemma-3-4B's real shapes (random weights) on the fast engine, 32 jobs of ~2,300 tokens in
+    """Gemma-3-4B's real shapes (random weights) on the fast engine, 32 jobs of ~5,900 tokens in
     one worker batch, and the device memory the engine planned for its activations taken away
     (a ballast tensor) so that one packed prefill of all of them cannot fit. Every job finishes."""
     torch = pytest.importorskip("torch")

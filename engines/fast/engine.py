@@ -19,6 +19,7 @@ from __future__ import annotations
 import gc
 import logging
 import random
+import traceback
 from collections import deque
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -178,12 +179,18 @@ class FastEngine(Engine):
 
     def step(self) -> list[Completion]:
         done: list[Completion] = []
+        failure: Exception | None = None
         try:
             with self.runner.on_main_stream():
                 self._step(done)
         except Exception as error:  # a device failure must not take the worker down
             log.exception("fast engine step failed; failing %d requests", self.num_unfinished())
-            done += self._fail_all(error)
+            failure = error
+        if failure is not None:
+            # The traceback's frames hold the failed step's activations and masks (gigabytes after
+            # an out-of-memory prefill), and a log handler may keep the record: free their locals.
+            traceback.clear_frames(failure.__traceback__)
+            done += self._fail_all(failure)
         return done
 
     def describe(self) -> dict:
@@ -337,5 +344,6 @@ class FastEngine(Engine):
         if self.resolved.cuda and is_out_of_memory(error):
             # The failed step's blocks stay cached in the allocator, split to the sizes it asked
             # for: hand them back so the smaller batch the worker retries with can use them.
+            gc.collect()
             torch.cuda.empty_cache()
         return [failed(seq.id, error, input_error=False) for seq in seqs]
