@@ -1,3 +1,6 @@
+import mmap
+
+import numpy as np
 import pytest
 import torch
 
@@ -27,10 +30,29 @@ def test_store_load_round_trip_is_exact():
     assert tier.stats.bytes_in == 5 * data[0].numel() * 2 and tier.stats.bytes_out == 2 * data[0].numel() * 2
 
 
-def test_pool_is_one_preallocated_tensor():
-    tier = HostTier(4, BLOCK, torch.float16, pin_memory=False)
-    assert tier.pool.shape == (4, *BLOCK) and tier.pool.dtype == torch.float16
+def test_pool_is_one_preallocated_page_aligned_allocation_of_exactly_its_size():
+    tier = HostTier(3, BLOCK, torch.float16, pin_memory=False)
+    assert tier.pool.shape == (3, *BLOCK) and tier.pool.dtype == torch.float16
     assert tier.block_bytes == tier.pool[0].numel() * 2
+    assert tier.memory.tensor.numel() == 3 * tier.block_bytes  # no rounding up to a power of two
+    assert tier.pool.data_ptr() == tier.memory.tensor.data_ptr() and tier.pool.data_ptr() % mmap.PAGESIZE == 0
+    assert not tier.memory.registered and torch.count_nonzero(tier.pool) == 0
+    tier.close()  # nothing to unpin on CPU; the memory stays readable while the pool is referenced
+    assert tier.pool.sum() == 0
+
+
+def test_source_chunks_are_the_slots_addresses_cut_in_pieces():
+    tier = HostTier(4, BLOCK, torch.float32, pin_memory=False)
+    keys, data = hashes(3), blocks(3, torch.float32)
+    tier.store(keys, data)
+    chunk = tier.block_bytes // 6  # [K/V, layers] pieces of [block_size, kv_heads, head_dim]
+    chunks = tier.source_chunks([keys[2], keys[0]], chunk)
+    assert chunks.shape == (2, 6) and chunks.dtype == np.uint64
+    base = tier.pool.data_ptr()
+    assert chunks[0, 0] == base + 2 * tier.block_bytes and chunks[1, 5] == base + 5 * chunk
+    assert tier.stats.bytes_out == 2 * tier.block_bytes
+    with pytest.raises(KeyError):
+        tier.source_chunks(hashes(1, salt="other"), chunk)
 
 
 def test_match_prefix_counts_leading_blocks():
@@ -102,9 +124,16 @@ def test_discard_frees_the_slot():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_round_trip_on_the_copy_stream():
-    tier = HostTier(16, BLOCK, torch.bfloat16)
-    assert tier.pool.is_pinned()
+@pytest.mark.parametrize("batched", [False, True])
+def test_cuda_round_trip_on_the_copy_stream(batched):
+    from wicore.ops.transfer import batch_copier
+
+    if batched:
+        pytest.importorskip("cuda.bindings")
+    copier = batch_copier(torch.device("cuda")) if batched else None
+    assert (copier is not None) == batched  # with cuda-python and a CUDA >= 12.8 driver
+    tier = HostTier(16, BLOCK, torch.bfloat16, copier=copier)
+    assert tier.pool.is_pinned() and tier.memory.registered
     keys, data = hashes(8), blocks(8).cuda()
     stored, transfer = tier.store(keys, data * 1)  # a temporary: kept alive by record_stream
     out, transfer = tier.load(keys[::-1], "cuda")
@@ -112,6 +141,9 @@ def test_cuda_round_trip_on_the_copy_stream():
     assert torch.equal(out, data.flip(0))
     tier.read(keys[0])  # a CPU reader waits for its store
     assert torch.equal(tier.read(keys[0]), data[0].cpu())
+    stored, _ = tier.store(hashes(3, salt="more"), data[[5, 1, 6]])  # slots 8, 9, 10: one run
+    assert torch.equal(tier.load(stored, "cpu")[0], data[[5, 1, 6]].cpu())
+    tier.close()
 
 
 def test_copies_coalesce_runs_of_consecutive_slots():

@@ -3,9 +3,12 @@ tier's threads."""
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import threading
 
+import numpy as np
+import pytest
 import torch
 
 from tests.test_fast_prefix_cache import layout
@@ -26,8 +29,8 @@ from wicore.schemas import GenerationParams
 HEADS, DIM = 2, 8
 
 
-def kv_cache(pages=32):
-    cache = KVCache(layout(), pages, HEADS, DIM, torch.float32, "cpu")
+def kv_cache(pages=32, device="cpu"):
+    cache = KVCache(layout(), pages, HEADS, DIM, torch.float32, device)
     cache.tensor.copy_(torch.randn(cache.tensor.shape))
     return cache
 
@@ -36,9 +39,9 @@ def key(i):
     return hashlib.sha256(b"%d" % i).digest()
 
 
-def tiers(cache, host_blocks, disk=None):
+def tiers(cache, host_blocks, disk=None, copier=None):
     shape = cache.layout.block_shape(HEADS, DIM)
-    host = HostTier(host_blocks, shape, torch.float32, pin_memory=False)
+    host = HostTier(host_blocks, shape, cache.tensor.dtype, pin_memory=cache.tensor.is_cuda, copier=copier)
     return KVTiers(cache, host, disk, 2**20, HEADS, DIM)
 
 
@@ -132,8 +135,69 @@ def test_restores_beyond_the_staging_budget_wait_with_their_host_blocks_pinned()
     seqs = [waiting_seq([b.key], [Restore(t.key, t.pages, t)]) for b, t in zip(blocks, targets)]
     for seq in seqs:
         tier.start(seq)
-    assert len(tier.restorer.running) == 1 and len(tier.restorer.queued) == 1
+    assert not tier.restorer.running and len(tier.restorer.queued) == 2  # they start at the step's `land`
+    assert all(host.policy.is_pinned(b.key) for b in blocks)
+    assert tier.restorer.launch() == 1 and len(tier.restorer.queued) == 1
     assert host.policy.is_pinned(blocks[1].key) and not host.policy.is_pinned(blocks[0].key)
     tier.land()  # on CPU: the first lands, the second starts and lands
     assert all(s.cache.restores == [] for s in seqs) and not host.policy.num_pinned
     assert torch.equal(pages_of(cache, [p for t in targets for p in t.pages]), before)
+
+
+def memmove(dsts, srcs, sizes):
+    """The batched copy's contract (srcs[i] -> dsts[i], sizes[i] bytes) on host memory."""
+    for dst, src, size in zip(dsts.tolist(), srcs.tolist(), sizes.tolist()):
+        ctypes.memmove(dst, src, size)
+
+
+def test_chunk_addresses_place_host_blocks_in_their_pages_exactly():
+    # The batched restore's bookkeeping on CPU: host slot pieces -> (slot, k/v) rows of each page.
+    cache = kv_cache()
+    tier = tiers(cache, host_blocks=8)
+    blocks = victims(3)
+    before = pages_of(cache, [p for b in blocks for p in b.pages])
+    tier.demote(blocks)
+    table = np.array([[20, 23], [26, 21], [30, 28]])  # [blocks, groups], any free pages
+    chunk = cache.chunk_bytes
+    assert chunk == cache.layout.block_size * HEADS * DIM * 4 and tier.block_bytes % chunk == 0
+    dsts = cache.chunk_addresses(table)
+    srcs = tier.host.source_chunks([b.key for b in blocks], chunk).reshape(-1)
+    assert len(dsts) == len(srcs) == 3 * tier.block_bytes // chunk
+    memmove(dsts, srcs, np.full(len(dsts), chunk))
+    assert torch.equal(pages_of(cache, table.reshape(-1).tolist()), before)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_batched_copies_move_the_bytes_of_the_per_run_copies(tmp_path):
+    # Demote (gather + batched store), spill to disk, prefetch, restore (batched, into pages) ==
+    # the same flow with the per-run copies, byte for byte.
+    pytest.importorskip("cuda.bindings")
+    from wicore.ops.transfer import batch_copier
+
+    copier = batch_copier(torch.device("cuda"))
+    assert copier is not None
+    results = []
+    for path, batched in ((tmp_path / "a", copier), (tmp_path / "b", None)):
+        torch.manual_seed(0)
+        cache = kv_cache(device="cuda")
+        tier = tiers(cache, host_blocks=2, disk=AsyncDiskTier(DiskTier(path, 2**20)), copier=batched)
+        blocks = victims(4)
+        before = pages_of(cache, [p for b in blocks for p in b.pages])
+        tier.demote(blocks)  # two stay in the host tier, two spill to disk
+        tier.disk.flush()
+        seq = waiting_seq([b.key for b in blocks])
+        seq.cache.disk_lookup = True
+        tier.prefetch([seq], PrefixCache(LRU()))
+        assert len(seq.cache.prefetched.value) == 2  # read from disk (pinned)
+        target = [CachedBlock(b.key, (20 + 2 * i, 21 + 2 * i), 1.0) for i, b in enumerate(blocks)]
+        seq.cache.restores = [Restore(t.key, t.pages, t) for t in target]
+        tier.start(seq)
+        while seq.cache.restores:
+            tier.land()
+        torch.cuda.synchronize()
+        restored = pages_of(cache, [p for t in target for p in t.pages])
+        assert torch.equal(restored, before)
+        results.append(restored.cpu())
+        tier.close()
+    assert torch.equal(results[0], results[1])

@@ -40,7 +40,7 @@ def plot_cache(report: dict, path: Path) -> Path:
     ax.set_title(
         f"Tier caches, Gemma-3-4B shape, {report['gpu']}: VQA {report['vqa_speedup']:.1f}x, "
         f"30% duplicates {report['dup30_speedup']:.2f}x,\nCPU-tier restore at "
-        f"{100 * report['restore_bw_fraction']:.0f}% of pinned H2D bandwidth",
+        f"{_restore_text(report)} of pinned H2D bandwidth",
         fontsize=9,
     )
     ax.tick_params(axis="x", labelsize=7)
@@ -49,3 +49,9 @@ def plot_cache(report: dict, path: Path) -> Path:
     fig.savefig(path)
     plt.close(fig)
     return path
+
+
+def _restore_text(report: dict) -> str:
+    text = f"{100 * report['restore_bw_fraction']:.0f}%"
+    batched = report.get("restore_bw_fraction_batched")
+    return text if batched is None else f"{text} (batched copy {100 * batched:.0f}%)"

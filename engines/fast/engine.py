@@ -8,8 +8,8 @@ once more and that token is dropped.
 
 The prefix cache (`kvcache.gpu_tier`, `kvcache.tiers`) adds to a step: disk reads started for waiting
 sequences, restores from the host / disk tier queued for newly admitted ones, copies down for the
-blocks admission evicted (before anything can write their pages), and finished restores
-scattered into their pages before the prefill batch is picked.
+blocks admission evicted (before anything can write their pages), then the queued restores
+started and finished ones landed in their pages before the prefill batch is picked.
 
 `abort` stops sequences between steps (`sequence` has the lifecycle and its exception).
 """
@@ -228,7 +228,7 @@ class FastEngine(Engine):
         vision = self.planner.schedule_vision(VISION_IN_FLIGHT - queued, allow_partial=not queued)
         for seq in self.planner.take_admitted():
             self.runner.set_table(seq.kv.row, seq.kv.table)
-            self.tiers.start(seq)  # reads host slots before `demote` may reuse them
+            self.tiers.start(seq)  # pins its host blocks: `demote` cannot reuse their slots
         self.tiers.demote(self.blocks.take_evicted())  # before anything writes the reused pages
         if vision:
             self.counters.images += self.images.launch(vision)

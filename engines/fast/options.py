@@ -106,8 +106,14 @@ class FastOptions(BaseModel):
     host_cache_bytes: int | None = Field(
         None,
         ge=0,
-        description="Pinned host tier of the prefix cache; 0: none. PyTorch's pinned allocator rounds up to a power "
-        "of two (24 GiB pins 32 GiB). Default: 4 GiB on CUDA, 0 on CPU.",
+        description="Pinned host tier of the prefix cache (one allocation, page-locked at start, exactly this "
+        "size); 0: none. Default: 4 GiB on CUDA, 0 on CPU.",
+    )
+    batched_copies: bool | None = Field(
+        None,
+        description="Move KV blocks between the host tier and the GPU as one cuMemcpyBatchAsync per step (needs "
+        "cuda-python and a CUDA >= 12.8 driver; without them, or off, each run of host slots is one copy and "
+        "restores go through a staging buffer and a scatter kernel). Default: on where available (CUDA).",
     )
     disk_cache_dir: str | None = Field(
         None,
@@ -179,6 +185,7 @@ class FastOptions(BaseModel):
             torch_threads=_default(self.torch_threads, 1 if cuda else None),
             prefix_cache=prefix_cache,
             host_cache_bytes=self._host_bytes(cuda) if prefix_cache else 0,
+            batched_copies=cuda and _default(self.batched_copies, True),
             disk_cache_dir=self.disk_cache_dir if prefix_cache else None,
             disk_cache_bytes=self.disk_cache_bytes,
             cache_policy=self.cache_policy,
@@ -245,6 +252,7 @@ class ResolvedFastConfig:
     torch_threads: int | None  # None: torch's default
     prefix_cache: bool
     host_cache_bytes: int
+    batched_copies: bool  # asked for (CUDA only); the tiers fall back where the driver has none
     disk_cache_dir: str | None
     disk_cache_bytes: int
     cache_policy: str

@@ -1,9 +1,13 @@
 """A CPU pool for KV blocks moved down from the GPU, indexed by prefix block hash.
 
-The pool is one preallocated tensor [num_blocks, *block_shape] (pinned when CUDA is available),
-so a block is one contiguous slot and one DMA. With a CUDA source or destination, copies run
-on a dedicated copy stream and return a `Transfer` (a CUDA event) at once, so a restore can
-overlap compute; on CPU everything is synchronous and the Transfer is already done.
+The pool is one preallocated tensor [num_blocks, *block_shape] in one page-aligned host
+allocation, page-locked once when CUDA is available (`PinnedHostBuffer`: exactly its size, where
+PyTorch's pinned allocator would round it up to a power of two), so a block is one contiguous
+slot. With a CUDA source or destination, copies run on a dedicated copy stream and return a
+`Transfer` (a CUDA event) at once, so a restore can overlap compute; on CPU everything is
+synchronous and the Transfer is already done. Given a `BatchCopier`, a store queues all its runs
+of slots in one driver call, and `source_chunks` hands a restore the host addresses it copies
+straight into pages (`restores`); without one, each run of consecutive slots is one copy.
 
 Ordering on CUDA: every copy in or out of the pool runs on the one copy stream, so a slot
 evicted and rewritten after a queued load is never overwritten before that load has read it.
@@ -22,11 +26,13 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from wicore.engines.kvcache.block_hashes import BlockHash
 from wicore.engines.kvcache.cache_stats import TierStats
 from wicore.engines.kvcache.eviction import LRU, EvictionPolicy
+from wicore.ops.transfer import BatchCopier, PinnedHostBuffer
 
 # (hash, CPU view of the block): called before the slot is reused, so the view is valid only
 # during the call; copy or write it out (e.g. to the disk tier) before returning.
@@ -69,12 +75,15 @@ class HostTier:
         policy: EvictionPolicy[BlockHash] | None = None,
         pin_memory: bool | None = None,
         on_evict: EvictHook | None = None,
+        copier: BatchCopier | None = None,
     ):
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
         self.block_shape = tuple(block_shape)
-        self.pool = torch.empty((num_blocks, *self.block_shape), dtype=dtype, pin_memory=pin_memory)
+        self.memory = PinnedHostBuffer(num_blocks * math.prod(self.block_shape) * dtype.itemsize, pin_memory)
+        self.pool = self.memory.tensor.view(dtype).view(num_blocks, *self.block_shape)
+        self.copier = copier
         self.policy: EvictionPolicy[BlockHash] = policy if policy is not None else LRU()
         self.on_evict = on_evict
         self.stats = TierStats()
@@ -130,17 +139,21 @@ class HostTier:
     def load(self, hashes: Sequence[BlockHash], device: torch.device | str = "cpu") -> tuple[torch.Tensor, Transfer]:
         """The blocks [n, *block_shape] under `hashes` (all must be here: see `match_prefix`),
         as a new tensor on `device`. On CUDA call `transfer.wait()` before using it."""
-        missing = [h.hex()[:16] for h in hashes if h not in self._slots]
-        if missing:
-            raise KeyError(f"blocks not in the host tier: {missing}")
         with self.stats.timed():
-            slots = [self._slots[h] for h in hashes]
-            for h in hashes:
-                self.policy.touch(h)
+            slots = self._take(hashes)
             device = torch.device(device)
             out, transfer = self._load_async(slots, device) if device.type == "cuda" else self._load_sync(slots, device)
-            self.stats.bytes_out += len(slots) * self.block_bytes
         return out, transfer
+
+    def source_chunks(self, hashes: Sequence[BlockHash], chunk_bytes: int) -> np.ndarray:
+        """Host addresses [n, block_bytes // chunk_bytes] (uint64) of the blocks under `hashes`,
+        each cut into `chunk_bytes` pieces in its own order, for a batched copy the caller queues
+        on `copy_stream` (queued there, it reads after every store before it). Counted as a load."""
+        with self.stats.timed():
+            slots = np.asarray(self._take(hashes), dtype=np.uint64)
+        pieces = np.arange(self.block_bytes // chunk_bytes, dtype=np.uint64) * np.uint64(chunk_bytes)
+        first = np.uint64(self.pool.data_ptr()) + slots * np.uint64(self.block_bytes)
+        return first[:, None] + pieces[None, :]
 
     def read(self, block_hash: BlockHash) -> torch.Tensor:
         """A CPU view of one block (waits for the store that wrote it). Valid until evicted."""
@@ -159,7 +172,22 @@ class HostTier:
         self.policy.remove(block_hash)
         self._free.append(self._slots.pop(block_hash))
 
+    def close(self) -> None:
+        """Wait for the copies in flight, then unpin the pool (the tier is unusable after)."""
+        self._sync_copy_stream()
+        self.memory.close()
+
     # -- internals -------------------------------------------------------------------------
+
+    def _take(self, hashes: Sequence[BlockHash]) -> list[int]:
+        """The slots of `hashes` (all must be here), touched in the policy and counted as read."""
+        missing = [h.hex()[:16] for h in hashes if h not in self._slots]
+        if missing:
+            raise KeyError(f"blocks not in the host tier: {missing}")
+        for h in hashes:
+            self.policy.touch(h)
+        self.stats.bytes_out += len(hashes) * self.block_bytes
+        return [self._slots[h] for h in hashes]
 
     def _check_blocks(self, hashes: Sequence[BlockHash], blocks: torch.Tensor) -> None:
         if tuple(blocks.shape) != (len(hashes), *self.block_shape):
@@ -202,14 +230,25 @@ class HostTier:
         stream = self.copy_stream(blocks.device)
         stream.wait_stream(torch.cuda.current_stream(blocks.device))  # blocks were written there
         with torch.cuda.stream(stream):
-            for index, slot, count in _runs(picks):  # one DMA per run of consecutive slots
-                self.pool[slot : slot + count].copy_(blocks[index : index + count], non_blocking=True)
+            if self.copier is not None:
+                self._store_batched(blocks.contiguous(), picks, stream)
+            else:
+                for index, slot, count in _runs(picks):  # one DMA per run of consecutive slots
+                    self.pool[slot : slot + count].copy_(blocks[index : index + count], non_blocking=True)
             event = torch.cuda.Event()
             event.record(stream)
         blocks.record_stream(stream)  # not reused by the compute stream before the copy reads it
         for _, slot in picks:
             self._pending[slot] = event
         return Transfer(event, blocks.device, [blocks])
+
+    def _store_batched(self, blocks: torch.Tensor, picks: list[tuple[int, int]], stream: torch.cuda.Stream) -> None:
+        """Every run of consecutive slots as one copy of a single batched call."""
+        runs = np.array(_runs(picks), dtype=np.uint64).reshape(-1, 3)  # (index, slot, count)
+        size = np.uint64(self.block_bytes)
+        srcs = np.uint64(blocks.data_ptr()) + runs[:, 0] * size
+        dsts = np.uint64(self.pool.data_ptr()) + runs[:, 1] * size
+        self.copier.copy(dsts, srcs, runs[:, 2] * size, stream)
 
     def _load_async(self, slots: list[int], device: torch.device) -> tuple[torch.Tensor, Transfer]:
         stream = self.copy_stream(device)

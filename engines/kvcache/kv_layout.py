@@ -136,3 +136,17 @@ class KVCache:
     def scatter_pages(self, pages: torch.Tensor, data: torch.Tensor) -> None:
         """Write data [n, slots, 2, bs, kv_heads, D] into pages [n] (distinct)."""
         self.tensor.index_copy_(2, pages, data.permute(1, 2, 0, 3, 4, 5))
+
+    @property
+    def chunk_bytes(self) -> int:
+        """Bytes of one layer's K or V in one page, [block_size, kv_heads, head_dim]: the largest
+        piece of a page that is contiguous in the cache tensor."""
+        return self.tensor[0, 0, 0].numel() * self.tensor.element_size()
+
+    def chunk_addresses(self, pages: np.ndarray) -> np.ndarray:
+        """Device addresses of the chunks of blocks whose pages are `pages` [n, G] (block-major,
+        groups in order), in a block's own order [G, slots, 2]: uint64 [n * G * slots * 2]. Chunk
+        (slot, k/v) of page p starts at element ((slot * 2 + kv) * num_pages + p) * chunk."""
+        rows = np.arange(self.layout.slots * 2, dtype=np.uint64) * np.uint64(self.num_pages)
+        index = rows[None, None, :] + np.asarray(pages, dtype=np.uint64)[:, :, None]
+        return (np.uint64(self.tensor.data_ptr()) + index * np.uint64(self.chunk_bytes)).reshape(-1)

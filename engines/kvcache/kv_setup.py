@@ -14,6 +14,7 @@ from wicore.engines.kvcache.host_tier import HostTier
 from wicore.engines.kvcache.kv_layout import KVCache, KVLayout
 from wicore.engines.kvcache.tiers import KVTiers
 from wicore.errors import ConfigError
+from wicore.ops.transfer import batch_copier
 
 STAGING_BYTES = 512 * 2**20  # device buffers of copies in flight, each way (down: more dropped; up: queued)
 HALF_LIFE_CAPACITIES = 2  # A2CR's half-life in accesses, in units of the tier's capacity (README)
@@ -45,7 +46,8 @@ def build_tiers(kv: KVCache, options: ResolvedFastConfig, kv_heads: int, head_di
         if num_blocks < 1:
             raise ConfigError(f"host_cache_bytes {host_bytes} is less than one KV block ({block_bytes} bytes)")
         policy = make_policy(options.cache_policy, num_blocks)
-        host = HostTier(num_blocks, shape, kv.tensor.dtype, policy, pin_memory=options.cuda)
+        copier = batch_copier(kv.tensor.device) if options.batched_copies else None
+        host = HostTier(num_blocks, shape, kv.tensor.dtype, policy, pin_memory=options.cuda, copier=copier)
     disk = None
     if options.disk_cache_dir is not None:
         capacity = options.disk_cache_bytes // block_bytes

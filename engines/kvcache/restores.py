@@ -1,14 +1,26 @@
 """Restores: blocks from the host tier (or read from disk) into an admitted sequence's pages.
 
-A restore is queued at admission. It starts when the device staging buffers of the restores in
-flight stay under `max_bytes` (one always may), so a burst of hits cannot take GPU memory that
-activations need; until then its host blocks are pinned in the host tier (a demotion cannot
-reuse their slots). Starting: host hits are `HostTier.load`, one copy per run of consecutive
-slots into a staging buffer on the copy stream; disk hits (pinned CPU blocks from the disk
-reader) one more copy on the same stream. Landing (each step, once the copies' events have
-completed): the main stream waits on them (no stall: they are done), one scatter kernel writes
-the staging buffer into the pages, and the blocks become `ready`; the sequence's prefill, held
-back until then, reads them later on the same stream. On CPU every copy is synchronous.
+A restore is queued at admission, its host blocks pinned in the host tier (a demotion cannot
+reuse their slots), and starts at the step's `land`, after that step's demotion has queued its
+gather of the pages it evicted (they may be the pages this restore writes). It starts when the
+device memory of the restores in flight stays under `max_bytes` (one always may), so a burst of
+hits cannot take GPU memory that activations need.
+
+Two ways to copy, on the host tier's copy stream:
+
+- Batched (a `BatchCopier`, CUDA): every restore started in a step is one cuMemcpyBatchAsync
+  straight into the pages, one copy per (block, group, layer, K/V) chunk (32 KiB on
+  Gemma-3-4B): no staging buffer, no scatter kernel. The copy stream first waits for the main
+  stream, whose queued work may still read the pages' previous contents.
+- Per run (the fallback; CPU, no cuda-python, option `batched_copies` off): host hits are
+  `HostTier.load`, one copy per run of consecutive slots into a staging buffer; disk hits
+  (pinned CPU blocks from the disk reader) one more copy; landing scatters the staging buffer
+  into the pages with one kernel on the main stream.
+
+Landing (each step, once a restore's copies have completed): the main stream waits on their
+event (no stall: they are done), the fallback's scatter runs, and the blocks become `ready`; the
+sequence's prefill, held back until then, reads them later on the same stream. On CPU every copy
+is synchronous.
 """
 
 from __future__ import annotations
@@ -17,12 +29,13 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from wicore.engines.kvcache.gpu_tier import Restore
 from wicore.engines.kvcache.host_tier import HostTier, Transfer
 from wicore.engines.kvcache.kv_layout import KVCache
-from wicore.ops.transfer import upload
+from wicore.ops.transfer import BatchCopier, upload
 
 if TYPE_CHECKING:
     from wicore.engines.fast.sequence import Sequence
@@ -30,12 +43,13 @@ if TYPE_CHECKING:
 
 @dataclass
 class Copy:
-    """Blocks on their way into pages: `data` [n, *block_shape] on the device."""
+    """Blocks on their way into pages: `data` [n, *block_shape] on the device, to scatter; None
+    when the copy writes the pages itself (batched)."""
 
     pages: list[int]  # n * G pages, block-major (each block's pages in group order)
-    data: torch.Tensor
+    data: torch.Tensor | None
     transfer: Transfer
-    source: torch.Tensor | None = None  # pinned host buffer the copy reads (kept until landed)
+    sources: list[torch.Tensor] = field(default_factory=list)  # pinned host buffers the copy reads (kept until landed)
 
 
 @dataclass
@@ -55,9 +69,18 @@ class RestoreJob:
 
 
 class Restorer:
-    def __init__(self, kv: KVCache, host: HostTier | None, block_shape: tuple, block_bytes: int, max_bytes: int):
+    def __init__(
+        self,
+        kv: KVCache,
+        host: HostTier | None,
+        block_shape: tuple,
+        block_bytes: int,
+        max_bytes: int,
+        copier: BatchCopier | None = None,
+    ):
         self.kv, self.host = kv, host
         self.block_shape, self.block_bytes, self.max_bytes = block_shape, block_bytes, max_bytes
+        self.copier = copier if kv.tensor.is_cuda else None
         self.queued: deque[RestoreJob] = deque()
         self.running: list[RestoreJob] = []
 
@@ -68,37 +91,72 @@ class Restorer:
         for restore in in_host:
             self.host.pin(restore.key)
         self.queued.append(RestoreJob(seq, in_host, from_disk, {r.key: prefetched[r.key] for r in from_disk}))
-        self._launch()
 
     def land(self) -> None:
         """Scatter finished restores (main stream) and start queued ones; on CPU, until done."""
         while True:
             self._scatter_finished()
-            if not self._launch():
+            if not self.launch():
                 return
 
+    def launch(self) -> int:
+        """Start the queued restores that fit the budget, in one batched copy when there is a
+        copier; returns how many started."""
+        jobs = []
+        while self.queued and (not self.running or self._bytes(self.running + [self.queued[0]]) <= self.max_bytes):
+            jobs.append(self.queued.popleft())
+            self.running.append(jobs[-1])
+        if self.copier is not None and jobs:
+            self._launch_batched(jobs)
+        else:
+            for job in jobs:
+                self._launch_per_run(job)
+        return len(jobs)
+
     def reset(self) -> None:
+        """Forget restores (after a failed step). A batched copy still writing pages is waited
+        for: those pages go back to the pool and may be handed out at once."""
         for job in self.queued:
             for restore in job.in_host:
                 self.host.unpin(restore.key)
+        for job in self.running:
+            for copy in job.copies:
+                if copy.data is None:
+                    copy.transfer.synchronize()
         self.queued.clear()
         self.running.clear()
 
-    def _launch(self) -> int:
-        launched = 0
-        while self.queued and (not self.running or self._bytes(self.running + [self.queued[0]]) <= self.max_bytes):
-            job = self.queued.popleft()
+    def _launch_per_run(self, job: RestoreJob) -> None:
+        if job.in_host:
+            data, transfer = self.host.load([r.key for r in job.in_host], self.kv.tensor.device)
+            job.copies.append(Copy(_pages(job.in_host), data, transfer))
+            self._unpin(job)
+        if job.from_disk:
+            job.copies.append(self._upload(job.from_disk, job.prefetched))
+            job.prefetched = {}
+
+    def _launch_batched(self, jobs: list[RestoreJob]) -> None:
+        """One copy per chunk of every block of `jobs`, host and disk alike, in one call."""
+        chunk = self.kv.chunk_bytes
+        dsts, srcs, sources = [], [], []
+        for job in jobs:
+            restores = job.in_host + job.from_disk
+            dsts.append(self.kv.chunk_addresses(np.array([r.pages for r in restores], dtype=np.int64)))
             if job.in_host:
-                data, transfer = self.host.load([r.key for r in job.in_host], self.kv.tensor.device)
-                job.copies.append(Copy(_pages(job.in_host), data, transfer))
-                for restore in job.in_host:
-                    self.host.unpin(restore.key)  # the load is queued ahead of any store
-            if job.from_disk:
-                job.copies.append(self._upload(job.from_disk, job.prefetched))
-                job.prefetched = {}
-            self.running.append(job)
-            launched += 1
-        return launched
+                srcs.append(self.host.source_chunks([r.key for r in job.in_host], chunk).reshape(-1))
+            for restore in job.from_disk:
+                block = job.prefetched[restore.key]  # pinned and contiguous (the disk reader's)
+                sources.append(block)
+                srcs.append(np.uint64(block.data_ptr()) + np.arange(block.nbytes // chunk, dtype=np.uint64) * chunk)
+        transfer = copy_chunks(self.kv, self.host, self.copier, np.concatenate(dsts), np.concatenate(srcs))
+        for job in jobs:
+            job.copies.append(Copy(_pages(job.in_host + job.from_disk), None, transfer, sources))
+            self._unpin(job)  # the copy is queued ahead of any store into their slots
+            job.prefetched = {}
+
+    def _unpin(self, job: RestoreJob) -> None:
+        for restore in job.in_host:
+            self.host.unpin(restore.key)
 
     def _scatter_finished(self) -> None:
         still = []
@@ -108,8 +166,9 @@ class Restorer:
                 continue
             for copy in job.copies:
                 copy.transfer.wait()  # the current (main) stream; complete already
-                pages = upload(copy.pages, self.kv.tensor.device, torch.int64)
-                self.kv.scatter_pages(pages, copy.data.view(-1, *copy.data.shape[2:]))
+                if copy.data is not None:
+                    pages = upload(copy.pages, self.kv.tensor.device, torch.int64)
+                    self.kv.scatter_pages(pages, copy.data.view(-1, *copy.data.shape[2:]))
             for restore in job.seq.cache.restores:
                 if restore.block is not None:
                     restore.block.ready = True
@@ -129,10 +188,23 @@ class Restorer:
             data.copy_(source, non_blocking=True)
             event = torch.cuda.Event()
             event.record(stream)
-        return Copy(_pages(restores), data, Transfer(event, device, [data]), source)
+        return Copy(_pages(restores), data, Transfer(event, device, [data]), [source])
 
     def _bytes(self, jobs: list[RestoreJob]) -> int:
         return sum(job.num_blocks for job in jobs) * self.block_bytes
+
+
+def copy_chunks(kv: KVCache, host: HostTier, copier: BatchCopier, dsts: np.ndarray, srcs: np.ndarray) -> Transfer:
+    """Queue chunk copies srcs -> dsts (`kv.chunk_bytes` each, pages as destinations) as one
+    batched copy on the host tier's copy stream, after the work the current stream has queued
+    (the pages' previous users)."""
+    device = kv.tensor.device
+    stream = host.copy_stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    copier.copy(dsts, srcs, np.full(len(dsts), kv.chunk_bytes, dtype=np.uint64), stream)
+    event = torch.cuda.Event()
+    event.record(stream)
+    return Transfer(event, device)
 
 
 def _pages(restores: list[Restore]) -> list[int]:

@@ -4,7 +4,8 @@ group, [G, slots, 2, block_size, kv_heads, head_dim] (`KVLayout.block_shape`).
 
 Down (`demote`, right after admission evicted GPU blocks): one gather of the victims' pages on
 the main stream into a contiguous staging buffer, then `HostTier.store` copies it into the
-pinned pool on the host tier's copy stream, behind an event of the main stream. The pages are
+pinned pool on the host tier's copy stream (one batched copy when the host tier has a
+`BatchCopier`), behind an event of the main stream. The pages are
 reused at once: every later write to them is queued after the gather on the same stream. A block
 the host tier evicts goes to the disk tier's writer thread (a CPU copy); blocks the host tier
 has no room for at all go there straight from the staging buffer (`_spill`). Nothing here waits
@@ -12,7 +13,7 @@ for the disk.
 
 Up: `prefetch` starts disk reads for waiting sequences (the reader thread, into pinned memory),
 so admission can count those blocks as hits; `start` queues an admitted sequence's restores and
-`land` scatters finished ones into its pages (`restores.Restorer`).
+`land` starts them and lands finished ones in its pages (`restores.Restorer`).
 """
 
 from __future__ import annotations
@@ -56,7 +57,8 @@ class KVTiers:
         self.block_shape = kv.layout.block_shape(kv_heads, head_dim)
         self.block_bytes = kv.tensor.element_size() * int(torch.Size(self.block_shape).numel())
         self.max_demote = max(1, max_staging_bytes // self.block_bytes)  # blocks staged per step
-        self.restorer = Restorer(kv, host, self.block_shape, self.block_bytes, max_staging_bytes)
+        self.copier = host.copier if host is not None and self.cuda else None  # batched copies, both ways
+        self.restorer = Restorer(kv, host, self.block_shape, self.block_bytes, max_staging_bytes, self.copier)
         self.costs: dict[BlockHash, float] = {}  # of blocks in the host tier (for the disk's policy)
         self.restored_bytes = 0
         self.demoted_blocks = 0
@@ -217,4 +219,5 @@ class KVTiers:
             self.disk.close()
         if self.host is not None:
             self.host.on_evict = None
+            self.host.close()
         self.kv = self.host = self.disk = self.restorer = None
