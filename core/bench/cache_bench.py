@@ -61,10 +61,15 @@ class CacheBench:
 
 
 def request(rid: str, path: Path, text: str, new_tokens: int) -> EngineRequest:
-    data = path.read_bytes()
+    return image_request(rid, path.read_bytes(), text, GenerationParams(max_new_tokens=new_tokens, ignore_eos=True))
+
+
+def image_request(rid: str, data: bytes, text: str, params: GenerationParams, image=None) -> EngineRequest:
+    """One question about one image (encoded file bytes; `image`: it decoded already, shared by
+    the questions about it), hashed as a worker hashes it."""
     chat = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": text}]}]
-    params = GenerationParams(max_new_tokens=new_tokens, ignore_eos=True)
-    return EngineRequest(rid, chat, [decode_image(data)], params, [hashlib.sha256(data).hexdigest()])
+    image = decode_image(data) if image is None else image
+    return EngineRequest(rid, chat, [image], params, [hashlib.sha256(data).hexdigest()])
 
 
 def vqa_requests(paths: list[Path], questions: int, new_tokens: int, tag: str = "") -> list[EngineRequest]:

@@ -163,3 +163,38 @@ def cache_bench(
     console.print(summary)
     if as_json:
         typer.echo(json.dumps({k: v for k, v in report.items() if k not in ("vqa", "dup30")}))
+
+
+@app.command("fidelity")
+@friendly_errors
+def fidelity_bench(
+    model: str = typer.Option("democap", help="democap (the trained demo captioner) or gemma3-4b (random weights)."),
+    images: int = typer.Option(1000, min=1, help="Images, each asked every round's prompt."),
+    device: str = typer.Option("cuda", help="cuda or cpu."),
+    dtype: str = typer.Option("bfloat16", help="bfloat16, float16 or float32."),
+    batch_size: int = typer.Option(384, min=1, help="Sequences in flight."),
+    small_pool_pages: int = typer.Option(2048, min=1, help="KV pages of the small-GPU-pool config."),
+    engine_option: list[str] = typer.Option(None, "--engine-option", help="KEY=VALUE for every config; repeatable."),
+    tag: str = typer.Option("", help="Suffix of the JSON file's name (e.g. the engine options tried)."),
+    workdir: Path = typer.Option(Path("/tmp/wicore-fidelity"), help="Scratch folder (the 4B's config)."),
+    out: Path = typer.Option(Path("bench/results"), help="Folder for fidelity-<model>-<gpu>.json."),
+    as_json: bool = typer.Option(False, "--json", help="End with one JSON line."),
+) -> None:
+    """Tokens of the prefix cache's paths against caching off, on a VQA flow with repeated images:
+    exact-match accuracy, agreement per round, float32 logit margins where they differ."""
+    from wicore.bench.fidelity import FLOWS, FidelityBench, run_fidelity_bench, summary, write_fidelity_report
+    from wicore.cli.common import engine_options
+    from wicore.errors import ConfigError
+
+    if model not in FLOWS:
+        raise ConfigError(f"unknown model {model!r}; choose one of {', '.join(FLOWS)}")
+    bench = FidelityBench(
+        workdir=workdir, model=model, images=images, device=device, dtype=dtype, batch_size=batch_size,
+        small_pool_pages=small_pool_pages, engine_options=engine_options(engine_option),
+    )  # fmt: skip
+    report = run_fidelity_bench(bench)
+    console.print(f"wrote {write_fidelity_report(report, out, tag)}")
+    for line in summary(report):
+        console.print(line)
+    if as_json:
+        typer.echo(json.dumps(report))
