@@ -37,11 +37,14 @@ class Flow:
     new_tokens: int
     ignore_eos: bool
     caption_rounds: tuple[int, ...]  # rounds whose answer is scored against the image's caption
+    images: int  # default count
+    small_pool_pages: int  # the small GPU pool (democap: ~150 sequences in flight; the 4B: the cache benchmark's)
+    host_cache_bytes: int  # the CPU tier beside it
 
 
 FLOWS = {
-    "democap": Flow((DEFAULT_PROMPT, QUESTIONS[1], DEFAULT_PROMPT, QUESTIONS[3]), 16, False, (0, 2)),
-    "gemma3-4b": Flow(QUESTIONS, 32, True, ()),
+    "democap": Flow((DEFAULT_PROMPT, QUESTIONS[1], DEFAULT_PROMPT, QUESTIONS[3]), 16, False, (0, 2), 1000, 2048, 2**30),
+    "gemma3-4b": Flow(QUESTIONS, 32, True, (), 256, 16_384, 16 * 2**30),
 }
 
 
@@ -49,15 +52,20 @@ FLOWS = {
 class FidelityBench:
     workdir: Path
     model: str = "democap"  # a key of FLOWS
-    images: int = 1000
+    images: int | None = None  # default: the flow's
     seed: int = 1000  # of the images (the demo captioner trained on seeds 0-2)
     device: str = "cuda"
     dtype: str = "bfloat16"
     batch_size: int = 384
-    small_pool_pages: int = 2048  # the small GPU pool's config (~150 democap sequences in flight)
-    host_cache_bytes: int = 2**30
+    small_pool_pages: int | None = None  # default: the flow's
+    host_cache_bytes: int | None = None  # default: the flow's
     engine_options: dict = field(default_factory=dict)  # applied to every config
     max_margins: int = 256  # differing sequences per config whose float32 margin is computed
+
+    def __post_init__(self) -> None:
+        self.images = self.images or self.flow.images
+        self.small_pool_pages = self.small_pool_pages or self.flow.small_pool_pages
+        self.host_cache_bytes = self.host_cache_bytes or self.flow.host_cache_bytes
 
     @property
     def flow(self) -> Flow:

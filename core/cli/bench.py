@@ -169,11 +169,12 @@ def cache_bench(
 @friendly_errors
 def fidelity_bench(
     model: str = typer.Option("democap", help="democap (the trained demo captioner) or gemma3-4b (random weights)."),
-    images: int = typer.Option(1000, min=1, help="Images, each asked every round's prompt."),
+    images: int = typer.Option(None, min=1, help="Images, each asked every round's prompt (democap 1000, 4B 256)."),
     device: str = typer.Option("cuda", help="cuda or cpu."),
     dtype: str = typer.Option("bfloat16", help="bfloat16, float16 or float32."),
     batch_size: int = typer.Option(384, min=1, help="Sequences in flight."),
-    small_pool_pages: int = typer.Option(2048, min=1, help="KV pages of the small-GPU-pool config."),
+    small_pool_pages: int = typer.Option(None, min=1, help="KV pages of the small pool (democap 2048, 4B 16384)."),
+    max_margins: int = typer.Option(256, min=0, help="Differing sequences per config given a float32 margin."),
     engine_option: list[str] = typer.Option(None, "--engine-option", help="KEY=VALUE for every config; repeatable."),
     tag: str = typer.Option("", help="Suffix of the JSON file's name (e.g. the engine options tried)."),
     workdir: Path = typer.Option(Path("/tmp/wicore-fidelity"), help="Scratch folder (the 4B's config)."),
@@ -190,7 +191,7 @@ def fidelity_bench(
         raise ConfigError(f"unknown model {model!r}; choose one of {', '.join(FLOWS)}")
     bench = FidelityBench(
         workdir=workdir, model=model, images=images, device=device, dtype=dtype, batch_size=batch_size,
-        small_pool_pages=small_pool_pages, engine_options=engine_options(engine_option),
+        small_pool_pages=small_pool_pages, engine_options=engine_options(engine_option), max_margins=max_margins,
     )  # fmt: skip
     report = run_fidelity_bench(bench)
     console.print(f"wrote {write_fidelity_report(report, out, tag)}")
