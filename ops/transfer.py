@@ -133,8 +133,9 @@ class BatchCopier:
         return cls(_BATCH_COPY(address))
 
     def copy(self, dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray, stream: torch.cuda.Stream) -> None:
-        """Queue srcs[i] -> dsts[i] (sizes[i] bytes) on `stream`. The batch runs in stream order,
-        its copies in any order among themselves: no two may write the same bytes."""
+        """Queue srcs[i] -> dsts[i] (sizes[i] bytes) on `stream` (not the legacy default stream).
+        The batch runs in stream order, its copies in any order among themselves: no two may
+        write the same bytes."""
         dsts, srcs, sizes = (np.ascontiguousarray(a, dtype=np.uint64) for a in (dsts, srcs, sizes))
         if not len(dsts) == len(srcs) == len(sizes):
             raise ValueError(f"{len(dsts)} destinations, {len(srcs)} sources, {len(sizes)} sizes")
@@ -153,7 +154,8 @@ class BatchCopier:
         host = torch.arange(64, dtype=torch.uint8).pin_memory()
         back = torch.zeros(64, dtype=torch.uint8).pin_memory()
         on_device = torch.zeros(64, dtype=torch.uint8, device=device)
-        stream = torch.cuda.current_stream(device)
+        torch.cuda.current_stream(device).synchronize()  # the zeros are written
+        stream = torch.cuda.Stream(device)  # the batched copy refuses the legacy default stream
         halves = np.array([0, 32], dtype=np.uint64)
         self.copy(on_device.data_ptr() + halves, host.data_ptr() + halves[::-1], np.full(2, 32), stream)
         self.copy(back.data_ptr() + halves, on_device.data_ptr() + halves, np.full(2, 32), stream)

@@ -227,11 +227,13 @@ class HostTier:
         return slot
 
     def _store_async(self, blocks: torch.Tensor, picks: list[tuple[int, int]]) -> Transfer:
+        if self.copier is not None:
+            blocks = blocks.contiguous()  # addressed by pointer arithmetic; a copy stays on this stream
         stream = self.copy_stream(blocks.device)
         stream.wait_stream(torch.cuda.current_stream(blocks.device))  # blocks were written there
         with torch.cuda.stream(stream):
             if self.copier is not None:
-                self._store_batched(blocks.contiguous(), picks, stream)
+                self._store_batched(blocks, picks, stream)
             else:
                 for index, slot, count in _runs(picks):  # one DMA per run of consecutive slots
                     self.pool[slot : slot + count].copy_(blocks[index : index + count], non_blocking=True)
