@@ -63,12 +63,18 @@ def pages_of(cache, pages):
     return cache.by_page[torch.tensor(pages)].clone()
 
 
-def test_demoted_blocks_come_back_into_other_pages_exactly():
-    cache = kv_cache()
-    tier = tiers(cache, host_blocks=8)
-    blocks = victims(3)
+def demoted(n, host_blocks=8, device="cpu", **kwargs):
+    """(cache, tiers, blocks, their pages' contents) after `n` blocks were evicted and demoted."""
+    cache = kv_cache(device=device)
+    tier = tiers(cache, host_blocks, **kwargs)
+    blocks = victims(n)
     before = pages_of(cache, [p for b in blocks for p in b.pages])
     tier.demote(blocks)
+    return cache, tier, blocks, before
+
+
+def test_demoted_blocks_come_back_into_other_pages_exactly():
+    cache, tier, blocks, before = demoted(3)
     assert all(b.key in tier.host for b in blocks) and tier.demoted_blocks == 3
     target = [CachedBlock(b.key, (20 + 2 * i, 21 + 2 * i), 1.0) for i, b in enumerate(blocks)]
     seq = waiting_seq([b.key for b in blocks], [Restore(t.key, t.pages, t) for t in target])
@@ -152,11 +158,7 @@ def memmove(dsts, srcs, sizes):
 
 def test_chunk_addresses_place_host_blocks_in_their_pages_exactly():
     # The batched restore's bookkeeping on CPU: host slot pieces -> (slot, k/v) rows of each page.
-    cache = kv_cache()
-    tier = tiers(cache, host_blocks=8)
-    blocks = victims(3)
-    before = pages_of(cache, [p for b in blocks for p in b.pages])
-    tier.demote(blocks)
+    cache, tier, blocks, before = demoted(3)
     table = np.array([[20, 23], [26, 21], [30, 28]])  # [blocks, groups], any free pages
     chunk = cache.chunk_bytes
     assert chunk == cache.layout.block_size * HEADS * DIM * 4 and tier.block_bytes % chunk == 0
@@ -180,11 +182,8 @@ def test_cuda_batched_copies_move_the_bytes_of_the_per_run_copies(tmp_path):
     results = []
     for path, batched in ((tmp_path / "a", copier), (tmp_path / "b", None)):
         torch.manual_seed(0)
-        cache = kv_cache(device="cuda")
-        tier = tiers(cache, host_blocks=2, disk=AsyncDiskTier(DiskTier(path, 2**20)), copier=batched)
-        blocks = victims(4)
-        before = pages_of(cache, [p for b in blocks for p in b.pages])
-        tier.demote(blocks)  # two stay in the host tier, two spill to disk
+        disk = AsyncDiskTier(DiskTier(path, 2**20))
+        cache, tier, blocks, before = demoted(4, 2, "cuda", disk=disk, copier=batched)  # 2 spill to disk
         tier.disk.flush()
         seq = waiting_seq([b.key for b in blocks])
         seq.cache.disk_lookup = True
