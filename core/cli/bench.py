@@ -88,18 +88,25 @@ def caption(
         "0..N-1 (`wicore worker --gpus`) and on one GPU (the plain worker), in the same run: "
         "caption-gemma3-4b-<gpu>-xN.json.",
     ),
+    dtype: str = typer.Option(
+        "bfloat16",
+        help="bfloat16, or fp8: the product in bf16 and with FP8 GEMMs on the same images in the same run (HF "
+        "once), their token agreement and the demo captioner's accuracy in both: caption-gemma3-4b-fp8-<gpu>.json.",
+    ),
     workdir: Path = typer.Option(Path("/tmp/wicore-bench"), help="Scratch folder (model config, images, logs)."),
     out: Path = typer.Option(Path("bench/results"), help="Folder for the JSON and the PNG."),
     as_json: bool = typer.Option(False, "--json", help="End with one JSON line."),
 ) -> None:
-    """Bulk captioning on the GPU: the whole product vs HF generate, with the roofline; or, with
-    --gpus N, the whole product on N GPUs vs on one."""
+    """Bulk captioning on the GPU: the whole product vs HF generate, with the roofline; with
+    --gpus N, the whole product on N GPUs vs on one; with --dtype fp8, bf16 vs FP8 GEMMs."""
     from wicore.bench.caption_bench import CaptionBench
     from wicore.cli.common import engine_options
     from wicore.errors import ConfigError
 
     if preset != "gemma3-4b":
         raise ConfigError(f"unknown preset {preset!r} (only gemma3-4b)")
+    if dtype not in ("bfloat16", "fp8") or (dtype == "fp8" and gpus):
+        raise ConfigError(f"--dtype {dtype}: use bfloat16, or fp8 without --gpus (it compares the two on one GPU)")
     bench = CaptionBench(
         workdir=workdir,
         images=images,
@@ -110,7 +117,10 @@ def caption(
         hf_images=hf_images,
         gpus=gpus,
     )
-    report = caption_scaling(bench, out) if gpus else caption_vs_hf(bench, out)
+    if gpus:
+        report = caption_scaling(bench, out)
+    else:
+        report = caption_fp8(bench, out) if dtype == "fp8" else caption_vs_hf(bench, out)
     if as_json:
         typer.echo(json.dumps({k: v for k, v in report.items() if not k.startswith("engine_stats")}))
 
@@ -123,6 +133,17 @@ def caption_vs_hf(bench, out: Path) -> dict:
     for path in write_caption_report(report, out):
         console.print(f"wrote {path}")
     print_caption_report(report)
+    return report
+
+
+def caption_fp8(bench, out: Path) -> dict:
+    from wicore.bench.caption_fp8 import run_fp8_bench
+    from wicore.bench.report import print_fp8_report, write_fp8_report
+
+    report = run_fp8_bench(bench)
+    for path in write_fp8_report(report, out):
+        console.print(f"wrote {path}")
+    print_fp8_report(report)
     return report
 
 
