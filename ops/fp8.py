@@ -71,16 +71,23 @@ def fp8_linear(
     accumulation (fewer promotions to float32), as inference libraries use."""
     rows = x.reshape(-1, x.shape[-1])
     x_q, x_scale = quantize(rows, rowwise=weight.scale.dim() > 0)
-    out = torch._scaled_mm(
+    out = scaled_mm(x_q, x_scale, weight, bias, x.dtype, fast_accum)
+    return out.reshape(*x.shape[:-1], weight.data.shape[0])
+
+
+def scaled_mm(
+    x_q: torch.Tensor, x_scale: torch.Tensor, weight: FP8Weight, bias: torch.Tensor | None, out_dtype, fast_accum: bool
+) -> torch.Tensor:
+    """The matmul alone: quantized x [M, K] and its scale ([M, 1] or []) -> [M, N] in out_dtype."""
+    return torch._scaled_mm(
         x_q,
         weight.data.t(),
         scale_a=x_scale,
         scale_b=weight.scale,
-        bias=None if bias is None else bias.to(x.dtype),
-        out_dtype=x.dtype,
+        bias=None if bias is None else bias.to(out_dtype),
+        out_dtype=out_dtype,
         use_fast_accum=fast_accum,
     )
-    return out.reshape(*x.shape[:-1], weight.data.shape[0])
 
 
 def fp8_linear_reference(x: torch.Tensor, weight: FP8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -105,6 +112,8 @@ def unsupported_reason(device: torch.device) -> str | None:
     """Why `device` has no FP8 tensor cores (None: it has them)."""
     if device.type != "cuda":
         return f"the device is {device.type}"
+    if not torch.cuda.is_available():
+        return "no CUDA device is visible"
     major, minor = torch.cuda.get_device_capability(device)
     if (major, minor) < MIN_CAPABILITY:
         return f"{torch.cuda.get_device_name(device)} is compute capability {major}.{minor}"

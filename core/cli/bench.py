@@ -160,6 +160,35 @@ def caption_scaling(bench, out: Path) -> dict:
     return report
 
 
+@app.command("fp8-layers")
+@friendly_errors
+def fp8_layers(
+    compile: bool = typer.Option(
+        True, "--compile/--no-compile", help="Also time the layers compiled as the engine runs them (~2 min)."
+    ),
+    repeats: int = typer.Option(20, min=3, help="Timed calls per figure (their median)."),
+    out: Path = typer.Option(Path("bench/results"), help="Folder for fp8-layers-<gpu>.json."),
+    as_json: bool = typer.Option(False, "--json", help="End with one JSON line."),
+) -> None:
+    """FP8 GEMMs per layer at Gemma-3-4B's shapes (GPU): each GEMM, one vision-tower layer and one
+    decoder layer's dense part, bf16 against FP8 (rowwise, as the engine runs it, and tensorwise)."""
+    import torch
+
+    from wicore.bench.fp8_layers import print_fp8_layers, run_fp8_layers, write_fp8_layers
+    from wicore.errors import ConfigError
+    from wicore.models.gemma3 import gemma3_4b_config
+    from wicore.ops.fp8 import unsupported_reason
+
+    reason = unsupported_reason(torch.device("cuda"))
+    if reason is not None:
+        raise ConfigError(f"bench fp8-layers needs an NVIDIA GPU of compute capability 8.9+ (Ada, Hopper): {reason}")
+    report = run_fp8_layers(gemma3_4b_config(), compile=compile, repeats=repeats)
+    console.print(f"wrote {write_fp8_layers(report, out)}")
+    print_fp8_layers(report)
+    if as_json:
+        typer.echo(json.dumps(report))
+
+
 @app.command("cache")
 @friendly_errors
 def cache_bench(

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from wicore.engines.fast.model.text_decoder import DENSE_WEIGHTS, DecoderLayer, TextDecoder
-from wicore.engines.fast.model.vision_tower import VisionTower
+from wicore.engines.fast.model.vision_tower import SiglipLayer, VisionTower
 from wicore.engines.fast.model.weights import Gemma3Parts
 from wicore.errors import ConfigError
 from wicore.ops.fp8 import FP8Weight, fits, fp8_linear, quantize_weight, unsupported_reason
@@ -89,14 +89,19 @@ def quantize(parts: Gemma3Parts) -> FP8Report:
 
 def quantize_vision(tower: VisionTower, report: FP8Report) -> None:
     for index, layer in enumerate(tower.layers):
-        where = f"vision.{index}"
-        _swap(layer.self_attn, ("q_proj", "k_proj", "v_proj"), "qkv_proj", report, where)
-        _swap(layer.self_attn, ("out_proj",), "out_proj", report, where)
-        _swap(layer.mlp, ("fc1",), "fc1", report, where)
-        _swap(layer.mlp, ("fc2",), "fc2", report, where)
+        quantize_vision_layer(layer, report, f"vision.{index}")
 
 
-def _swap(owner: nn.Module, names: tuple[str, ...], into: str, report: FP8Report, where: str) -> None:
+def quantize_vision_layer(layer: SiglipLayer, report: FP8Report, where: str, rowwise: bool = True) -> None:
+    """rowwise=False: one scale per weight and per activation tensor (`wicore bench fp8-layers`
+    measures both; the engine runs rowwise)."""
+    _swap(layer.self_attn, ("q_proj", "k_proj", "v_proj"), "qkv_proj", report, where, rowwise)
+    _swap(layer.self_attn, ("out_proj",), "out_proj", report, where, rowwise)
+    _swap(layer.mlp, ("fc1",), "fc1", report, where, rowwise)
+    _swap(layer.mlp, ("fc2",), "fc2", report, where, rowwise)
+
+
+def _swap(owner: nn.Module, names: tuple[str, ...], into: str, report: FP8Report, where: str, rowwise: bool) -> None:
     """Replace the nn.Linear modules `names` of `owner` with one FP8Linear `into` whose output
     stacks theirs; left alone when the stacked weight does not fit the FP8 GEMM."""
     linears = [getattr(owner, name) for name in names]
@@ -108,7 +113,7 @@ def _swap(owner: nn.Module, names: tuple[str, ...], into: str, report: FP8Report
     bias = None if biases[0] is None else torch.cat(biases)
     for name in names:
         delattr(owner, name)
-    setattr(owner, into, FP8Linear(quantize_weight(weight), bias))
+    setattr(owner, into, FP8Linear(quantize_weight(weight, rowwise), bias))
     report.quantized += 1
 
 
@@ -117,14 +122,18 @@ def quantize_decoder(decoder: TextDecoder, report: FP8Report) -> None:
     projection modules, which only held views of them, go (the layer functions read the
     layer's attributes alone)."""
     for layer in decoder.layers:
-        for name in DENSE_WEIGHTS:
-            weight = getattr(layer, name)
-            if fits(*weight.shape):
-                setattr(layer, name, quantize_weight(weight))
-                report.quantized += 1
-            else:
-                report.skipped.append(f"decoder.{layer.index}.{name}")
-        _drop_projections(layer)
+        quantize_decoder_layer(layer, report)
+
+
+def quantize_decoder_layer(layer: DecoderLayer, report: FP8Report, rowwise: bool = True) -> None:
+    for name in DENSE_WEIGHTS:
+        weight = getattr(layer, name)
+        if fits(*weight.shape):
+            setattr(layer, name, quantize_weight(weight, rowwise))
+            report.quantized += 1
+        else:
+            report.skipped.append(f"decoder.{layer.index}.{name}")
+    _drop_projections(layer)
 
 
 def _drop_projections(layer: DecoderLayer) -> None:
