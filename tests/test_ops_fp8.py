@@ -132,8 +132,12 @@ def test_cuda_graph_capture_and_compile():
     compiled = torch.compile(fp8_linear, dynamic=True, fullgraph=True)
     torch.testing.assert_close(compiled(x, weight, bias), eager, rtol=0.02, atol=0.02)
     static = x.clone()
-    fp8_linear(static, weight, bias)  # warm-up outside the capture (cuBLASLt workspace)
-    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up off the capture (cuBLASLt handles, workspace)
+        for _ in range(2):
+            fp8_linear(static, weight, bias)
+    torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = fp8_linear(static, weight, bias)

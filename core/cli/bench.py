@@ -141,8 +141,7 @@ def caption_fp8(bench, out: Path) -> dict:
     from wicore.bench.report import print_fp8_report, write_fp8_report
 
     report = run_fp8_bench(bench)
-    for path in write_fp8_report(report, out):
-        console.print(f"wrote {path}")
+    console.print("\n".join(f"wrote {path}" for path in write_fp8_report(report, out)))
     print_fp8_report(report)
     return report
 
