@@ -78,7 +78,8 @@ class Settings(BaseSettings):
     model_id: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9_-]*$")  # name jobs use; default: from the dir
     engine: EngineSettings = EngineSettings()  # the engine and its options (`[engine]`, `WICORE_ENGINE__*`)
     device: str = "auto"  # cpu, cuda, cuda:1 ...; auto: cuda if available, else cpu
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
+    # auto: bfloat16 on CUDA, float32 on CPU. fp8: bfloat16 with the engine option gemm_dtype = "fp8".
+    dtype: Literal["auto", "float32", "bfloat16", "float16", "fp8"] = "auto"
     batch_size: int = Field(defaults.BATCH_SIZE, ge=1, le=4096)  # most jobs in one engine batch; 8
     max_queue_delay_ms: float = Field(defaults.MAX_QUEUE_DELAY_S * 1000, ge=0)  # a partial batch's longest wait; 5
     allowed_roots: list[Path] = []  # path-referenced images must live under one of these; none by default

@@ -158,6 +158,14 @@ def test_device_cuda_without_cuda(locked, env):
     fails("worker", "--redis-url", locked.url, "--device", "cuda", code=USAGE, says=says, env=env)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_fp8_without_an_fp8_gpu(locked, env):
+    says = "FP8 GEMMs (--dtype fp8) need the fast engine on an Ada or Hopper GPU, not the reference engine on cpu"
+    fails("worker", "--redis-url", locked.url, "--dtype", "fp8", code=USAGE, says=says, env=env)
+    says = "need an NVIDIA GPU of compute capability 8.9 or newer (Ada, Hopper) and the device is cpu: use --dtype"
+    fails("worker", "--redis-url", locked.url, "--dtype", "fp8", "--engine", "fast", code=USAGE, says=says, env=env)
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 def test_caption_relays_its_workers_one_line_and_exit_code(tmp_path, image, env):

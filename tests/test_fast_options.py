@@ -81,6 +81,9 @@ def test_explicit_values():
         {"host_cache_bytes": -1},
         {"disk_cache_bytes": 0},
         {"cache_policy": "fifo"},
+        {"gemm_dtype": "int8"},
+        {"gemm_dtype": "FP8"},
+        {"gemm_dtype": True},
         {"disk_cache_dir": ""},
         {"disk_cache_dir": "/tmp/kv", "host_cache_bytes": 0},
         {"disk_cache_dir": "/tmp/kv", "prefix_cache": False},
@@ -108,3 +111,8 @@ def test_cache_defaults():
     assert resolve({"host_cache_bytes": 4096}, cuda=False).host_cache_bytes == 4096
     with pytest.raises(ConfigError, match="host_cache_bytes"):
         resolve({"disk_cache_dir": "/tmp/kv"}, cuda=False)
+
+
+def test_gemm_dtype():
+    assert FastOptions.parse({}).gemm_dtype == "model" and resolve(cuda=True).gemm_dtype == "model"
+    assert resolve({"gemm_dtype": "fp8"}, cuda=True).gemm_dtype == "fp8"  # the engine checks the device

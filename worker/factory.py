@@ -11,6 +11,7 @@ from redis import Redis
 
 from wicore.config import Settings
 from wicore.engines import Engine, EngineConfig, create_engine
+from wicore.engines.fast.options import FastOptions
 from wicore.errors import ConfigError
 from wicore.ops.image_decode import ImageLimits
 from wicore.scheduler.policy import BatchPolicy
@@ -48,9 +49,17 @@ def check_device(device: str) -> None:
 
 
 def resolve_dtype(dtype: str, device: str) -> str:
+    if dtype == "fp8":
+        return "bfloat16"  # the activations'; the GEMMs' is the engine option (`engine_options`)
     if dtype != "auto":
         return dtype
     return "bfloat16" if device.startswith("cuda") else "float32"
+
+
+def engine_options(settings: Settings) -> FastOptions:
+    """The engine's options, with `--dtype fp8` turned into gemm_dtype = "fp8"."""
+    options = settings.engine.options()
+    return options.model_copy(update={"gemm_dtype": "fp8"}) if settings.dtype == "fp8" else options
 
 
 def resolve_engine(engine: str, device: str) -> str:
@@ -67,9 +76,15 @@ def build_engine(settings: Settings, model_dir: Path) -> Engine:
         dtype=resolve_dtype(settings.dtype, device),
         max_batch_size=settings.batch_size,
         cache=not settings.no_cache,
-        options=settings.engine.options(),
+        options=engine_options(settings),
     )
-    return create_engine(resolve_engine(settings.engine.name, device), config)
+    engine = resolve_engine(settings.engine.name, device)
+    if config.options.gemm_dtype == "fp8" and engine != "fast":
+        raise ConfigError(
+            f"FP8 GEMMs (--dtype fp8) need the fast engine on an Ada or Hopper GPU, not the {engine} engine on "
+            f"{device}: use --dtype bfloat16 (or --engine fast --device cuda on such a GPU)"
+        )
+    return create_engine(engine, config)
 
 
 def attach_shared_caches(settings: Settings, connection: Redis, engine: Engine, model_id: str) -> None:
@@ -78,8 +93,12 @@ def attach_shared_caches(settings: Settings, connection: Redis, engine: Engine, 
         return
     from wicore.worker.shared_vision_cache import RedisVisionCache
 
+    fp8 = engine_options(settings).gemm_dtype == "fp8"  # its embeddings differ from bf16's: kept apart
     store = RedisVisionCache(
-        connection, namespace=model_id, max_bytes=settings.vision_cache_redis_bytes, ttl_s=settings.vision_cache_ttl_s
+        connection,
+        namespace=f"{model_id}-fp8" if fp8 else model_id,
+        max_bytes=settings.vision_cache_redis_bytes,
+        ttl_s=settings.vision_cache_ttl_s,
     )
     engine.attach_vision_cache(store)
 

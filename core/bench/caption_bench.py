@@ -183,9 +183,23 @@ def parity(ours: dict[str, list[int]], theirs: dict[str, list[int]]) -> dict:
             "first_divergence_steps": sorted(first_diff)}  # fmt: skip
 
 
-def run_caption_bench(bench: CaptionBench, ceilings: Ceilings | None = None) -> dict:
-    from transformers import AutoConfig
+@dataclass
+class CaptionRuns:
+    """What a caption report is made of: the product's run and HF's on one model and image set."""
 
+    model_dir: Path
+    warm: list[Path]
+    timed: list[Path]
+    ceilings: Ceilings
+    product: dict
+    peers: dict
+
+
+def run_caption_bench(bench: CaptionBench, ceilings: Ceilings | None = None) -> dict:
+    return caption_report(bench, caption_runs(bench, ceilings))
+
+
+def caption_runs(bench: CaptionBench, ceilings: Ceilings | None = None) -> CaptionRuns:
     from wicore.models.gemma3 import make_gemma3_4b
 
     bench.workdir.mkdir(parents=True, exist_ok=True)
@@ -195,7 +209,15 @@ def run_caption_bench(bench: CaptionBench, ceilings: Ceilings | None = None) -> 
     warm, timed = paths[: bench.warmup_images], paths[bench.warmup_images :]
     product = run_product(bench, model_dir, warm, timed, bench.workdir / "worker.log")
     peers = run_peers(bench, model_dir, paths)
-    config = AutoConfig.from_pretrained(model_dir)
+    return CaptionRuns(model_dir, warm, timed, ceilings, product, peers)
+
+
+def caption_report(bench: CaptionBench, runs: CaptionRuns) -> dict:
+    """The report's keys (the JSON) from the runs; the roofline is the model dtype's (bf16)."""
+    from transformers import AutoConfig
+
+    product, peers, ceilings = runs.product, runs.peers, runs.ceilings
+    config = AutoConfig.from_pretrained(runs.model_dir)
     prompt_tokens = product["engine_stats"].get("mean_prompt_tokens") or 281  # 281: the 4B prompt here
     work = image_work(config, prompt_tokens, bench.new_tokens)
     roofline, bound = roofline_images_per_s(work, ceilings, bench.batch_size, prompt_tokens, bench.new_tokens)

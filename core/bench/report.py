@@ -23,6 +23,11 @@ def write_caption_report(report: dict, folder: Path) -> list[Path]:
     return write_with_plot(report, folder / f"caption-gemma3-4b-{gpu_slug(report['gpu'])}", plot_caption)
 
 
+def write_fp8_report(report: dict, folder: Path) -> list[Path]:
+    """caption-gemma3-4b-fp8-<gpu>.json and .png (both modes beside HF's bars)."""
+    return write_with_plot(report, folder / f"caption-gemma3-4b-fp8-{gpu_slug(report['gpu'])}", plot_fp8)
+
+
 def write_scaling_report(report: dict, folder: Path) -> list[Path]:
     """caption-gemma3-4b-<gpu>-x<N>.json and .png."""
     stem = folder / f"caption-gemma3-4b-{gpu_slug(report['gpu'])}-x{report['gpus']}"
@@ -60,25 +65,41 @@ def print_scaling_report(report: dict) -> None:
     Console().print(table)
 
 
-def plot_caption(report: dict, path: Path) -> Path:
+def plot_fp8(report: dict, path: Path) -> Path:
+    ours = {"wicore fast\nbf16": report["bf16"]["images_per_s"], "wicore fast\nFP8 GEMMs": report["images_per_s"]}
+    agreement, democap = report["token_agreement_vs_bf16"], report["democap_accuracy"]
+    note = (
+        f"FP8: {report['fp8_speedup_vs_bf16']:.2f}x bf16, {report['speedup_vs_hf_best']:.1f}x HF best, "
+        f"{100 * report['roofline_fraction']:.0f}% of the bf16 roofline\nsequences equal to bf16's "
+        f"{100 * agreement['sequences_identical_share']:.0f}%; demo captioner exact match {democap['bf16']:.3f} "
+        f"(bf16) / {democap['fp8']:.3f} (FP8)"
+    )
+    return plot_caption(report, path, ours, note)
+
+
+def plot_caption(report: dict, path: Path, ours: dict[str, float] | None = None, note: str = "") -> Path:
+    """Bars: ours (default: the report's engine) and HF's batches; the roofline as a line. `note`
+    replaces the title's summary line."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels = ["wicore\n" + report["engine"]] + [f"HF generate\nbatch {b}" for b in report["hf_images_per_s"]]
-    values = [report["images_per_s"]] + list(report["hf_images_per_s"].values())
-    fig, ax = plt.subplots(figsize=(7.5, 4), dpi=120)
-    bars = ax.bar(labels, values, color=["#2a7ab9"] + ["#9aa5b1"] * (len(values) - 1))
+    ours = ours or {"wicore\n" + report["engine"]: report["images_per_s"]}
+    labels = list(ours) + [f"HF generate\nbatch {b}" for b in report["hf_images_per_s"]]
+    values = list(ours.values()) + list(report["hf_images_per_s"].values())
+    fig, ax = plt.subplots(figsize=(7.5, 4.3 if note else 4), dpi=120)
+    bars = ax.bar(labels, values, color=["#2a7ab9"] * len(ours) + ["#9aa5b1"] * (len(values) - len(ours)))
     for bar, value in zip(bars, values):
         ax.annotate(f"{value:.1f}", (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom")
     roof = report["roofline_images_per_s"]
     ax.axhline(roof, color="#c0392b", linestyle="--", linewidth=1)
     ax.annotate(f"roofline {roof:.0f} img/s", (len(values) - 0.5, roof), ha="right", va="bottom", color="#c0392b")
     ax.set_ylabel("images / s")
+    summary = f"{report['speedup_vs_hf_best']:.1f}x HF best, {100 * report['roofline_fraction']:.0f}% of roofline"
     ax.set_title(
         f"Gemma-3-4B shape, {report['images']} images, {report['new_tokens']} tokens, {report['gpu']}\n"
-        f"{report['speedup_vs_hf_best']:.1f}x HF best, {100 * report['roofline_fraction']:.0f}% of roofline",
+        + (note or summary),
         fontsize=10,
     )
     ax.spines[["top", "right"]].set_visible(False)
@@ -109,6 +130,31 @@ def print_caption_report(report: dict) -> None:
     for name, value in rows:
         table.add_row(name, value)
     Console().print(table)
+
+
+def print_fp8_report(report: dict) -> None:
+    print_caption_report(report)
+    bf16, agreement, democap = report["bf16"], report["token_agreement_vs_bf16"], report["democap_accuracy"]
+    table = Table("metric", "bf16", "FP8 GEMMs", title="the same images, the same run")
+    rows = [
+        ("images/s", f"{bf16['images_per_s']:.2f}", f"{report['images_per_s']:.2f}"),
+        ("roofline fraction (bf16 roofline)", f"{bf16['roofline_fraction']:.3f}", f"{report['roofline_fraction']:.3f}"),
+        ("speedup vs HF best", f"{bf16['speedup_vs_hf_best']:.2f}x", f"{report['speedup_vs_hf_best']:.2f}x"),
+        ("vision / prefill / decode s", _phases(bf16), _phases(report["fp8_phases"])),
+        ("weights", _gib(bf16["weight_bytes"]), _gib(report["fp8_phases"]["weight_bytes"])),
+        ("sequences equal to bf16's", "", f"{agreement['sequences_identical']}/{agreement['compared']}"),
+        ("tokens equal to bf16's (by position)", "", f"{100 * agreement['mean_token_agreement']:.1f}%"),
+        ("demo captioner exact match", f"{democap['bf16']:.3f}", f"{democap['fp8']:.3f}"),
+    ]
+    for row in rows:
+        table.add_row(*row)
+    Console().print(table)
+
+
+def _phases(stats: dict) -> str:
+    return " / ".join(
+        f"{stats[k]:.1f}" if stats.get(k) is not None else "n/a" for k in ("vision_s", "prefill_s", "decode_s")
+    )
 
 
 def _gib(value) -> str:

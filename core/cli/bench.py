@@ -88,18 +88,25 @@ def caption(
         "0..N-1 (`wicore worker --gpus`) and on one GPU (the plain worker), in the same run: "
         "caption-gemma3-4b-<gpu>-xN.json.",
     ),
+    dtype: str = typer.Option(
+        "bfloat16",
+        help="bfloat16, or fp8: the product in bf16 and with FP8 GEMMs on the same images in the same run (HF "
+        "once), their token agreement and the demo captioner's accuracy in both: caption-gemma3-4b-fp8-<gpu>.json.",
+    ),
     workdir: Path = typer.Option(Path("/tmp/wicore-bench"), help="Scratch folder (model config, images, logs)."),
     out: Path = typer.Option(Path("bench/results"), help="Folder for the JSON and the PNG."),
     as_json: bool = typer.Option(False, "--json", help="End with one JSON line."),
 ) -> None:
-    """Bulk captioning on the GPU: the whole product vs HF generate, with the roofline; or, with
-    --gpus N, the whole product on N GPUs vs on one."""
+    """Bulk captioning on the GPU: the whole product vs HF generate, with the roofline; with
+    --gpus N, the whole product on N GPUs vs on one; with --dtype fp8, bf16 vs FP8 GEMMs."""
     from wicore.bench.caption_bench import CaptionBench
     from wicore.cli.common import engine_options
     from wicore.errors import ConfigError
 
     if preset != "gemma3-4b":
         raise ConfigError(f"unknown preset {preset!r} (only gemma3-4b)")
+    if dtype not in ("bfloat16", "fp8") or (dtype == "fp8" and gpus):
+        raise ConfigError(f"--dtype {dtype}: use bfloat16, or fp8 without --gpus (it compares the two on one GPU)")
     bench = CaptionBench(
         workdir=workdir,
         images=images,
@@ -110,7 +117,10 @@ def caption(
         hf_images=hf_images,
         gpus=gpus,
     )
-    report = caption_scaling(bench, out) if gpus else caption_vs_hf(bench, out)
+    if gpus:
+        report = caption_scaling(bench, out)
+    else:
+        report = caption_fp8(bench, out) if dtype == "fp8" else caption_vs_hf(bench, out)
     if as_json:
         typer.echo(json.dumps({k: v for k, v in report.items() if not k.startswith("engine_stats")}))
 
@@ -126,6 +136,16 @@ def caption_vs_hf(bench, out: Path) -> dict:
     return report
 
 
+def caption_fp8(bench, out: Path) -> dict:
+    from wicore.bench.caption_fp8 import run_fp8_bench
+    from wicore.bench.report import print_fp8_report, write_fp8_report
+
+    report = run_fp8_bench(bench)
+    console.print("\n".join(f"wrote {path}" for path in write_fp8_report(report, out)))
+    print_fp8_report(report)
+    return report
+
+
 def caption_scaling(bench, out: Path) -> dict:
     from wicore.bench.caption_scaling import gpu_count_check, run_scaling_bench
     from wicore.bench.report import print_scaling_report, write_scaling_report
@@ -137,6 +157,35 @@ def caption_scaling(bench, out: Path) -> dict:
         console.print(f"wrote {path}")
     print_scaling_report(report)
     return report
+
+
+@app.command("fp8-layers")
+@friendly_errors
+def fp8_layers(
+    compile: bool = typer.Option(
+        True, "--compile/--no-compile", help="Also time the layers compiled as the engine runs them (~2 min)."
+    ),
+    repeats: int = typer.Option(20, min=3, help="Timed calls per figure (their median)."),
+    out: Path = typer.Option(Path("bench/results"), help="Folder for fp8-layers-<gpu>.json."),
+    as_json: bool = typer.Option(False, "--json", help="End with one JSON line."),
+) -> None:
+    """FP8 GEMMs per layer at Gemma-3-4B's shapes (GPU): each GEMM, one vision-tower layer and one
+    decoder layer's dense part, bf16 against FP8 (rowwise, as the engine runs it, and tensorwise)."""
+    import torch
+
+    from wicore.bench.fp8_layers import print_fp8_layers, run_fp8_layers, write_fp8_layers
+    from wicore.errors import ConfigError
+    from wicore.models.gemma3 import gemma3_4b_config
+    from wicore.ops.fp8 import unsupported_reason
+
+    reason = unsupported_reason(torch.device("cuda"))
+    if reason is not None:
+        raise ConfigError(f"bench fp8-layers needs an NVIDIA GPU of compute capability 8.9+ (Ada, Hopper): {reason}")
+    report = run_fp8_layers(gemma3_4b_config(), compile=compile, repeats=repeats)
+    console.print(f"wrote {write_fp8_layers(report, out)}")
+    print_fp8_layers(report)
+    if as_json:
+        typer.echo(json.dumps(report))
 
 
 @app.command("cache")

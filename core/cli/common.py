@@ -80,7 +80,12 @@ AllowRandomWeightsOption = typer.Option(
     False, help="Run a checkpoint that has a config but no weights (random outputs: benchmarks only)."
 )
 DeviceOption = typer.Option(None, help="cpu, cuda, cuda:1 ... (default: auto)", show_default=False)
-DtypeOption = typer.Option(None, help="float32 | bfloat16 | float16 (default: auto)", show_default=False)
+DtypeOption = typer.Option(
+    None,
+    help="float32 | bfloat16 | float16 | fp8: bfloat16 with FP8 GEMMs (the fast engine on an Ada or Hopper GPU). "
+    "Default: auto (bfloat16 on CUDA, float32 on CPU).",
+    show_default=False,
+)
 BatchSizeOption = typer.Option(None, help="Most jobs in one engine batch [8].", show_default=False)
 NoCacheOption = typer.Option(None, "--no-cache", help="Turn off the KV and vision caches.")
 EngineOption = typer.Option(

@@ -100,7 +100,8 @@ def serve_jobs(
 
     engine_obj = build_engine(settings, model_dir)
     worker_obj = build_worker(settings, connection, engine_obj, served_id, name=name, burst=burst, max_jobs=max_jobs)
-    where = f"{engine_obj.name} engine on {engine_obj.config.device} ({engine_obj.config.dtype})"
+    fp8 = " with FP8 GEMMs" if engine_obj.config.options.gemm_dtype == "fp8" else ""
+    where = f"{engine_obj.name} engine on {engine_obj.config.device} ({engine_obj.config.dtype}{fp8})"
     console.print(f"worker {worker_obj.name}: serving model {served_id} ({model_dir}), {where}", markup=False)
     if settings.metrics_port is not None:
         worker_obj.metrics.serve(settings.metrics_port, settings.host)

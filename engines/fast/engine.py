@@ -34,6 +34,8 @@ from wicore.engines.fast.device_handles import Readback
 from wicore.engines.fast.engine_stats import EngineStats
 from wicore.engines.fast.image_stage import ImageStage
 from wicore.engines.fast.kv_budget import plan_pages
+from wicore.engines.fast.model import fp8 as fp8_weights
+from wicore.engines.fast.model.fp8 import weight_bytes
 from wicore.engines.fast.model.weights import load_gemma3
 from wicore.engines.fast.model_runner import ModelRunner
 from wicore.engines.fast.prompt_inputs import InputProcessor
@@ -56,13 +58,19 @@ IDLE_WAIT_S = 0.02  # longest wait inside a step that launched nothing
 class FastEngine(Engine):
     name = "fast"
 
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, *, fp8_anywhere: bool = False):
+        """fp8_anywhere: run `gemm_dtype="fp8"` on any device torch's scaled matmul runs on (the
+        CPU tests; slower than the model dtype there) instead of refusing all but FP8 GPUs."""
         super().__init__(config)
         device = torch.device(config.device)
+        fp8 = config.options.gemm_dtype == "fp8"
+        if fp8 and not fp8_anywhere:
+            fp8_weights.check_device(device, config.dtype)  # before the slow load
         processor = load_processor(config.model_dir)
         self.tokenizer = processor.tokenizer
         self.eos_ids = stop_token_ids(config.model_dir, self.tokenizer)
         parts = load_gemma3(config.model_dir, device, config.dtype, config.seed)
+        self.weights = fp8_weights.quantize(parts).as_dict() if fp8 else {"weight_bytes": weight_bytes(parts)}
         self.resolved = config.options.resolve(
             cuda=device.type == "cuda",
             model_limit=parts.config.text_config.max_position_embeddings,
@@ -78,7 +86,8 @@ class FastEngine(Engine):
         text = parts.config.text_config
         layout = self.runner.layout
         self.tiers = build_tiers(self.runner.cache, opts, text.num_key_value_heads, text.head_dim)
-        model_id = model_fingerprint(config.model_dir, config.dtype, layout)  # salts every key
+        precision = f"{config.dtype}+fp8" if fp8 else config.dtype  # FP8 GEMMs write other K/V
+        model_id = model_fingerprint(config.model_dir, precision, layout)  # salts every key
         self.keyer = PromptKeyer(model_id, opts.block_size, parts.tokens_per_image)
         self.planner = StepPlanner(
             layout,
@@ -198,7 +207,7 @@ class FastEngine(Engine):
 
     def stats(self) -> dict:
         report = self.counters.report(self.runner, self.blocks, self.planner)
-        report = {**super().stats(), **report, **self.images.stats(), **self.tiers.counters()}
+        report = {**super().stats(), **report, **self.images.stats(), **self.tiers.counters(), **self.weights}
         report["cache"] = self.tiers.cache_stats(self.blocks.cache).to_dict()  # prefix KV tiers
         return report
 

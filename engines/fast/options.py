@@ -125,6 +125,15 @@ class FastOptions(BaseModel):
     cache_policy: Literal["lru", "a2cr"] = Field(
         "a2cr", description="Eviction order of every tier: a2cr (cost-aware, frequency) or lru. Default a2cr."
     )
+    gemm_dtype: Literal["model", "fp8"] = Field(
+        "model",
+        description="Precision of the dense layers' GEMMs (the vision tower's projections and MLP, the decoder's "
+        "q/k/v, o, gate/up and down). fp8: e4m3 weights (a scale per output channel, quantized once at load; the "
+        "bf16 weights freed) and activations (a scale per token), bf16 out; the rest stays bf16. Needs a GPU of "
+        "compute capability 8.9+ (Ada, Hopper) and dtype bfloat16; `--dtype fp8` sets both. Tokens differ from "
+        "bf16's (docs/performance.md has the agreement and the demo captioner's accuracy). Default model: the "
+        "model's dtype.",
+    )
     prefix_split_images: bool = Field(
         False,
         description="Let a cached prefix end inside an image (the rest of its soft tokens prefill from its "
@@ -190,6 +199,7 @@ class FastOptions(BaseModel):
             disk_cache_bytes=self.disk_cache_bytes,
             cache_policy=self.cache_policy,
             prefix_split_images=self.prefix_split_images,
+            gemm_dtype=self.gemm_dtype,
         )
 
     def _model_len(self, model_limit: int) -> int:
@@ -257,6 +267,7 @@ class ResolvedFastConfig:
     disk_cache_bytes: int
     cache_policy: str
     prefix_split_images: bool
+    gemm_dtype: str
 
 
 def _default(value: Any, default: Any) -> Any:

@@ -87,6 +87,28 @@ def score(truth: dict[str, str], captions: Path) -> Report:
     return report
 
 
+def engine_captions(engine, samples: list[tuple[bytes, str]]) -> list:
+    """The samples' images through an engine object in this process (no Redis, no worker), with
+    the request `wicore caption` makes of each (the default prompt and parameters): the
+    benchmarks use it to compare an engine's settings on the same images. Completions in order."""
+    from wicore.engines.base import EngineRequest
+    from wicore.ops.image_decode import decode_image
+    from wicore.schemas import DEFAULT_PROMPT, GenerationParams
+
+    chat = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": DEFAULT_PROMPT}]}]
+    requests = [
+        EngineRequest(str(i), chat, [decode_image(raw)], GenerationParams()) for i, (raw, _) in enumerate(samples)
+    ]
+    return engine.generate(requests)
+
+
+def score_completions(samples: list[tuple[bytes, str]], completions: list) -> Report:
+    report = Report()
+    for (_, truth), completion in zip(samples, completions, strict=True):
+        report.add(truth, completion.text if completion.ok else completion.error)
+    return report
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="checkpoint folder (default: the bundled demo captioner)")

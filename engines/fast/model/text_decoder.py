@@ -20,8 +20,10 @@ from torch import nn
 
 from wicore.engines.fast.model.layers import GatedMLP, GemmaRMSNorm, gelu_approximation
 from wicore.errors import ConfigError
+from wicore.ops.fp8 import FP8Weight, linear
 
 SLIDING, FULL = "sliding_attention", "full_attention"
+DENSE_WEIGHTS = ("qkv_weight", "o_weight", "gate_up_weight", "down_weight")  # a layer's GEMM weights, after fusing
 
 
 class Attention(Protocol):
@@ -68,12 +70,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def attention_inputs(x, cos, sin, norm_w, qkv_w, q_norm_w, k_norm_w, heads: int, kv_heads: int, eps: float):
     """x [N, hidden] -> q [N, Hq, D], k, v [N, Hkv, D]: input norm, one fused q/k/v projection
-    (`DecoderLayer.fuse_weights`), QK-norm, RoPE. A free function of tensors, so one compiled
-    graph serves every layer."""
+    (`DecoderLayer.fuse_weights`), QK-norm, RoPE. A free function of tensors (a weight may be an
+    FP8Weight, a pair of tensors), so one compiled graph serves every layer."""
     n = x.shape[0]
     h = rms_norm(x, norm_w, eps)
-    dim = qkv_w.shape[0] // (heads + 2 * kv_heads)
-    q, k, v = F.linear(h, qkv_w).split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    dim = q_norm_w.shape[0]  # head_dim
+    q, k, v = linear(h, qkv_w).split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
     q = rms_norm(q.reshape(n, heads, dim), q_norm_w, eps)
     k = rms_norm(k.reshape(n, kv_heads, dim), k_norm_w, eps)
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v.reshape(n, kv_heads, dim)
@@ -83,10 +85,10 @@ def attention_outputs(x, attn, o_w, post_attn_w, pre_ffn_w, gate_up_w, down_w, p
     """Residual stream after attention [N, Hq, D]: o_proj, post-attention norm, residual,
     pre-FFN norm, gated MLP (one fused gate/up projection), post-FFN norm, residual -> [N, hidden]."""
     n = x.shape[0]
-    x = x + rms_norm(F.linear(attn.reshape(n, -1), o_w), post_attn_w, eps)
+    x = x + rms_norm(linear(attn.reshape(n, -1), o_w), post_attn_w, eps)
     h = rms_norm(x, pre_ffn_w, eps)
-    gate, up = F.linear(h, gate_up_w).chunk(2, dim=-1)
-    h = F.linear(F.gelu(gate, approximate=gelu) * up, down_w)
+    gate, up = linear(h, gate_up_w).chunk(2, dim=-1)
+    h = linear(F.gelu(gate, approximate=gelu) * up, down_w)
     return x + rms_norm(h, post_ffn_w, eps)
 
 
@@ -147,32 +149,37 @@ class DecoderLayer(nn.Module):
 
     def fuse_weights(self) -> None:
         """Concatenate q/k/v and gate/up weights so each runs as one GEMM (fewer launches, and
-        fewer nodes in decode graphs); the separate parameters become views of the fused ones."""
+        fewer nodes in decode graphs); the separate parameters become views of the fused ones.
+        The four dense weights the layer functions take are then attributes of the layer
+        (`DENSE_WEIGHTS`), which `fp8.quantize_decoder` may replace with FP8Weights."""
         a, m = self.self_attn, self.mlp
-        self.qkv_weight = _fuse(a.q_proj, a.k_proj, a.v_proj)
-        self.gate_up_weight = _fuse(m.gate_proj, m.up_proj)
+        self.qkv_weight: torch.Tensor | FP8Weight = _fuse(a.q_proj, a.k_proj, a.v_proj)
+        self.gate_up_weight: torch.Tensor | FP8Weight = _fuse(m.gate_proj, m.up_proj)
+        # Plain tensors (the parameters' storage), as the fused ones are, not second parameters.
+        self.o_weight: torch.Tensor | FP8Weight = a.o_proj.weight.detach()
+        self.down_weight: torch.Tensor | FP8Weight = m.down_proj.weight.detach()
 
     def forward(self, x, cos, sin, attention: Attention, fns: LayerFunctions) -> torch.Tensor:
-        a, m = self.self_attn, self.mlp
+        a = self.self_attn
         q, k, v = fns.inputs(
             x, cos, sin, self.input_layernorm.weight, self.qkv_weight,
             a.q_norm.weight, a.k_norm.weight, a.heads, a.kv_heads, self.eps,
         )  # fmt: skip
         out = attention(self.index, q, k, v)
         return fns.outputs(
-            x, out, a.o_proj.weight, self.post_attention_layernorm.weight, self.pre_feedforward_layernorm.weight,
-            self.gate_up_weight, m.down_proj.weight, self.post_feedforward_layernorm.weight,
+            x, out, self.o_weight, self.post_attention_layernorm.weight, self.pre_feedforward_layernorm.weight,
+            self.gate_up_weight, self.down_weight, self.post_feedforward_layernorm.weight,
             self.eps, self.gelu,
         )  # fmt: skip
 
 
-def _fuse(*linears: nn.Linear) -> torch.Tensor:
-    """[sum out, in]: the linears' weights stacked; each keeps a view of its rows."""
-    fused = torch.cat([linear.weight for linear in linears])
+def _fuse(*projections: nn.Linear) -> torch.Tensor:
+    """[sum out, in]: the projections' weights stacked; each keeps a view of its rows."""
+    fused = torch.cat([proj.weight for proj in projections])
     start = 0
-    for linear in linears:
-        rows = linear.weight.shape[0]
-        linear.weight = nn.Parameter(fused[start : start + rows], requires_grad=False)
+    for proj in projections:
+        rows = proj.weight.shape[0]
+        proj.weight = nn.Parameter(fused[start : start + rows], requires_grad=False)
         start += rows
     return fused
 

@@ -24,13 +24,23 @@ class SiglipAttention(nn.Module):
         self.k_proj = nn.Linear(hidden, hidden)
         self.v_proj = nn.Linear(hidden, hidden)
         self.out_proj = nn.Linear(hidden, hidden)
+        # One module for all three ([3 * hidden, hidden]) once `fp8.quantize_vision` fuses them:
+        # one activation quantization and one GEMM. The bf16 tower keeps three GEMMs, whose
+        # outputs equal transformers' bit for bit.
+        self.qkv_proj: nn.Module | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, length, hidden = x.shape
         shape = (batch, length, self.heads, self.head_dim)
-        q, k, v = (proj(x).view(shape).transpose(1, 2) for proj in (self.q_proj, self.k_proj, self.v_proj))
+        q, k, v = (t.view(shape).transpose(1, 2) for t in self._project(x))
         out = F.scaled_dot_product_attention(q, k, v, scale=self.scale)  # [N, H, L, Dh]
         return self.out_proj(out.transpose(1, 2).reshape(batch, length, hidden))
+
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """x [N, L, hidden] -> q, k, v [N, L, hidden] (views of one output when fused)."""
+        if self.qkv_proj is not None:
+            return self.qkv_proj(x).chunk(3, dim=-1)
+        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
 
 class SiglipMLP(nn.Module):

@@ -1,0 +1,102 @@
+"""`wicore bench caption --preset gemma3-4b --dtype fp8`: the caption benchmark's product path in
+bf16 and with FP8 GEMMs (`gemm_dtype = "fp8"`) on the same images in the same run, HF `generate`
+once for both, and what FP8 costs: the share of the 64-token sequences equal to bf16's, and the
+demo captioner's exact match through the engine on the GPU in both modes.
+
+The report has the keys of the bf16 benchmark's for the FP8 run (its roofline is bf16's: the
+fraction says how far FP8 carries the product against the bf16 compute bound), plus `bf16` (the
+bf16 run's figures), `fp8_speedup_vs_bf16`, `token_agreement_vs_bf16` and `democap_accuracy`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+
+from wicore.bench.caption_bench import CaptionBench, CaptionRuns, caption_report, caption_runs, parity, run_product
+
+DEMOCAP_IMAGES, DEMOCAP_SEED = 1000, 1000  # the model card's evaluation set (main renderer)
+BF16_KEYS = (
+    "images_per_s", "roofline_fraction", "speedup_vs_hf_best", "speedup_vs_hf_batch1", "output_tokens_per_s",
+    "latency_p50_s", "latency_p99_s", "peak_gpu_bytes", "worker_start_s", "error_count",
+)  # fmt: skip
+PHASES = ("vision_s", "prefill_s", "decode_s", "weight_bytes")  # from the engine's stats
+
+
+def fp8_variant(bench: CaptionBench) -> CaptionBench:
+    return replace(bench, engine_options={**bench.engine_options, "gemm_dtype": "fp8"})
+
+
+def run_fp8_bench(bench: CaptionBench) -> dict:
+    runs = caption_runs(bench)  # bf16 product, HF peers
+    fp8 = run_product(fp8_variant(bench), runs.model_dir, runs.warm, runs.timed, bench.workdir / "worker-fp8.log")
+    accuracy = democap_accuracy(bench.device)
+    return fp8_report(bench, runs, replace(runs, product=fp8), accuracy)
+
+
+def fp8_report(bench: CaptionBench, bf16_runs: CaptionRuns, fp8_runs: CaptionRuns, democap: dict) -> dict:
+    bf16 = caption_report(bench, bf16_runs)
+    report = caption_report(fp8_variant(bench), fp8_runs)
+    hf = ",".join(str(b) for b in bench.hf_batches)
+    report["command"] = f"wicore bench caption --preset gemma3-4b --dtype fp8 --images {bench.images} --hf-batches {hf}"
+    report["bf16"] = {key: bf16[key] for key in BF16_KEYS} | phases(bf16)
+    report["fp8_phases"] = phases(report)
+    report["fp8_speedup_vs_bf16"] = report["images_per_s"] / bf16["images_per_s"]
+    report["token_agreement_vs_bf16"] = token_agreement(fp8_runs.product["tokens"], bf16_runs.product["tokens"])
+    report["democap_accuracy"] = democap
+    return report
+
+
+def phases(report: dict) -> dict:
+    stats = report["engine_stats"]
+    return {key: stats.get(key) for key in PHASES}
+
+
+def token_agreement(ours: dict[str, list[int]], theirs: dict[str, list[int]]) -> dict:
+    """Sequences equal to bf16's in all their tokens, the mean share of positions whose tokens are
+    equal, and how many tokens the differing ones keep before their first difference."""
+    same = parity(ours, theirs)
+    common = [k for k in theirs if k in ours]
+    positions = [np.mean([a == b for a, b in zip(ours[k], theirs[k])]) if theirs[k] else 1.0 for k in common]
+    steps = same["first_divergence_steps"]
+    return {
+        "compared": same["compared"],
+        "sequences_identical": same["identical"],
+        "sequences_identical_share": same["share"],
+        "mean_token_agreement": float(np.mean(positions)) if positions else float("nan"),
+        "median_first_divergence_step": float(np.median(steps)) if steps else None,
+    }
+
+
+def democap_accuracy(device: str, images: int = DEMOCAP_IMAGES, fp8_anywhere: bool = False) -> dict:
+    """The demo captioner's exact match on its evaluation set through the fast engine, bf16 and
+    FP8 GEMMs. Eager (compiling two engines of a toy model would take longer than the captions),
+    CUDA graphs on; FP8 layers counted (all of its dims are multiples of 16)."""
+    from wicore.models.democap import evaluate
+
+    samples = evaluate.main_samples(images, DEMOCAP_SEED)
+    result = {"images": images, "seed": DEMOCAP_SEED}
+    for mode, gemm_dtype in (("bf16", "model"), ("fp8", "fp8")):
+        completions, stats = _democap_run(device, gemm_dtype, samples, fp8_anywhere)
+        result[mode] = evaluate.score_completions(samples, completions).accuracy
+        result[f"{mode}_linears"] = stats.get("fp8_linears", 0)
+        result[f"{mode}_skipped"] = stats.get("fp8_skipped", [])
+    return result
+
+
+def _democap_run(device: str, gemm_dtype: str, samples: list, fp8_anywhere: bool) -> tuple[list, dict]:
+    from wicore.engines.base import EngineConfig
+    from wicore.engines.fast import FastEngine
+    from wicore.engines.fast.options import FastOptions
+    from wicore.models import DEMOCAP_DIR
+    from wicore.models.democap import evaluate
+
+    options = FastOptions(gemm_dtype=gemm_dtype, compile_vision=False, compile_text=False, num_kv_blocks=16384)
+    config = EngineConfig(str(DEMOCAP_DIR), device=device, dtype="bfloat16", max_batch_size=256, cache=False,
+                          options=options)  # fmt: skip
+    engine = FastEngine(config, fp8_anywhere=fp8_anywhere)
+    try:
+        return evaluate.engine_captions(engine, samples), engine.stats()
+    finally:
+        engine.close()

@@ -1,0 +1,120 @@
+"""FP8 (e4m3) linear layers: weights quantized once, activations quantized on the fly, one
+scaled matmul (`torch._scaled_mm`) with float32 accumulation, bf16 out.
+
+Two scalings, picked by the weight's scale shape:
+- rowwise (the default): a float32 scale per output channel of the weight ([1, N]) and per
+  token of the activations ([M, 1]); torch's CUTLASS rowwise kernel (sm89+);
+- tensorwise: one scale each (shape []); cuBLASLt.
+Activation scales come from the data on the device (amax, no `.item()`), so the functions run
+inside CUDA graphs and compile with inductor, which fuses the quantization into the kernel
+that produces the activations (a norm, a GELU).
+
+`_scaled_mm` wants mat1 [M, K] row-major, mat2 [K, N] column-major (a row-major [N, K] weight,
+transposed: no copy), K and N multiples of 16, and a bias in the output dtype. The same call
+runs on the CPU in torch >= 2.7 (slowly), which is how the CPU tests exercise it;
+`fp8_linear_reference` (dequantize, then a float32 matmul) is the plain-torch definition both
+are tested against.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+E4M3 = torch.float8_e4m3fn
+E4M3_MAX = 448.0  # largest finite e4m3fn value
+AMAX_FLOOR = 1e-12  # an all-zero row (graph padding) gets a tiny scale, not a division by zero
+ALIGNMENT = 16  # K and N of every FP8 GEMM
+MIN_CAPABILITY = (8, 9)  # Ada and Hopper have e4m3 tensor cores
+
+
+class FP8Weight(NamedTuple):
+    """A linear layer's weight in e4m3: `data` [N, K] row-major, `scale` float32 [1, N]
+    (rowwise) or [] (tensorwise); weight ~= data * scale.T."""
+
+    data: torch.Tensor
+    scale: torch.Tensor
+
+
+def fits(out_features: int, in_features: int) -> bool:
+    """Whether a [out, in] weight meets `_scaled_mm`'s alignment."""
+    return out_features % ALIGNMENT == 0 and in_features % ALIGNMENT == 0
+
+
+def quantize(x: torch.Tensor, rowwise: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (e4m3 [M, K], float32 scale [M, 1] per row, or [] for the whole tensor):
+    each row (or the tensor) scaled so its largest magnitude lands on E4M3_MAX."""
+    h = x.float()
+    amax = h.abs().amax(dim=-1, keepdim=True) if rowwise else h.abs().amax()
+    scale = amax.clamp(min=AMAX_FLOOR) / E4M3_MAX
+    return (h / scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3), scale
+
+
+def quantize_weight(weight: torch.Tensor, rowwise: bool = True) -> FP8Weight:
+    """[N, K] high-precision weight -> FP8Weight, a scale per output channel (rowwise) or one."""
+    data, scale = quantize(weight, rowwise)
+    return FP8Weight(data.contiguous(), scale.reshape(1, -1).contiguous() if rowwise else scale)
+
+
+def dequantize(weight: FP8Weight) -> torch.Tensor:
+    """[N, K] float32: what the quantized weight stands for."""
+    return weight.data.float() * weight.scale.reshape(-1, 1)
+
+
+def fp8_linear(
+    x: torch.Tensor, weight: FP8Weight, bias: torch.Tensor | None = None, fast_accum: bool = True
+) -> torch.Tensor:
+    """x [..., K] -> [..., N] in x's dtype: x quantized per token (per tensor for a tensorwise
+    weight), one scaled matmul, bias added in its epilogue. `fast_accum`: Hopper's faster FP8
+    accumulation (fewer promotions to float32), as inference libraries use."""
+    rows = x.reshape(-1, x.shape[-1])
+    x_q, x_scale = quantize(rows, rowwise=weight.scale.dim() > 0)
+    out = scaled_mm(x_q, x_scale, weight, bias, x.dtype, fast_accum)
+    return out.reshape(*x.shape[:-1], weight.data.shape[0])
+
+
+def scaled_mm(
+    x_q: torch.Tensor, x_scale: torch.Tensor, weight: FP8Weight, bias: torch.Tensor | None, out_dtype, fast_accum: bool
+) -> torch.Tensor:
+    """The matmul alone: quantized x [M, K] and its scale ([M, 1] or []) -> [M, N] in out_dtype."""
+    return torch._scaled_mm(
+        x_q,
+        weight.data.t(),
+        scale_a=x_scale,
+        scale_b=weight.scale,
+        bias=None if bias is None else bias.to(out_dtype),
+        out_dtype=out_dtype,
+        use_fast_accum=fast_accum,
+    )
+
+
+def fp8_linear_reference(x: torch.Tensor, weight: FP8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`fp8_linear` in plain torch: the same quantization, then dequantize and multiply in float32."""
+    rows = x.reshape(-1, x.shape[-1])
+    x_q, x_scale = quantize(rows, rowwise=weight.scale.dim() > 0)
+    out = (x_q.float() * x_scale) @ dequantize(weight).t()
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x.dtype).reshape(*x.shape[:-1], weight.data.shape[0])
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor | FP8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear for a plain weight, `fp8_linear` for an FP8Weight: model code calls this one
+    function whichever precision its weights were loaded in."""
+    if isinstance(weight, FP8Weight):
+        return fp8_linear(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+def unsupported_reason(device: torch.device) -> str | None:
+    """Why `device` has no FP8 tensor cores (None: it has them)."""
+    if device.type != "cuda":
+        return f"the device is {device.type}"
+    if not torch.cuda.is_available():
+        return "no CUDA device is visible"
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) < MIN_CAPABILITY:
+        return f"{torch.cuda.get_device_name(device)} is compute capability {major}.{minor}"
+    return None

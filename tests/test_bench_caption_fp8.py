@@ -1,0 +1,70 @@
+"""The FP8 caption benchmark's machinery on CPU (`wicore.bench.caption_fp8`): the real runs are on
+the GPU machine. Here the bf16 side is a real run of the benchmark (tiny model, reference engine),
+the FP8 side that run's product with some tokens changed (no CPU engine serves FP8 through a
+worker), and the demo captioner runs through the fast engine's FP8 path on the CPU."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+
+from tests.helpers import wicore
+from wicore.bench.caption_bench import CaptionBench, caption_report, caption_runs
+from wicore.bench.caption_fp8 import democap_accuracy, fp8_report, token_agreement
+from wicore.bench.report import print_fp8_report, write_fp8_report
+from wicore.bench.roofline import Ceilings
+
+pytestmark = pytest.mark.slow
+
+
+def test_token_agreement_counts_sequences_and_positions():
+    bf16 = {"a": [1, 2, 3, 4], "b": [1, 2, 3, 4], "c": [5, 6, 7, 8], "only-bf16": [9]}
+    fp8 = {"a": [1, 2, 3, 4], "b": [1, 2, 9, 9], "c": [5, 0, 7, 8]}
+    assert token_agreement(fp8, bf16) == {
+        "compared": 3,
+        "sequences_identical": 1,
+        "sequences_identical_share": pytest.approx(1 / 3),
+        "mean_token_agreement": pytest.approx((1 + 0.5 + 0.75) / 3),
+        "median_first_divergence_step": 1.5,
+    }
+
+
+def test_the_report_has_the_bf16_keys_both_modes_and_a_plot(tmp_path, tiny_model_dir, capsys):
+    bench = CaptionBench(
+        workdir=tmp_path, images=6, new_tokens=4, batch_size=4, engine="reference", hf_batches=(2,),
+        hf_images=4, hf_single_images=2, warmup_images=2, device="cpu", model_dir=tiny_model_dir,
+    )  # fmt: skip
+    runs = caption_runs(bench, ceilings=Ceilings(1e12, 1e11, 1e10))
+    changed = dict(runs.product["tokens"])
+    first = sorted(changed)[0]
+    changed[first] = changed[first][:2] + [0, 0]
+    product = {**runs.product, "tokens": changed, "images_per_s": 2 * runs.product["images_per_s"]}
+    democap = democap_accuracy("cpu", images=8, fp8_anywhere=True)
+    assert democap["fp8_linears"] == 24 and democap["bf16_linears"] == 0 and democap["fp8_skipped"] == []
+    assert democap["fp8"] >= democap["bf16"] - 0.25 > 0.5
+
+    report = fp8_report(bench, runs, replace(runs, product=product), democap)
+    assert set(caption_report(bench, runs)) <= set(report)
+    assert report["engine_options"] == {"gemm_dtype": "fp8"} and "--dtype fp8" in report["command"]
+    assert report["fp8_speedup_vs_bf16"] == pytest.approx(2.0)
+    assert report["roofline_fraction"] == pytest.approx(2 * report["bf16"]["roofline_fraction"])
+    agreement = report["token_agreement_vs_bf16"]
+    assert (agreement["compared"], agreement["sequences_identical"]) == (6, 5)
+    assert agreement["median_first_divergence_step"] == 2.0
+
+    json_path, png = write_fp8_report(report, tmp_path / "results")
+    assert json_path.name == "caption-gemma3-4b-fp8-cpu.json" and png.stat().st_size > 0
+    assert json.loads(json_path.read_text())["democap_accuracy"]["images"] == 8
+    print_fp8_report(report)
+    assert "demo captioner exact match" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_bench_dtype_flag_is_checked_before_anything_runs(tmp_path):
+    for args in (["--dtype", "float16"], ["--dtype", "fp8", "--gpus", "2"]):
+        run = wicore("bench", "caption", *args, "--workdir", str(tmp_path), check=False)
+        assert run.returncode == 2 and run.stderr.startswith("error: --dtype"), run.stderr
+    assert not any(tmp_path.iterdir()), "nothing made, nothing run"
