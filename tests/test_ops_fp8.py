@@ -115,9 +115,12 @@ def test_cuda_scaled_mm_equals_the_reference_at_the_4b_shapes(rowwise):
         weight = quantize_weight(tensors(n, k, seed=1, device="cuda") * k**-0.5, rowwise)
         bias = tensors(n, seed=2, device="cuda")
         got, want = fp8_linear(x, weight, bias), fp8_linear_reference(x, weight, bias)
-        # Hopper's fast FP8 accumulation keeps fewer bits than float32: compare as the engine uses it.
-        assert F.cosine_similarity(got.float().flatten(), want.float().flatten(), dim=0) > 0.9999
-        torch.testing.assert_close(got, want, rtol=0.05, atol=0.1)
+        # Hopper's fast FP8 accumulation keeps fewer bits than float32 (and bf16 output rounds):
+        # compare the whole product as the engine uses it, relative to its norm.
+        cosine = F.cosine_similarity(got.float().flatten(), want.float().flatten(), dim=0).item()
+        relative = ((got.float() - want.float()).norm() / want.float().norm()).item()
+        shape = (tokens, k, n)
+        assert cosine > 0.9999 and relative < 0.01, f"{shape}: cosine {cosine:.6f}, relative error {relative:.4f}"
 
 
 @pytest.mark.gpu
