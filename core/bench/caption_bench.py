@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from wicore.bench.bench_images import make_images
+from wicore.bench.gpu_busy import GpuBusySampler
 from wicore.bench.roofline import Ceilings, image_work, measure_ceilings, roofline_images_per_s
 from wicore.schemas import DEFAULT_PROMPT
 
@@ -39,6 +40,7 @@ class CaptionBench:
     device: str = "cuda"
     gpus: int = 0  # 0: the plain worker; N: also a worker process per GPU on N GPUs (caption_scaling.py)
     model_dir: Path | None = None  # default: `make-model gemma3-4b` (seeded weights on the device)
+    hf_peers: bool = True  # False (`--no-hf`): the product alone, for A/B runs of engine options
 
 
 def device_name(device: str) -> str:
@@ -49,6 +51,11 @@ def device_name(device: str) -> str:
 
 def percentile(values: list[float], q: float) -> float:
     return float(np.percentile(np.asarray(values), q)) if values else float("nan")
+
+
+def busy_sampler(device: str) -> GpuBusySampler:
+    """NVML samples of the GPU the worker runs on (`--device cuda[:N]`); none on CPU."""
+    return GpuBusySampler(int(device.partition(":")[2] or 0) if device.startswith("cuda") else None)
 
 
 def wait_for_workers(connection, process, log: Path, count: int, timeout: float = 900) -> list[str]:
@@ -91,7 +98,7 @@ def run_product(
     from wicore.schemas import GenerationParams
 
     params = GenerationParams(max_new_tokens=bench.new_tokens, ignore_eos=True)
-    with EmbeddedRedis() as server:
+    with EmbeddedRedis() as server, busy_sampler(bench.device) as busy:
         command = worker_command(bench, server.url, model_dir, timed[0].parent, gpus)
         env = {**os.environ, "WICORE_LOG_LEVEL": "INFO"}
         with open(log, "wb") as sink:
@@ -104,10 +111,11 @@ def run_product(
             producer = Producer(server.url, model=MODEL_ID, config=ProducerConfig(by_path=True))
             warm_ids = producer.submit_many(Submission(p, bench.prompt, params=params) for p in warm)
             list(producer.wait(warm_ids, timeout=900))
-            start = time.perf_counter()
+            start, start_wall = time.perf_counter(), time.time()
             ids = producer.submit_many(Submission(p, bench.prompt, params=params) for p in timed)
             outcomes = {o.job_id: o for o in producer.wait(ids, timeout=1800)}
             seconds = time.perf_counter() - start
+            busy_window = (start_wall, start_wall + seconds)
         finally:
             worker.send_signal(signal.SIGTERM)
             worker.wait(timeout=120)
@@ -126,6 +134,8 @@ def run_product(
         "errors": errors[:5],
         "error_count": len(errors),
         "worker_start_s": load_s,
+        "gpu_busy_fraction": busy.fraction(*busy_window),
+        "gpu_busy_error": busy.error,
         "engine_stats": stats[names[0]],
         "engine_stats_by_worker": stats,
         "tokens": tokens,
@@ -194,14 +204,15 @@ def run_caption_bench(bench: CaptionBench, ceilings: Ceilings | None = None) -> 
     paths = make_images(bench.workdir / "images", bench.warmup_images + bench.images, processes=os.cpu_count() or 4)
     warm, timed = paths[: bench.warmup_images], paths[bench.warmup_images :]
     product = run_product(bench, model_dir, warm, timed, bench.workdir / "worker.log")
-    peers = run_peers(bench, model_dir, paths)
+    peers = run_peers(bench, model_dir, paths) if bench.hf_peers else None
     config = AutoConfig.from_pretrained(model_dir)
     prompt_tokens = product["engine_stats"].get("mean_prompt_tokens") or 281  # 281: the 4B prompt here
     work = image_work(config, prompt_tokens, bench.new_tokens)
     roofline, bound = roofline_images_per_s(work, ceilings, bench.batch_size, prompt_tokens, bench.new_tokens)
-    report = {
+    return {
         "gpu": device_name(bench.device),
-        "command": f"wicore bench caption --preset gemma3-4b --images {bench.images}",
+        "command": f"wicore bench caption --preset gemma3-4b --images {bench.images}"
+        + ("" if bench.hf_peers else " --no-hf"),
         "engine": bench.engine,
         "engine_options": bench.engine_options,
         "batch_size": bench.batch_size,
@@ -213,23 +224,37 @@ def run_caption_bench(bench: CaptionBench, ceilings: Ceilings | None = None) -> 
         "roofline_bound": bound,
         "images_per_s": product["images_per_s"],
         "roofline_fraction": product["images_per_s"] / roofline,
+        "gpu_busy_fraction": product["gpu_busy_fraction"],  # NVML: a kernel ran (core/bench/gpu_busy.py)
+        "gpu_busy_error": product["gpu_busy_error"],
+        **peer_report(product, peers),
+        "output_tokens_per_s": product["output_tokens_per_s"],
+        "latency_p50_s": product["latency_p50_s"],
+        "latency_p99_s": product["latency_p99_s"],
+        "peak_gpu_bytes": product["engine_stats"].get("peak_gpu_bytes"),
+        "worker_start_s": product["worker_start_s"],
+        "errors": product["errors"],
+        "error_count": product["error_count"],
+        "engine_stats": product["engine_stats"],
+    }
+
+
+def peer_report(product: dict, peers: dict | None) -> dict:
+    """The HF peer's keys of the report: speeds, ratios, token parity; None each without the
+    peer (`--no-hf`)."""
+    if peers is None:
+        keys = ("hf_best_images_per_s", "hf_best_batch", "hf_batch1_images_per_s", "hf_images_per_s",
+                "speedup_vs_hf_best", "speedup_vs_hf_batch1", "hf_peak_gpu_bytes", "parity_vs_hf_best_batch",
+                "parity_vs_hf_batch1", "hf_batch1_vs_hf_best_batch")  # fmt: skip
+        return dict.fromkeys(keys)
+    return {
         "hf_best_images_per_s": peers["best_images_per_s"],
         "hf_best_batch": peers["best_batch"],
         "hf_batch1_images_per_s": peers["batch1_images_per_s"],
         "hf_images_per_s": peers["images_per_s"],
         "speedup_vs_hf_best": product["images_per_s"] / peers["best_images_per_s"],
         "speedup_vs_hf_batch1": product["images_per_s"] / peers["batch1_images_per_s"],
-        "output_tokens_per_s": product["output_tokens_per_s"],
-        "latency_p50_s": product["latency_p50_s"],
-        "latency_p99_s": product["latency_p99_s"],
-        "peak_gpu_bytes": product["engine_stats"].get("peak_gpu_bytes"),
         "hf_peak_gpu_bytes": peers["peak_gpu_bytes"],
         "parity_vs_hf_best_batch": parity(product["tokens"], peers["best_tokens"]),
         "parity_vs_hf_batch1": parity(product["tokens"], peers["single_tokens"]),
         "hf_batch1_vs_hf_best_batch": parity(peers["single_tokens"], peers["best_tokens"]),
-        "worker_start_s": product["worker_start_s"],
-        "errors": product["errors"],
-        "error_count": product["error_count"],
-        "engine_stats": product["engine_stats"],
     }
-    return report

@@ -81,6 +81,7 @@ def caption(
     engine_option: list[str] = typer.Option(None, "--engine-option", help="KEY=VALUE engine option; repeatable."),
     hf_batches: str = typer.Option("8,32,64", help="Static batch sizes of the HF peer."),
     hf_images: int = typer.Option(128, help="Images per batched HF peer run."),
+    hf: bool = typer.Option(True, "--hf/--no-hf", help="Run the HF peer (--no-hf: the product alone, for A/B runs)."),
     gpus: int = typer.Option(
         0,
         min=0,
@@ -108,6 +109,7 @@ def caption(
         engine_options=engine_options(engine_option),
         hf_batches=tuple(int(b) for b in hf_batches.split(",")),
         hf_images=hf_images,
+        hf_peers=hf,
         gpus=gpus,
     )
     report = caption_scaling(bench, out) if gpus else caption_vs_hf(bench, out)
