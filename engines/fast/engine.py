@@ -113,7 +113,7 @@ class FastEngine(Engine):
             paged_suffix=opts.paged_prefill_tokens,
         )
         if opts.compile_vision:
-            runner.compile_vision(opts.vision_batch_size)
+            runner.compile_vision(opts.vision_batch_size, opts.vision_compile_mode)
         if opts.compile_text:
             runner.compile_text()
         num_pages = plan_pages(
