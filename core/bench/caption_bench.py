@@ -41,6 +41,7 @@ class CaptionBench:
     gpus: int = 0  # 0: the plain worker; N: also a worker process per GPU on N GPUs (caption_scaling.py)
     model_dir: Path | None = None  # default: `make-model gemma3-4b` (seeded weights on the device)
     hf_peers: bool = True  # False (`--no-hf`): the product alone, for A/B runs of engine options
+    decode_processes: int | None = None  # the worker's `--decode-processes`; None: its default
 
 
 def device_name(device: str) -> str:
@@ -79,6 +80,8 @@ def worker_command(bench: CaptionBench, url: str, model_dir: Path, root: Path, g
             "--max-queue-delay-ms", "20", "--allow-random-weights"]  # fmt: skip
     for key, value in bench.engine_options.items():
         args += ["--engine-option", f"{key}={json.dumps(value)}"]
+    if bench.decode_processes is not None:
+        args += ["--decode-processes", str(bench.decode_processes)]
     if gpus and bench.device.startswith("cuda"):
         args += ["--gpus", ",".join(str(i) for i in range(gpus))]
     elif gpus:
@@ -211,10 +214,10 @@ def run_caption_bench(bench: CaptionBench, ceilings: Ceilings | None = None) -> 
     roofline, bound = roofline_images_per_s(work, ceilings, bench.batch_size, prompt_tokens, bench.new_tokens)
     return {
         "gpu": device_name(bench.device),
-        "command": f"wicore bench caption --preset gemma3-4b --images {bench.images}"
-        + ("" if bench.hf_peers else " --no-hf"),
+        "command": bench_command(bench),
         "engine": bench.engine,
         "engine_options": bench.engine_options,
+        "decode_processes": bench.decode_processes,  # None: the worker's default
         "batch_size": bench.batch_size,
         "images": bench.images,
         "new_tokens": bench.new_tokens,
@@ -236,6 +239,14 @@ def run_caption_bench(bench: CaptionBench, ceilings: Ceilings | None = None) -> 
         "error_count": product["error_count"],
         "engine_stats": product["engine_stats"],
     }
+
+
+def bench_command(bench: CaptionBench) -> str:
+    """The command line that runs this benchmark again (engine options are in the report)."""
+    words = ["wicore bench caption --preset gemma3-4b", f"--images {bench.images}"]
+    words += [] if bench.hf_peers else ["--no-hf"]
+    words += [] if bench.decode_processes is None else [f"--decode-processes {bench.decode_processes}"]
+    return " ".join(words)
 
 
 def peer_report(product: dict, peers: dict | None) -> dict:

@@ -46,6 +46,7 @@ from wicore.engines.kvcache.prefix_keys import PromptKeyer, model_fingerprint
 from wicore.engines.pending import Pending
 from wicore.engines.text import finish_sequence, first_stop, stop_token_ids
 from wicore.errors import JobInputError, PromptTooLong
+from wicore.ops.image_preprocess import PreprocessSpec
 
 log = logging.getLogger(__name__)
 VISION_IN_FLIGHT = 2  # vision batches queued on the side stream at once (double buffering)
@@ -159,6 +160,9 @@ class FastEngine(Engine):
 
     def num_unfinished(self) -> int:
         return self.planner.num_unfinished
+
+    def pixel_spec(self) -> PreprocessSpec:
+        return self.inputs.pixel_spec
 
     def abort(self, request_ids: Iterable[str]) -> list[Completion]:
         """Stop requests between steps: a waiting one leaves the queue, an admitted one gives its
