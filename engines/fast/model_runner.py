@@ -171,7 +171,7 @@ class ModelRunner:
         if rows == list(range(rows[0], rows[0] + len(rows))):
             return embeds[rows[0] : rows[0] + len(rows)]
         with torch.cuda.stream(self.side_stream) if self.side_stream is not None else nullcontext():
-            return embeds[torch.tensor(rows, device=embeds.device)]
+            return embeds[_tensor(rows, embeds.device)]  # through pinned memory: no wait for the tower
 
     def _stage(self, images: list[np.ndarray]) -> torch.Tensor:
         """One host copy into (pinned) memory uint8 [N, S, S, 3]; the host allocator keeps the
