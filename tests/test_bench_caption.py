@@ -62,6 +62,25 @@ def test_bench_runs_end_to_end_on_cpu(tmp_path, tiny_model_dir):
     assert json.loads(paths[0].read_text())["gpu"] == "cpu" and paths[1].stat().st_size > 0
 
 
+def test_bench_without_the_hf_peer_on_the_fast_engine_with_decode_processes(tmp_path, tiny_model_dir, capsys):
+    """The A/B form (`--no-hf`): the product alone, here with the worker's images decoded and
+    resized in its decode processes; every HF key is None and the report still prints."""
+    from wicore.bench.report import print_caption_report
+
+    bench = CaptionBench(
+        workdir=tmp_path, images=6, new_tokens=4, batch_size=4, engine="fast", warmup_images=2, device="cpu",
+        model_dir=tiny_model_dir, hf_peers=False, decode_processes=2,
+    )  # fmt: skip
+    report = run_caption_bench(bench, ceilings=Ceilings(1e12, 1e11, 1e10))
+    assert report["error_count"] == 0 and report["images_per_s"] > 0
+    assert report["command"] == "wicore bench caption --preset gemma3-4b --images 6 --no-hf --decode-processes 2"
+    assert report["hf_images_per_s"] is None and report["parity_vs_hf_best_batch"] is None
+    assert '"decode_processes": 2' in (tmp_path / "worker.log").read_text(), "the worker was told"
+    print_caption_report(report)
+    assert "not run (--no-hf)" in capsys.readouterr().out
+    assert write_caption_report(report, tmp_path / "results")[1].stat().st_size > 0
+
+
 def test_scaling_is_the_ratio_of_the_two_runs_and_its_share_of_perfect():
     assert scaling(190.0, 100.0, 2) == pytest.approx({"scaling": 1.9, "scaling_efficiency": 0.95})
     assert scaling(40.0, 40.0, 1) == {"scaling": 1.0, "scaling_efficiency": 1.0}
