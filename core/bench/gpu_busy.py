@@ -115,8 +115,8 @@ class GpuBusySampler:
             return self
         try:
             self._nvml = Nvml(self.index)
-        except OSError as error:
-            self.error = str(error)
+        except (OSError, AttributeError) as error:  # no library; a library without the call
+            self.error = f"NVML unavailable: {error}"
             return self
         self._thread = threading.Thread(target=self._run, name="wicore-gpu-busy", daemon=True)
         self._thread.start()
