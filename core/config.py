@@ -85,6 +85,9 @@ class Settings(BaseSettings):
     allowed_roots: list[Path] = []  # path-referenced images must live under one of these; none by default
     max_image_bytes: int = Field(defaults.MAX_IMAGE_BYTES, ge=1)  # an image's encoded size; 32 MiB
     max_image_pixels: int = Field(defaults.MAX_IMAGE_PIXELS, ge=1)  # width x height of an image; 50 M
+    # Processes a worker reads, decodes and resizes images in, off the GIL of the thread that launches
+    # kernels (engines that take resized images: fast); 0: threads. Default: min(4, CPUs / 4) on CUDA, 0 on CPU.
+    decode_processes: int | None = Field(None, ge=0, le=256)
     liveness_ttl_s: float = Field(defaults.LIVENESS_TTL_S, gt=0)  # a silent worker is dead after this; 15 s
     result_ttl_s: int = Field(defaults.RESULT_TTL_S, ge=1)  # results live this long; one day
     retries: int = Field(defaults.RETRIES, ge=0)  # re-runs after a transient failure or a dead worker; 2

@@ -21,14 +21,19 @@ from wicore.errors import ConfigError
 from wicore.schemas import FinishReason, GenerationParams
 
 if TYPE_CHECKING:
+    import numpy as np
     from PIL import Image
+
+    from wicore.ops.image_preprocess import PreprocessSpec
 
 
 @dataclass
 class EngineRequest:
     id: str
     chat: list[dict[str, Any]]  # HF chat-template messages; one {"type": "image"} per image
-    images: list[Image.Image]  # decoded RGB images, in the order of the image parts
+    # Decoded RGB images in the order of the image parts; or, for an engine with a `pixel_spec`,
+    # uint8 [H, W, 3] arrays already resized by it (`wicore.ops.image_preprocess.resized_images`).
+    images: list[Image.Image | np.ndarray]
     params: GenerationParams
     image_hashes: list[str] = field(default_factory=list)  # sha256 of each image's bytes (caches)
 
@@ -127,6 +132,11 @@ class Engine(abc.ABC):
 
     def free_slots(self) -> int:
         return max(0, self.config.max_batch_size - self.num_unfinished())
+
+    def pixel_spec(self) -> PreprocessSpec | None:
+        """How this engine resizes images, for callers that resize them beforehand (the worker's
+        decode processes); None: it takes decoded images only."""
+        return None
 
     def attach_vision_cache(self, store) -> None:
         """A shared image-embedding store (the worker's Redis layer). Engines without a vision

@@ -94,6 +94,21 @@ def resized_images(images: Sequence[Image.Image], spec: PreprocessSpec) -> np.nd
     return out
 
 
+def is_resized(images: Sequence[Any]) -> bool:
+    """Whether `images` came resized already: numpy arrays (a caller's `resized_images` rows)."""
+    return bool(images) and all(isinstance(image, np.ndarray) for image in images)
+
+
+def stack_resized(images: Sequence[np.ndarray], spec: PreprocessSpec) -> np.ndarray:
+    """uint8 [N, H, W, 3] from rows that `resized_images` made for `spec` elsewhere; one
+    image is a view, not a copy. Raises ConfigError for a row of another shape or dtype."""
+    shape = (*spec.size, 3)
+    for image in images:
+        if image.dtype != np.uint8 or image.shape != shape:
+            raise ConfigError(f"a resized image must be uint8 {shape}, got {image.dtype} {image.shape}")
+    return images[0][None] if len(images) == 1 else np.stack(images)
+
+
 def apply_lut(resized: torch.Tensor, lut: torch.Tensor) -> torch.Tensor:
     """uint8 [N, H, W, 3] -> [N, 3, H, W] of lut's dtype, value v of channel c read as lut[c, v].
     With `spec.lut` ([3, 256] float32) these are `pixel_values`' bits; a table cast to another

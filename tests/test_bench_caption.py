@@ -57,8 +57,28 @@ def test_bench_runs_end_to_end_on_cpu(tmp_path, tiny_model_dir):
     assert set(report["hf_images_per_s"]) == {"1", "2"}
     # the reference engine in fp32 against HF generate on the same model: identical tokens
     assert report["parity_vs_hf_best_batch"]["share"] == 1.0
+    assert report["gpu_busy_fraction"] is None and report["gpu_busy_error"].startswith("no GPU"), "CPU: no figure"
     paths = write_caption_report(report, tmp_path / "results")
     assert json.loads(paths[0].read_text())["gpu"] == "cpu" and paths[1].stat().st_size > 0
+
+
+def test_bench_without_the_hf_peer_on_the_fast_engine_with_decode_processes(tmp_path, tiny_model_dir, capsys):
+    """The A/B form (`--no-hf`): the product alone, here with the worker's images decoded and
+    resized in its decode processes; every HF key is None and the report still prints."""
+    from wicore.bench.report import print_caption_report
+
+    bench = CaptionBench(
+        workdir=tmp_path, images=6, new_tokens=4, batch_size=4, engine="fast", warmup_images=2, device="cpu",
+        model_dir=tiny_model_dir, hf_peers=False, decode_processes=2,
+    )  # fmt: skip
+    report = run_caption_bench(bench, ceilings=Ceilings(1e12, 1e11, 1e10))
+    assert report["error_count"] == 0 and report["images_per_s"] > 0
+    assert report["command"] == "wicore bench caption --preset gemma3-4b --images 6 --no-hf --decode-processes 2"
+    assert report["hf_images_per_s"] is None and report["parity_vs_hf_best_batch"] is None
+    assert '"decode_processes": 2' in (tmp_path / "worker.log").read_text(), "the worker was told"
+    print_caption_report(report)
+    assert "not run (--no-hf)" in capsys.readouterr().out
+    assert write_caption_report(report, tmp_path / "results")[1].stat().st_size > 0
 
 
 def test_scaling_is_the_ratio_of_the_two_runs_and_its_share_of_perfect():

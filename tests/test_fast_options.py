@@ -60,6 +60,9 @@ def test_explicit_values():
     assert resolved.graph_prefill_tokens == (64, 512) and resolved.paged_prefill_tokens == 0
     assert resolve({"torch_threads": 4}, cuda=True).torch_threads == 4
     assert not resolve({"cuda_graphs": False}, cuda=True).cuda_graphs
+    assert resolve(cuda=True).vision_compile_mode == "default"
+    tuned = resolve({"vision_compile_mode": "max-autotune-no-cudagraphs"}, cuda=True)
+    assert tuned.vision_compile_mode == "max-autotune-no-cudagraphs"
 
 
 @pytest.mark.parametrize(
@@ -84,6 +87,7 @@ def test_explicit_values():
         {"gemm_dtype": "int8"},
         {"gemm_dtype": "FP8"},
         {"gemm_dtype": True},
+        {"vision_compile_mode": "max-autotune"},  # CUDA graphs inside the tower: not offered
         {"disk_cache_dir": ""},
         {"disk_cache_dir": "/tmp/kv", "host_cache_bytes": 0},
         {"disk_cache_dir": "/tmp/kv", "prefix_cache": False},

@@ -215,3 +215,17 @@ def test_thread_pool_gives_the_serial_result():
         threaded = list(pool.map(lambda batch: pixel_values(batch, fresh_spec), batches))
     for one, other in zip(serial, threaded, strict=True):
         assert np.array_equal(one, other)
+
+
+def test_images_resized_elsewhere_are_taken_as_they_are_if_they_fit_the_spec():
+    from wicore.ops.image_preprocess import is_resized, stack_resized
+
+    spec = PreprocessSpec(size=(4, 6), mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5))
+    rows = [np.full((4, 6, 3), v, dtype=np.uint8) for v in (1, 2)]
+    assert is_resized(rows) and not is_resized([]) and not is_resized([Image.new("RGB", (6, 4)), rows[0]])
+    one = stack_resized(rows[:1], spec)
+    assert one.shape == (1, 4, 6, 3) and np.shares_memory(one, rows[0]), "one image: a view"
+    assert stack_resized(rows, spec)[:, 0, 0, 0].tolist() == [1, 2]
+    for bad in (np.zeros((6, 4, 3), np.uint8), np.zeros((4, 6, 3), np.float32)):
+        with pytest.raises(ConfigError, match="a resized image must be uint8"):
+            stack_resized([bad], spec)

@@ -1,22 +1,27 @@
 """From a claimed job to an engine request: parse its payload, fetch the image (blob or allowed
-path), check its hash, decode it. Every failure here is the job's own (an input error), reported
-per job."""
+path), check its hash, decode it; for an engine that takes its images resized (`Engine.pixel_spec`)
+and a worker given decode processes, all of that and the resize run in those processes
+(`wicore.ops.pixel_pool`), off this process's GIL. Every failure here is the job's own (an
+input error), reported per job, with the same message on either path."""
 
 from __future__ import annotations
 
-import hashlib
 import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 from redis import Redis
 
 from wicore import keys
 from wicore.engines.base import EngineRequest
-from wicore.errors import DeadlineExceeded, ImageError, ImageNotAllowed, InvalidJob, JobInputError
-from wicore.ops.image_decode import ImageLimits, decode_image, read_image_file
+from wicore.errors import DeadlineExceeded, ImageNotAllowed, InvalidJob
+from wicore.ops.image_decode import ImageLimits
+from wicore.ops.image_load import ImageSource, LoadRules, input_error_message, load_image
+from wicore.ops.image_preprocess import PreprocessSpec
+from wicore.ops.pixel_pool import PixelPool, PixelResult
 from wicore.schemas import CaptionJob
 from wicore.worker.rq_bridge import Claimed
 
@@ -28,6 +33,9 @@ class InputConfig:
     # Image decoding runs here. PIL releases the GIL while decoding, but every thread still takes
     # it between calls: more threads than needed slow the engine's own (Python) thread.
     threads: int = min(8, os.cpu_count() or 4)
+    # Processes that read, decode and resize images for an engine with a `pixel_spec`; 0: the
+    # threads above decode and the engine resizes.
+    processes: int = 0
 
 
 @dataclass
@@ -38,50 +46,69 @@ class Loaded:
 
 
 class InputLoader:
-    def __init__(self, connection: Redis, config: InputConfig):
+    def __init__(self, connection: Redis, config: InputConfig, pixel_spec: PreprocessSpec | None = None):
         self.connection = connection
         self.config = config
-        self.roots = tuple(root.resolve() for root in config.allowed_roots)
+        self.rules = LoadRules(tuple(root.resolve() for root in config.allowed_roots), config.limits)
         self.pool = ThreadPoolExecutor(max_workers=config.threads, thread_name_prefix="wicore-decode")
+        use_processes = config.processes > 0 and pixel_spec is not None
+        self.pixels = PixelPool(config.processes, pixel_spec, self.rules) if use_processes else None
 
     def submit(self, jobs: list[tuple[str, CaptionJob]]) -> list[Future[Loaded]]:
-        """One MGET for every blob now; decoding runs in the pool. Order follows `jobs`."""
+        """One MGET for every blob now; loading runs in the pool. Order follows `jobs`."""
         blob_shas = [job.image.sha256 for _, job in jobs if job.image.is_blob]
         blobs = dict(zip(blob_shas, self.connection.mget([keys.blob(s) for s in blob_shas]))) if blob_shas else {}
-        return [self.pool.submit(self._load_one, job_id, job, blobs.get(job.image.sha256)) for job_id, job in jobs]
+        return [self._submit_one(job_id, job, blobs.get(job.image.sha256)) for job_id, job in jobs]
 
     def load(self, jobs: list[tuple[str, CaptionJob]]) -> list[Loaded]:
         """`submit`, waiting for every result."""
         return [future.result() for future in self.submit(jobs)]
 
+    def _submit_one(self, job_id: str, job: CaptionJob, blob: bytes | None) -> Future[Loaded]:
+        if self.pixels is None:
+            return self.pool.submit(self._load_one, job_id, job, blob)
+        try:
+            source = _source(job, blob)
+        except ImageNotAllowed as exc:
+            return _done(Loaded(error=input_error_message(exc)))
+        return self.pixels.submit(source, partial(_resized, job_id, job))
+
     def _load_one(self, job_id: str, job: CaptionJob, blob: bytes | None) -> Loaded:
         start = time.perf_counter()
         try:
-            data = blob if job.image.is_blob else self._read_path(job.image.path or "")
-            if data is None:
-                raise ImageNotAllowed(f"image blob {job.image.sha256[:12]} is not in Redis (expired?)")
-            if hashlib.sha256(data).hexdigest() != job.image.sha256:
-                raise ImageError("image bytes do not match the sha256 they were submitted with (file changed?)")
-            image = decode_image(data, self.config.limits)
-        except JobInputError as exc:
-            return Loaded(error=f"{type(exc).__name__}: {exc}", preprocess_s=time.perf_counter() - start)
-        except Exception as exc:  # whatever else an input does to the loaders is still that job's alone
-            error = f"{ImageError.__name__}: cannot load the image ({type(exc).__name__}: {exc})"
-            return Loaded(error=error, preprocess_s=time.perf_counter() - start)
+            image = load_image(_source(job, blob), self.rules)
+        except Exception as exc:  # whatever an input does to the loaders is that job's alone
+            return Loaded(error=input_error_message(exc), preprocess_s=time.perf_counter() - start)
         request = EngineRequest(job_id, job.chat(), [image], job.params, [job.image.sha256])
         return Loaded(request=request, preprocess_s=time.perf_counter() - start)
 
-    def _read_path(self, raw: str) -> bytes:
-        try:
-            path = Path(raw).resolve()
-        except (ValueError, OSError, RuntimeError) as exc:  # a NUL byte, an unencodable name, a symlink loop
-            raise ImageNotAllowed(f"{raw!r} is not a usable path ({exc})") from None
-        if not any(path.is_relative_to(root) for root in self.roots):
-            raise ImageNotAllowed(f"{raw} is outside the worker's allowed roots (--allow-root)")
-        return read_image_file(path, self.config.limits)
-
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
+        if self.pixels is not None:
+            self.pixels.close()
+
+
+def _source(job: CaptionJob, blob: bytes | None) -> ImageSource:
+    """Where the job's image bytes are: the blob fetched from Redis, or a path."""
+    if not job.image.is_blob:
+        return ImageSource(job.image.sha256, path=job.image.path or "")
+    if blob is None:
+        raise ImageNotAllowed(f"image blob {job.image.sha256[:12]} is not in Redis (expired?)")
+    return ImageSource(job.image.sha256, data=blob)
+
+
+def _resized(job_id: str, job: CaptionJob, result: PixelResult) -> Loaded:
+    """A decode process's result as the job's: its request carries the resized uint8 image."""
+    pixels, error, seconds = result
+    if pixels is None:
+        return Loaded(error=error, preprocess_s=seconds)
+    return Loaded(EngineRequest(job_id, job.chat(), [pixels], job.params, [job.image.sha256]), preprocess_s=seconds)
+
+
+def _done(loaded: Loaded) -> Future[Loaded]:
+    future: Future[Loaded] = Future()
+    future.set_result(loaded)
+    return future
 
 
 def parse_payloads(claimed: list[Claimed]) -> tuple[list[tuple[Claimed, CaptionJob]], list[tuple[Claimed, str]]]:

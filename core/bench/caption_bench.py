@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from wicore.bench.bench_images import make_images
+from wicore.bench.gpu_busy import GpuBusySampler
 from wicore.bench.roofline import Ceilings, image_work, measure_ceilings, roofline_images_per_s
 from wicore.schemas import DEFAULT_PROMPT
 
@@ -39,6 +40,8 @@ class CaptionBench:
     device: str = "cuda"
     gpus: int = 0  # 0: the plain worker; N: also a worker process per GPU on N GPUs (caption_scaling.py)
     model_dir: Path | None = None  # default: `make-model gemma3-4b` (seeded weights on the device)
+    hf_peers: bool = True  # False (`--no-hf`): the product alone, for A/B runs of engine options
+    decode_processes: int | None = None  # the worker's `--decode-processes`; None: its default
 
 
 def device_name(device: str) -> str:
@@ -49,6 +52,11 @@ def device_name(device: str) -> str:
 
 def percentile(values: list[float], q: float) -> float:
     return float(np.percentile(np.asarray(values), q)) if values else float("nan")
+
+
+def busy_sampler(device: str) -> GpuBusySampler:
+    """NVML samples of the GPU the worker runs on (`--device cuda[:N]`); none on CPU."""
+    return GpuBusySampler(int(device.partition(":")[2] or 0) if device.startswith("cuda") else None)
 
 
 def wait_for_workers(connection, process, log: Path, count: int, timeout: float = 900) -> list[str]:
@@ -72,6 +80,8 @@ def worker_command(bench: CaptionBench, url: str, model_dir: Path, root: Path, g
             "--max-queue-delay-ms", "20", "--allow-random-weights"]  # fmt: skip
     for key, value in bench.engine_options.items():
         args += ["--engine-option", f"{key}={json.dumps(value)}"]
+    if bench.decode_processes is not None:
+        args += ["--decode-processes", str(bench.decode_processes)]
     if gpus and bench.device.startswith("cuda"):
         args += ["--gpus", ",".join(str(i) for i in range(gpus))]
     elif gpus:
@@ -91,7 +101,7 @@ def run_product(
     from wicore.schemas import GenerationParams
 
     params = GenerationParams(max_new_tokens=bench.new_tokens, ignore_eos=True)
-    with EmbeddedRedis() as server:
+    with EmbeddedRedis() as server, busy_sampler(bench.device) as busy:
         command = worker_command(bench, server.url, model_dir, timed[0].parent, gpus)
         env = {**os.environ, "WICORE_LOG_LEVEL": "INFO"}
         with open(log, "wb") as sink:
@@ -104,10 +114,11 @@ def run_product(
             producer = Producer(server.url, model=MODEL_ID, config=ProducerConfig(by_path=True))
             warm_ids = producer.submit_many(Submission(p, bench.prompt, params=params) for p in warm)
             list(producer.wait(warm_ids, timeout=900))
-            start = time.perf_counter()
+            start, start_wall = time.perf_counter(), time.time()
             ids = producer.submit_many(Submission(p, bench.prompt, params=params) for p in timed)
             outcomes = {o.job_id: o for o in producer.wait(ids, timeout=1800)}
             seconds = time.perf_counter() - start
+            busy_window = (start_wall, start_wall + seconds)
         finally:
             worker.send_signal(signal.SIGTERM)
             worker.wait(timeout=120)
@@ -126,6 +137,8 @@ def run_product(
         "errors": errors[:5],
         "error_count": len(errors),
         "worker_start_s": load_s,
+        "gpu_busy_fraction": busy.fraction(*busy_window),
+        "gpu_busy_error": busy.error,
         "engine_stats": stats[names[0]],
         "engine_stats_by_worker": stats,
         "tokens": tokens,
@@ -192,7 +205,7 @@ class CaptionRuns:
     timed: list[Path]
     ceilings: Ceilings
     product: dict
-    peers: dict
+    peers: dict | None  # None: run without the HF peer (--no-hf)
 
 
 def run_caption_bench(bench: CaptionBench, ceilings: Ceilings | None = None) -> dict:
@@ -208,7 +221,7 @@ def caption_runs(bench: CaptionBench, ceilings: Ceilings | None = None) -> Capti
     paths = make_images(bench.workdir / "images", bench.warmup_images + bench.images, processes=os.cpu_count() or 4)
     warm, timed = paths[: bench.warmup_images], paths[bench.warmup_images :]
     product = run_product(bench, model_dir, warm, timed, bench.workdir / "worker.log")
-    peers = run_peers(bench, model_dir, paths)
+    peers = run_peers(bench, model_dir, paths) if bench.hf_peers else None
     return CaptionRuns(model_dir, warm, timed, ceilings, product, peers)
 
 
@@ -221,11 +234,12 @@ def caption_report(bench: CaptionBench, runs: CaptionRuns) -> dict:
     prompt_tokens = product["engine_stats"].get("mean_prompt_tokens") or 281  # 281: the 4B prompt here
     work = image_work(config, prompt_tokens, bench.new_tokens)
     roofline, bound = roofline_images_per_s(work, ceilings, bench.batch_size, prompt_tokens, bench.new_tokens)
-    report = {
+    return {
         "gpu": device_name(bench.device),
-        "command": f"wicore bench caption --preset gemma3-4b --images {bench.images}",
+        "command": bench_command(bench),
         "engine": bench.engine,
         "engine_options": bench.engine_options,
+        "decode_processes": bench.decode_processes,  # None: the worker's default
         "batch_size": bench.batch_size,
         "images": bench.images,
         "new_tokens": bench.new_tokens,
@@ -235,23 +249,45 @@ def caption_report(bench: CaptionBench, runs: CaptionRuns) -> dict:
         "roofline_bound": bound,
         "images_per_s": product["images_per_s"],
         "roofline_fraction": product["images_per_s"] / roofline,
+        "gpu_busy_fraction": product["gpu_busy_fraction"],  # NVML: a kernel ran (core/bench/gpu_busy.py)
+        "gpu_busy_error": product["gpu_busy_error"],
+        **peer_report(product, peers),
+        "output_tokens_per_s": product["output_tokens_per_s"],
+        "latency_p50_s": product["latency_p50_s"],
+        "latency_p99_s": product["latency_p99_s"],
+        "peak_gpu_bytes": product["engine_stats"].get("peak_gpu_bytes"),
+        "worker_start_s": product["worker_start_s"],
+        "errors": product["errors"],
+        "error_count": product["error_count"],
+        "engine_stats": product["engine_stats"],
+    }
+
+
+def bench_command(bench: CaptionBench) -> str:
+    """The command line that runs this benchmark again (engine options are in the report)."""
+    words = ["wicore bench caption --preset gemma3-4b", f"--images {bench.images}"]
+    words += [] if bench.hf_peers else ["--no-hf"]
+    words += [] if bench.decode_processes is None else [f"--decode-processes {bench.decode_processes}"]
+    return " ".join(words)
+
+
+def peer_report(product: dict, peers: dict | None) -> dict:
+    """The HF peer's keys of the report: speeds, ratios, token parity; None each without the
+    peer (`--no-hf`)."""
+    if peers is None:
+        keys = ("hf_best_images_per_s", "hf_best_batch", "hf_batch1_images_per_s", "hf_images_per_s",
+                "speedup_vs_hf_best", "speedup_vs_hf_batch1", "hf_peak_gpu_bytes", "parity_vs_hf_best_batch",
+                "parity_vs_hf_batch1", "hf_batch1_vs_hf_best_batch")  # fmt: skip
+        return dict.fromkeys(keys)
+    return {
         "hf_best_images_per_s": peers["best_images_per_s"],
         "hf_best_batch": peers["best_batch"],
         "hf_batch1_images_per_s": peers["batch1_images_per_s"],
         "hf_images_per_s": peers["images_per_s"],
         "speedup_vs_hf_best": product["images_per_s"] / peers["best_images_per_s"],
         "speedup_vs_hf_batch1": product["images_per_s"] / peers["batch1_images_per_s"],
-        "output_tokens_per_s": product["output_tokens_per_s"],
-        "latency_p50_s": product["latency_p50_s"],
-        "latency_p99_s": product["latency_p99_s"],
-        "peak_gpu_bytes": product["engine_stats"].get("peak_gpu_bytes"),
         "hf_peak_gpu_bytes": peers["peak_gpu_bytes"],
         "parity_vs_hf_best_batch": parity(product["tokens"], peers["best_tokens"]),
         "parity_vs_hf_batch1": parity(product["tokens"], peers["single_tokens"]),
         "hf_batch1_vs_hf_best_batch": parity(peers["single_tokens"], peers["best_tokens"]),
-        "worker_start_s": product["worker_start_s"],
-        "errors": product["errors"],
-        "error_count": product["error_count"],
-        "engine_stats": product["engine_stats"],
     }
-    return report

@@ -85,9 +85,10 @@ def plot_caption(report: dict, path: Path, ours: dict[str, float] | None = None,
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    hf = report["hf_images_per_s"] or {}  # None: run without the peer (--no-hf)
     ours = ours or {"wicore\n" + report["engine"]: report["images_per_s"]}
-    labels = list(ours) + [f"HF generate\nbatch {b}" for b in report["hf_images_per_s"]]
-    values = list(ours.values()) + list(report["hf_images_per_s"].values())
+    labels = list(ours) + [f"HF generate\nbatch {b}" for b in hf]
+    values = list(ours.values()) + list(hf.values())
     fig, ax = plt.subplots(figsize=(7.5, 4.3 if note else 4), dpi=120)
     bars = ax.bar(labels, values, color=["#2a7ab9"] * len(ours) + ["#9aa5b1"] * (len(values) - len(ours)))
     for bar, value in zip(bars, values):
@@ -96,7 +97,8 @@ def plot_caption(report: dict, path: Path, ours: dict[str, float] | None = None,
     ax.axhline(roof, color="#c0392b", linestyle="--", linewidth=1)
     ax.annotate(f"roofline {roof:.0f} img/s", (len(values) - 0.5, roof), ha="right", va="bottom", color="#c0392b")
     ax.set_ylabel("images / s")
-    summary = f"{report['speedup_vs_hf_best']:.1f}x HF best, {100 * report['roofline_fraction']:.0f}% of roofline"
+    versus_hf = f"{report['speedup_vs_hf_best']:.1f}x HF best, " if hf else ""
+    summary = f"{versus_hf}{100 * report['roofline_fraction']:.0f}% of roofline"
     ax.set_title(
         f"Gemma-3-4B shape, {report['images']} images, {report['new_tokens']} tokens, {report['gpu']}\n"
         + (note or summary),
@@ -111,20 +113,16 @@ def plot_caption(report: dict, path: Path, ours: dict[str, float] | None = None,
 
 def print_caption_report(report: dict) -> None:
     table = Table("metric", "value", title=f"wicore bench caption ({report['gpu']})")
+    busy = report["gpu_busy_fraction"]
     rows = [
         ("images/s (wicore)", f"{report['images_per_s']:.2f}"),
         ("output tokens/s", f"{report['output_tokens_per_s']:.0f}"),
         ("job latency p50 / p99", f"{report['latency_p50_s']:.2f} s / {report['latency_p99_s']:.2f} s"),
-        ("HF generate images/s by batch", ", ".join(f"{b}: {v:.2f}" for b, v in report["hf_images_per_s"].items())),
-        (
-            "speedup vs HF best / batch 1",
-            f"{report['speedup_vs_hf_best']:.2f}x / {report['speedup_vs_hf_batch1']:.1f}x",
-        ),
+        ("GPU busy (a kernel ran, NVML)", "n/a" if busy is None else f"{busy:.3f}"),
         ("roofline images/s", f"{report['roofline_images_per_s']:.1f} ({report['roofline_bound']}-bound)"),
         ("roofline fraction", f"{report['roofline_fraction']:.3f}"),
         ("peak GPU memory (wicore / HF)", f"{_gib(report['peak_gpu_bytes'])} / {_gib(report['hf_peak_gpu_bytes'])}"),
-        ("tokens equal to HF best batch", _share(report["parity_vs_hf_best_batch"])),
-        ("HF batch 1 vs HF best batch", _share(report["hf_batch1_vs_hf_best_batch"])),
+        *(_peer_rows(report) if report["hf_images_per_s"] else [("HF generate", "not run (--no-hf)")]),
         ("errors", str(report["error_count"])),
     ]
     for name, value in rows:
@@ -155,6 +153,18 @@ def _phases(stats: dict) -> str:
     return " / ".join(
         f"{stats[k]:.1f}" if stats.get(k) is not None else "n/a" for k in ("vision_s", "prefill_s", "decode_s")
     )
+
+
+def _peer_rows(report: dict) -> list[tuple[str, str]]:
+    return [
+        ("HF generate images/s by batch", ", ".join(f"{b}: {v:.2f}" for b, v in report["hf_images_per_s"].items())),
+        (
+            "speedup vs HF best / batch 1",
+            f"{report['speedup_vs_hf_best']:.2f}x / {report['speedup_vs_hf_batch1']:.1f}x",
+        ),
+        ("tokens equal to HF best batch", _share(report["parity_vs_hf_best_batch"])),
+        ("HF batch 1 vs HF best batch", _share(report["hf_batch1_vs_hf_best_batch"])),
+    ]
 
 
 def _gib(value) -> str:

@@ -81,6 +81,10 @@ def caption(
     engine_option: list[str] = typer.Option(None, "--engine-option", help="KEY=VALUE engine option; repeatable."),
     hf_batches: str = typer.Option("8,32,64", help="Static batch sizes of the HF peer."),
     hf_images: int = typer.Option(128, help="Images per batched HF peer run."),
+    hf: bool = typer.Option(True, "--hf/--no-hf", help="Run the HF peer (--no-hf: the product alone, for A/B runs)."),
+    decode_processes: int = typer.Option(
+        None, min=0, help="The worker's --decode-processes (0: threads).", show_default=False
+    ),
     gpus: int = typer.Option(
         0,
         min=0,
@@ -115,6 +119,8 @@ def caption(
         engine_options=engine_options(engine_option),
         hf_batches=tuple(int(b) for b in hf_batches.split(",")),
         hf_images=hf_images,
+        hf_peers=hf,
+        decode_processes=decode_processes,
         gpus=gpus,
     )
     if gpus:

@@ -43,6 +43,12 @@ def worker(
         None, help="Longest a partial batch waits to fill [5].", show_default=False
     ),
     allow_root: list[Path] = typer.Option(None, help="Folder path-referenced images may come from (repeatable)."),
+    decode_processes: int = typer.Option(
+        None,
+        min=0,
+        help="Processes decoding and resizing images; 0: threads [CUDA: min(4, CPUs/4); CPU: 0].",
+        show_default=False,
+    ),
     name: str = typer.Option(None, help="Worker name (default: random)."),
     burst: bool = typer.Option(False, help="Exit once the queues are empty."),
     max_jobs: int = typer.Option(None, help="Exit after this many jobs."),
@@ -75,6 +81,7 @@ def worker(
         batch_size=batch_size,
         max_queue_delay_ms=max_queue_delay_ms,
         allowed_roots=allow_root or None,
+        decode_processes=decode_processes,
         no_cache=no_cache,
         metrics_port=metrics_port,
         log_level=debug_level(debug),

@@ -5,6 +5,8 @@ handle is born complete."""
 from __future__ import annotations
 
 import time
+from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -56,6 +58,33 @@ class Readback:
         if self.event is not None:
             self.event.synchronize()
         return self.host.tolist()
+
+
+class Readbacks:
+    """Readbacks in launch order, each with the step it was launched in. Tokens are read in
+    that order (a sequence's tokens append in order), and only once landed: `landed(due)`
+    yields the oldest readbacks while their tokens are on the host, waiting for those
+    launched in step `due` or before."""
+
+    def __init__(self) -> None:
+        self._queue: deque[tuple[int, Readback]] = deque()
+
+    def add(self, step: int, readback: Readback) -> None:
+        self._queue.append((step, readback))
+
+    def landed(self, due: int) -> Iterator[Readback]:
+        while self._queue and (self._queue[0][0] <= due or self._queue[0][1].ready()):
+            yield self._queue.popleft()[1]
+
+    def wait_oldest(self) -> None:
+        if self._queue:
+            self._queue[0][1].tokens()
+
+    def clear(self) -> None:
+        self._queue.clear()
+
+    def __len__(self) -> int:
+        return len(self._queue)
 
 
 @dataclass

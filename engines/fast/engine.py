@@ -2,9 +2,12 @@
 
 A step: mark finished vision batches, schedule (admit, pick a vision batch, a prefill batch and
 the decode batch), launch vision on the side stream, prefill and decode on the main stream,
-then read back the tokens sampled one step earlier and return the sequences that ended. Reading
-a step late keeps the device a step ahead of Python; a sequence that ended is decoded at most
-once more and that token is dropped.
+then read back the sampled tokens that have reached the host and return the sequences that
+ended. Tokens are read when they have landed, and waited for only once READ_LAG steps old: the
+host plans and launches the next steps while the device runs, and a slow turn of the worker's
+loop (results written, jobs claimed) finds a step or two queued on the device rather than an
+idle one. A sequence that ended is decoded at most READ_LAG times more and those tokens are
+dropped (a sequence that ends at max_new_tokens is never decoded past it).
 
 The prefix cache (`kvcache.gpu_tier`, `kvcache.tiers`) adds to a step: disk reads started for waiting
 sequences, restores from the host / disk tier queued for newly admitted ones, copies down for the
@@ -20,7 +23,6 @@ import gc
 import logging
 import random
 import traceback
-from collections import deque
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
@@ -30,7 +32,7 @@ import torch
 
 from wicore.engines.base import Completion, Engine, EngineConfig, EngineRequest, aborted, failed, is_out_of_memory
 from wicore.engines.checkpoint import load_processor, torch_dtype
-from wicore.engines.fast.device_handles import Readback
+from wicore.engines.fast.device_handles import Readbacks
 from wicore.engines.fast.engine_stats import EngineStats
 from wicore.engines.fast.image_stage import ImageStage
 from wicore.engines.fast.kv_budget import plan_pages
@@ -49,10 +51,12 @@ from wicore.engines.kvcache.prefix_keys import PromptKeyer, model_fingerprint
 from wicore.engines.pending import Pending
 from wicore.engines.text import finish_sequence, first_stop, stop_token_ids
 from wicore.errors import JobInputError, PromptTooLong
+from wicore.ops.image_preprocess import PreprocessSpec
 
 log = logging.getLogger(__name__)
 VISION_IN_FLIGHT = 2  # vision batches queued on the side stream at once (double buffering)
 IDLE_WAIT_S = 0.02  # longest wait inside a step that launched nothing
+READ_LAG = 2  # a step's tokens are waited for once this many later steps have launched
 
 
 class FastEngine(Engine):
@@ -102,7 +106,7 @@ class FastEngine(Engine):
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="wicore-pixels") if threads else None
         self.rng = random.Random(config.seed)  # seeds for sampled requests that bring none
         self.images = ImageStage(self.runner, self.inputs, self.pool, opts.vision_cache_bytes)
-        self.readbacks: deque[Readback] = deque()
+        self.readbacks = Readbacks()
         self.counters = EngineStats()
 
     def _device_state(self, parts, device) -> tuple[ModelRunner, BlockManager]:
@@ -123,7 +127,7 @@ class FastEngine(Engine):
             paged_suffix=opts.paged_prefill_tokens,
         )
         if opts.compile_vision:
-            runner.compile_vision(opts.vision_batch_size)
+            runner.compile_vision(opts.vision_batch_size, opts.vision_compile_mode)
         if opts.compile_text:
             runner.compile_text()
         num_pages = plan_pages(
@@ -169,6 +173,9 @@ class FastEngine(Engine):
 
     def num_unfinished(self) -> int:
         return self.planner.num_unfinished
+
+    def pixel_spec(self) -> PreprocessSpec:
+        return self.inputs.pixel_spec
 
     def abort(self, request_ids: Iterable[str]) -> list[Completion]:
         """Stop requests between steps: a waiting one leaves the queue, an admitted one gives its
@@ -247,29 +254,29 @@ class FastEngine(Engine):
         # Decode first: the device runs it while the host launches the prefill (a short
         # prefix-cached prefill costs more host time than device time).
         launched = 0
+        step = self.counters.steps
         if decode:
             readback, graphed = self.runner.decode(decode)
-            self.readbacks.append(readback)
+            self.readbacks.add(step, readback)
             self.counters.record_decode(len(decode), graphed)
             launched += 1
         if prefill:  # its sequences decode from the next step on
-            self.readbacks.append(self.runner.prefill(prefill))
+            self.readbacks.add(step, self.runner.prefill(prefill))
             self.counters.record_prefill(prefill)
             self.planner.prefilled(prefill)
             done += [self._abort(seq) for seq in prefill if seq.abort_requested]
             launched += 1
-        finished = self._read_tokens(keep=launched, done=done)
+        finished = self._read_tokens(step - READ_LAG, done)
         if not launched and not finished:
             self._wait_for_work()
         self.counters.steps += 1
         self.runner.clock.collect()  # fold finished GPU timings in; keeps the pending list short
 
-    def _read_tokens(self, keep: int, done: list[Completion]) -> int:
-        """Process every readback but the newest `keep` (those launched this step); returns
-        how many sequences ended."""
+    def _read_tokens(self, due: int, done: list[Completion]) -> int:
+        """Process the readbacks whose tokens have landed, oldest first, waiting for those
+        launched in step `due` or before; returns how many sequences ended."""
         ended = 0
-        while len(self.readbacks) > keep:
-            readback = self.readbacks.popleft()
+        for readback in self.readbacks.landed(due):
             for seq, token in zip(readback.seqs, readback.tokens(), strict=True):
                 if not seq.ended and self._append(seq, token):
                     done.append(self._finish(seq))
@@ -306,7 +313,7 @@ class FastEngine(Engine):
         if self.images.num_queued:
             self.images.wait(IDLE_WAIT_S)
         elif self.readbacks:
-            self.readbacks[0].tokens()
+            self.readbacks.wait_oldest()
         elif self.planner.waiting:
             self.planner.waiting[0].vision.pixels.wait(IDLE_WAIT_S)  # FIFO: the head decides
 

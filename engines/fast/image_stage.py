@@ -3,7 +3,8 @@
 - At `add`: one cache lookup for every image of the call (local LRU, then the shared store the
   worker attached, e.g. Redis); a sequence whose images are all cached skips pixels and the
   vision tower. Others get their images resized in the pool (uint8; the model runner applies
-  the pixel lookup table on the device), one job per distinct image.
+  the pixel lookup table on the device), one job per distinct image, unless they came resized
+  (the worker's decode processes, `FastEngine.pixel_spec`).
 - At launch: a sequence whose images are already being encoded (another question about the
   same image) attaches to that vision batch; repeated images inside a batch are encoded once.
 - At completion: the new embeddings go into the cache.
@@ -26,6 +27,7 @@ from wicore.engines.fast.sequence import SeqStatus, Sequence
 from wicore.engines.pending import Pending
 from wicore.engines.vision_cache import EmbeddingStore, LocalVisionCache, VisionCache
 from wicore.errors import JobInputError
+from wicore.ops.image_preprocess import is_resized
 
 
 class ImageStage:
@@ -65,7 +67,7 @@ class ImageStage:
         """The sequence's resized images, uint8 [num_images, H, W, 3] (made in the pool)."""
         if not seq.num_images:
             return Pending.now(self.inputs.resized([]))
-        if self.pool is None:
+        if self.pool is None or is_resized(seq.request.images):  # resized by the caller: nothing to do
             try:
                 return Pending.now(self.inputs.resized(seq.request.images))
             except Exception as error:

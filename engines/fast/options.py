@@ -66,6 +66,12 @@ class FastOptions(BaseModel):
         description="Inductor for the vision tower's full batches. Default: on CUDA only, where the fused kernels "
         "pay for the ~1 minute of compiling at start-up.",
     )
+    vision_compile_mode: Literal["default", "max-autotune-no-cudagraphs"] = Field(
+        "default",
+        description="torch.compile mode of the vision tower (with compile_vision). max-autotune-no-cudagraphs also "
+        "benchmarks Triton kernels for the tower's GEMMs at start-up (~2 min more on an H200; inductor caches the "
+        "choices): the tower alone ran 77 images/s against ~73 (docs/performance.md). Default: default.",
+    )
     compile_text: bool | None = Field(
         None, description="Inductor for the decoder layers' dense parts. Default: on CUDA only (as compile_vision)."
     )
@@ -187,6 +193,7 @@ class FastOptions(BaseModel):
             paged_prefill_tokens=_default(self.paged_prefill_tokens, 128 if cuda else 0),
             vision_batch_size=_default(self.vision_batch_size, 32 if cuda else 8),
             compile_vision=_default(self.compile_vision, cuda),
+            vision_compile_mode=self.vision_compile_mode,
             compile_text=_default(self.compile_text, cuda),
             overlap_vision=self.overlap_vision,
             vision_cache_bytes=self._vision_cache(cuda) if cache else 0,
@@ -255,6 +262,7 @@ class ResolvedFastConfig:
     paged_prefill_tokens: int
     vision_batch_size: int
     compile_vision: bool
+    vision_compile_mode: str
     compile_text: bool
     overlap_vision: bool
     vision_cache_bytes: int

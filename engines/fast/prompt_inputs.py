@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from wicore.errors import JobInputError
-from wicore.ops.image_preprocess import PreprocessSpec, resized_images
+from wicore.ops.image_preprocess import PreprocessSpec, is_resized, resized_images, stack_resized
 
 PROMPT_CACHE_SIZE = 1024
 
@@ -73,5 +73,8 @@ class InputProcessor:
 
     def resized(self, images: list) -> np.ndarray:
         """uint8 [N, H, W, 3] (N may be 0): the images as the HF image processor resizes them;
-        `pixel_spec.lut` turns them into its float32 pixel values."""
+        `pixel_spec.lut` turns them into its float32 pixel values. Images that come resized
+        (uint8 arrays, `EngineRequest.images`) are taken as they are."""
+        if is_resized(images):
+            return stack_resized(images, self.pixel_spec)
         return resized_images(images, self.pixel_spec)

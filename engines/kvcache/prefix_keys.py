@@ -80,8 +80,10 @@ def image_digests(image_hashes: list[str], images: list) -> list[str]:
 
 
 def _pixel_digest(image) -> str:
+    """A decoded PIL image's, or a resized uint8 array's (`EngineRequest.images`)."""
     try:
-        h = hashlib.sha256(f"{image.mode}|{image.size}".encode())
+        kind = f"{image.dtype}|{image.shape}" if hasattr(image, "shape") else f"{image.mode}|{image.size}"
+        h = hashlib.sha256(kind.encode())
         h.update(image.tobytes())
     except (AttributeError, ValueError, OSError) as error:
         raise JobInputError(f"cannot read an image to key the prefix cache: {error}") from error
