@@ -19,7 +19,8 @@ from wicore.bench.caption_bench import CaptionBench, CaptionRuns, caption_report
 DEMOCAP_IMAGES, DEMOCAP_SEED = 1000, 1000  # the model card's evaluation set (main renderer)
 BF16_KEYS = (
     "images_per_s", "roofline_fraction", "speedup_vs_hf_best", "speedup_vs_hf_batch1", "output_tokens_per_s",
-    "latency_p50_s", "latency_p99_s", "peak_gpu_bytes", "worker_start_s", "error_count",
+    "latency_p50_s", "latency_p99_s", "peak_gpu_bytes", "worker_start_s", "error_count", "gpu_busy_fraction",
+    "parity_vs_hf_best_batch",
 )  # fmt: skip
 PHASES = ("vision_s", "prefill_s", "decode_s", "weight_bytes")  # from the engine's stats
 
