@@ -60,14 +60,9 @@ def test_decode_processes_end_every_job_as_threads_do(redis_conn, engine, tmp_pa
     assert sum(tokens is not None for tokens, _ in in_processes) == 7
 
 
-def test_decode_processes_default_beside_a_gpu_and_never_for_an_engine_that_takes_decoded_images(
-    redis_conn, tiny_model_dir
-):
+def test_no_decode_processes_for_an_engine_that_takes_decoded_images(redis_conn, tiny_model_dir):
     from wicore.engines.reference import ReferenceEngine
-    from wicore.worker.factory import resolve_decode_processes
 
-    assert resolve_decode_processes(None, "cpu") == 0 and resolve_decode_processes(3, "cpu") == 3
-    assert 1 <= resolve_decode_processes(None, "cuda:1") <= 4 and resolve_decode_processes(0, "cuda") == 0
     reference = ReferenceEngine(EngineConfig(str(tiny_model_dir), max_batch_size=2))
     assert reference.pixel_spec() is None, "HF's processor resizes: it takes decoded images"
     worker = BatchingWorker(redis_conn, reference, WorkerConfig(MODEL, inputs=InputConfig(processes=2)))

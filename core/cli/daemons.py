@@ -46,7 +46,7 @@ def worker(
     decode_processes: int = typer.Option(
         None,
         min=0,
-        help="Processes decoding and resizing images; 0: threads [CUDA: min(4, CPUs/4); CPU: 0].",
+        help="Processes decoding and resizing images; 0: threads [default: 0].",
         show_default=False,
     ),
     name: str = typer.Option(None, help="Worker name (default: random)."),
