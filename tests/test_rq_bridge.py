@@ -54,7 +54,7 @@ def test_claim_starts_jobs_as_rq_does(redis_conn):
     worker = Worker.find_by_key(bridge.record.key, connection=redis_conn)
     assert worker.get_state() == "busy"
     assert {e.job_id for e in worker.get_current_executions()} == {"job-0", "job-1", "job-2"}
-    assert redis_conn.lrange(bridge.claims_key, 0, -1) == [b"job-0", b"job-1", b"job-2"]
+    assert bridge.claimed_ids() == ["job-0", "job-1", "job-2"]
 
 
 def test_finish_success_reads_back_through_rq(redis_conn):
@@ -74,7 +74,7 @@ def test_finish_success_reads_back_through_rq(redis_conn):
     worker = Worker.find_by_key(bridge.record.key, connection=redis_conn)
     assert worker.successful_job_count == 2 and worker.get_state() == "idle"
     assert worker.get_current_executions(refresh=True) == []
-    assert redis_conn.llen(bridge.claims_key) == 0
+    assert redis_conn.zcard(bridge.claims_key) == 0
     assert redis_conn.lrange("wicore:notify:test", 0, -1) == [b"job-0", b"job-1"]
 
 
@@ -117,7 +117,7 @@ def test_a_failure_of_a_job_canceled_while_it_ran_leaves_it_canceled(redis_conn)
     job = Job.fetch("job-0", connection=redis_conn, serializer=JSONSerializer)
     assert job.get_status() == JobStatus.CANCELED and queue.count == 0
     assert FailedJobRegistry(QUEUE, connection=redis_conn).count == 0
-    assert redis_conn.zcard("rq:executions:job-0") == 0 and redis_conn.llen(bridge.claims_key) == 0
+    assert redis_conn.zcard("rq:executions:job-0") == 0 and redis_conn.zcard(bridge.claims_key) == 0
 
 
 def test_a_claim_drops_a_cancel_request_older_than_itself(redis_conn):
@@ -161,7 +161,7 @@ def test_requeue_claims_of_a_dead_worker(redis_conn):
     queue, _ = enqueue(redis_conn, 5, retries=1)
     dead = bridge_for(redis_conn, "dead")
     dead.claim(QUEUE, 3)  # started: job-0..2
-    redis_conn.lpush(dead.claims_key, "job-3")  # claimed, never started (moved by hand)
+    redis_conn.zadd(dead.claims_key, {"job-3": 0})  # claimed first, never started (moved by hand)
     redis_conn.lrem("rq:queue:" + QUEUE, 1, "job-3")
     redis_conn.delete(dead.record.key)  # its record expired
     survivor = bridge_for(redis_conn, "alive")
@@ -173,7 +173,7 @@ def test_requeue_claims_of_a_dead_worker(redis_conn):
     assert Job.fetch("job-3", connection=redis_conn).retries_left == 1, "an unstarted job spent nothing"
     assert not redis_conn.exists(dead.claims_key)
     # requeueing twice never duplicates a queued job
-    redis_conn.rpush(dead.claims_key, "job-3")
+    redis_conn.zadd(dead.claims_key, {"job-3": 0})
     survivor.requeue(dead.claims_key, died=True, owner="dead")
     assert queue.job_ids.count("job-3") == 1
 
@@ -184,7 +184,7 @@ def test_a_dead_worker_out_of_retries_fails_its_job_and_a_live_one_is_left_alone
     dead.claim(QUEUE, 2)
     survivor = bridge_for(redis_conn, "alive")
     assert survivor.requeue(dead.claims_key, died=True, owner="dead") == -1, "its record is still there"
-    assert redis_conn.llen(dead.claims_key) == 2
+    assert redis_conn.zcard(dead.claims_key) == 2
     redis_conn.delete(dead.record.key)
     survivor.requeue(dead.claims_key, died=True, owner="dead")
     job = Job.fetch("job-0", connection=redis_conn, serializer=JSONSerializer)
@@ -243,7 +243,7 @@ def test_claim_survives_every_kind_of_malformed_job_hash(redis_conn):
     assert {c.id for c in claimed if not c.invalid} == {"job-0", "job-1", "no-origin", "bad-numbers"}
     dead = [e[1] for e in redis_conn.xrange(keys.DEAD_LETTER)]
     assert sorted(e[b"id"] for e in dead) == sorted([b"no-such-job", b"bad id!", b"\xff\x00"])
-    assert queue.count == 0 and redis_conn.llen(bridge.claims_key) == len(claimed)
+    assert queue.count == 0 and redis_conn.zcard(bridge.claims_key) == len(claimed)
 
     items = [
         Finished(c, error=c.invalid) if c.invalid else Finished(c, error="EngineError: x", retry=True) for c in claimed
@@ -251,7 +251,7 @@ def test_claim_survives_every_kind_of_malformed_job_hash(redis_conn):
     assert bridge.finish(items) == len(claimed)
     failed = FailedJobRegistry(QUEUE, connection=redis_conn)
     assert set(failed.get_job_ids()) == set(invalid) | {"job-0", "job-1", "no-origin", "bad-numbers"}
-    assert redis_conn.llen(bridge.claims_key) == 0 and redis_conn.scard(bridge.record.executions_key) == 0
+    assert redis_conn.zcard(bridge.claims_key) == 0 and redis_conn.scard(bridge.record.executions_key) == 0
     for job_id, says in (("not-json", "InvalidJob: data is not JSON"), ("pickle-meta", "InvalidJob: meta is not JSON")):
         result = Job.fetch(job_id, connection=redis_conn, serializer=JSONSerializer).latest_result()
         assert result.exc_string.startswith(says)
