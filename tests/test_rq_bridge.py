@@ -13,8 +13,15 @@ from rq.results import Result
 from rq.serializers import JSONSerializer
 from rq.worker import Worker
 
+from tests.helpers import png_bytes
 from wicore import keys
+from wicore.engines import EngineConfig
+from wicore.engines.null import NullEngine
+from wicore.producer import Producer, Submission
+from wicore.scheduler.policy import BatchPolicy
+from wicore.worker.loop import BatchingWorker
 from wicore.worker.rq_bridge import Finished, RQBridge, RQWorkerRecord
+from wicore.worker.worker_config import WorkerConfig
 
 QUEUE = "wicore.m.normal.c1.p64.n64"
 
@@ -55,6 +62,10 @@ def test_claim_starts_jobs_as_rq_does(redis_conn):
     assert worker.get_state() == "busy"
     assert {e.job_id for e in worker.get_current_executions()} == {"job-0", "job-1", "job-2"}
     assert bridge.claimed_ids() == ["job-0", "job-1", "job-2"]
+    [execution] = job.get_executions()
+    assert execution.id == claimed[0].execution_id and execution.worker_name == "w1"
+    for key in (execution.key, f"rq:executions:{job.id}", bridge.record.executions_key):
+        assert redis_conn.ttl(key) > 0, f"{key} has no TTL"
 
 
 def test_finish_success_reads_back_through_rq(redis_conn):
@@ -255,6 +266,38 @@ def test_claim_survives_every_kind_of_malformed_job_hash(redis_conn):
     for job_id, says in (("not-json", "InvalidJob: data is not JSON"), ("pickle-meta", "InvalidJob: meta is not JSON")):
         result = Job.fetch(job_id, connection=redis_conn, serializer=JSONSerializer).latest_result()
         assert result.exc_string.startswith(says)
+
+
+def test_a_batching_run_leaves_records_rq_reads(redis_conn):
+    """A worker's whole run (null engine): each job's end reads back through RQ's readers, the
+    registries hold exactly their jobs, the worker's counters add up, and every key a job left
+    behind expires."""
+    producer = Producer(redis_conn, model="records")
+    ok = producer.submit_many([Submission(png_bytes(i), f"job {i}") for i in range(6)])
+    bad = producer.submit(b"not an image", "broken")
+    engine = NullEngine(EngineConfig(model_dir="", max_batch_size=4))
+    config = WorkerConfig("records", policy=BatchPolicy(max_batch_size=4, max_queue_delay_s=0), burst=True)
+    worker = BatchingWorker(redis_conn, engine, config)
+    assert worker.run() == 7
+    jobs = {job_id: Job.fetch(job_id, connection=redis_conn, serializer=JSONSerializer) for job_id in [*ok, bad]}
+    for job_id in ok:
+        assert jobs[job_id].get_status() == JobStatus.FINISHED and jobs[job_id].return_value()["job_id"] == job_id
+        assert jobs[job_id].latest_result().worker_name == worker.name
+    assert jobs[bad].get_status() == JobStatus.FAILED and "ImageError" in jobs[bad].latest_result().exc_string
+    origins = {job.origin for job in jobs.values()}
+    finished = {i for q in origins for i in FinishedJobRegistry(q, connection=redis_conn).get_job_ids()}
+    failed = {i for q in origins for i in FailedJobRegistry(q, connection=redis_conn).get_job_ids()}
+    assert finished == set(ok) and failed == {bad}
+    assert not any(StartedJobRegistry(q, connection=redis_conn).get_job_ids() for q in origins)
+    record = Worker.find_by_key(worker.record.key, connection=redis_conn)
+    assert (record.successful_job_count, record.failed_job_count) == (6, 1)
+    assert not list(redis_conn.scan_iter("rq:execution*")), "execution records end with their jobs"
+    left = [
+        k
+        for p in ("rq:job:*", "rq:results:*", "wicore:submitted:*", "wicore:notify:*")
+        for k in redis_conn.scan_iter(p)
+    ]
+    assert len(left) >= 14 and all(redis_conn.ttl(key) > 0 for key in left)
 
 
 def test_registries_are_pruned_of_expired_entries(redis_conn):

@@ -279,6 +279,8 @@ class BatchingWorker:
         if self.config.max_jobs is not None:
             capacity = min(capacity, self.config.max_jobs - self.jobs_done - len(self.in_flight))
         self.record.set_queue_names(self.queues.names())
+        if capacity <= 0:  # no room: reading the queue heads would cost a Redis call per step for nothing
+            return False
         decision = choose(self.queues.heads(), capacity, self.config.policy, time.time())
         if isinstance(decision, Wait) and not self.in_flight:
             self._wait_for_work(min(decision.seconds, self.config.idle_wait_s))
