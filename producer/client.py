@@ -16,6 +16,7 @@ import time
 import uuid
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import TypeVar
 
 from redis import Redis
 from rq import Queue, Retry
@@ -36,6 +37,7 @@ TASK = "wicore.worker.tasks.caption"  # by name: the producer never imports the 
 ENDED = frozenset({JobStatus.FINISHED.value, JobStatus.FAILED.value, JobStatus.STOPPED.value, JobStatus.CANCELED.value})
 NO_ENTRY = "0-0"  # a stream id before every entry
 MISSING = "missing"  # the status of an id with no job in Redis (never submitted, expired or deleted)
+T = TypeVar("T")
 
 
 def result_stream(job_id: str) -> str:
@@ -159,14 +161,7 @@ class Producer:
         """One job id per submission, in order. Two round trips per chunk of `chunk` submissions
         (bounding the image bytes held in memory): claim the new ids and look up the blobs in one
         script call, then store the missing blobs and enqueue the new jobs in one transaction."""
-        ids: list[str] = []
-        batch: list[Submission] = []
-        for submission in submissions:
-            batch.append(submission)
-            if len(batch) == chunk:
-                ids += self._submit_chunk(batch)
-                batch = []
-        return ids + (self._submit_chunk(batch) if batch else [])
+        return [job_id for batch in chunks(submissions, chunk) for job_id in self._submit_chunk(batch)]
 
     def _submit_chunk(self, submissions: list[Submission]) -> list[str]:
         return self.enqueue_prepared([self.prepare(s) for s in submissions])
@@ -360,6 +355,18 @@ class Producer:
         args += [keys.NOTIFY_PREFIX, keys.CANCEL_PREFIX, keys.submitted(""), *ids]
         statuses = self._cancel(args=args)
         return {job_id: raw.decode(errors="replace") for job_id, raw in zip(ids, statuses)}
+
+
+def chunks(items: Iterable[T], size: int) -> Iterator[list[T]]:
+    """`items` in lists of `size` (the last one shorter), read lazily."""
+    batch: list[T] = []
+    for item in items:
+        batch.append(item)
+        if len(batch) == size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
 
 
 def no_such_job(job_id: str) -> UnknownJob:
