@@ -189,6 +189,19 @@ def test_requeue_claims_of_a_dead_worker(redis_conn):
     assert queue.job_ids.count("job-3") == 1
 
 
+def test_requeue_reads_the_claims_list_an_earlier_wicore_kept(redis_conn):
+    """Workers of an earlier wicore kept their claims in a list; one killed before an upgrade
+    leaves that list behind, and its jobs still go back to their queues."""
+    queue, _ = enqueue(redis_conn, 3, retries=1)
+    dead = bridge_for(redis_conn, "old")
+    dead.claim(QUEUE, 2)
+    redis_conn.delete(dead.claims_key)
+    redis_conn.rpush(dead.claims_key, "job-0", "job-1")
+    redis_conn.delete(dead.record.key)
+    assert bridge_for(redis_conn, "new").requeue(dead.claims_key, died=True, owner="old") == 2
+    assert queue.job_ids == ["job-0", "job-1", "job-2"] and not redis_conn.exists(dead.claims_key)
+
+
 def test_a_dead_worker_out_of_retries_fails_its_job_and_a_live_one_is_left_alone(redis_conn):
     enqueue(redis_conn, 2)
     dead = bridge_for(redis_conn, "dead")
