@@ -18,6 +18,7 @@ from wicore.scheduler.policy import BatchPolicy
 from wicore.scheduler.queues import BucketQueues
 from wicore.worker import rq_scripts
 from wicore.worker.loop import BatchingWorker
+from wicore.worker.redis_link import PollPace
 from wicore.worker.rq_bridge import Finished, RQBridge, RQWorkerRecord
 from wicore.worker.worker_config import WorkerConfig
 
@@ -114,3 +115,12 @@ def test_a_worker_run_stays_within_12_commands_a_job(connection):
     assert run.total <= WORKER_RUN_PER_JOB * n, f"{run.total / n:.2f} commands a job: {run.by_name}"
     statuses = {connection.hget(f"rq:job:{job_id}", "status") for job_id in ids}
     assert statuses == {b"finished"}
+
+
+def test_cancel_polls_follow_engine_steps_not_loop_turns():
+    """The worker reads its cancel set once per engine step; turns that only wait for images poll
+    at most every `every_s`, however many there are."""
+    pace = PollPace(every_s=3600)
+    assert pace.due() and not pace.due() and not pace.due()
+    pace.stepped = True
+    assert pace.due() and not pace.due()

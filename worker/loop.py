@@ -41,7 +41,7 @@ from wicore.worker.engine_gate import EngineGate
 from wicore.worker.job_inputs import InputLoader, deadline_message, parse_payloads
 from wicore.worker.liveness import Heartbeat, reap_dead_workers, take_over_name
 from wicore.worker.metrics import WorkerMetrics
-from wicore.worker.redis_link import REDIS_DOWN, Backoff
+from wicore.worker.redis_link import REDIS_DOWN, Backoff, PollPace
 from wicore.worker.results import caption_result
 from wicore.worker.rq_bridge import Claimed, Finished, RQBridge, RQWorkerRecord
 from wicore.worker.worker_config import InFlight, WorkerConfig, WorkerState
@@ -66,6 +66,7 @@ class BatchingWorker:
         self.unwritten: list[Finished] = []  # ended here, not yet written to Redis
         self.metrics = WorkerMetrics(config.model_id)
         self.batch_log = BatchLog()
+        self.cancel_polls = PollPace()
         self.jobs_done = 0
         self.stopping = False
         self.state = WorkerState.STARTING
@@ -121,6 +122,7 @@ class BatchingWorker:
     def _step(self) -> list[Completion]:
         batch, start = self.engine.num_unfinished(), time.perf_counter()
         done = self.gate.step()
+        self.cancel_polls.stepped = True
         self.metrics.stepped(batch, time.perf_counter() - start)
         self.metrics.in_hand(self.engine.num_unfinished(), len(self._loading()))
         return done
@@ -206,10 +208,11 @@ class BatchingWorker:
         set). One not yet in the engine (its image unread or loading) ends now; one in the
         engine gate is aborted there (`EngineGate.abort`: a request waiting in the gate stops at
         once, one in the engine at once or from a later step) and ends when it comes back. Either
-        ends canceled, with no result. One SPOP a loop iteration while jobs are in hand; a failed
+        ends canceled, with no result. One SPOP per engine step while jobs are in hand (every 50 ms
+        while they only load: `PollPace`); a failed
         SPOP is an outage like any other (a request lost with its reply costs only work: the
         settle script writes no result for a canceled job)."""
-        if not self.in_flight:
+        if not (self.in_flight and self.cancel_polls.due()):
             return
         taken = {raw.decode() for raw in self.connection.spop(keys.cancel(self.name), CANCELS_PER_TAKE) or []}
         held = [self.in_flight[job_id] for job_id in taken if job_id in self.in_flight]
