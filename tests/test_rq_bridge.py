@@ -217,9 +217,9 @@ def test_a_dead_worker_out_of_retries_fails_its_job_and_a_live_one_is_left_alone
 
 
 def test_finish_is_idempotent_and_skips_jobs_it_no_longer_holds(redis_conn):
-    enqueue(redis_conn, 3)
+    enqueue(redis_conn, 4)
     bridge = bridge_for(redis_conn)
-    a, b, c = bridge.claim(QUEUE, 3)
+    a, b, c, d = bridge.claim(QUEUE, 4)
     assert bridge.finish([Finished(a, result={"text": "once"})]) == 1
     assert bridge.finish([Finished(a, result={"text": "twice"})]) == 0, "written already"
     assert redis_conn.xlen("rq:results:job-0") == 1
@@ -227,6 +227,8 @@ def test_finish_is_idempotent_and_skips_jobs_it_no_longer_holds(redis_conn):
     assert bridge.finish([Finished(b, result={"text": "late"}), Finished(c, error="ImageError: x")]) == 1
     assert Job.fetch("job-1", connection=redis_conn).get_status() == JobStatus.QUEUED
     assert redis_conn.xlen("rq:results:job-1") == 0
+    assert bridge.finish([Finished(d, result={"text": "d"}), Finished(d, result={"text": "d again"})]) == 1
+    assert redis_conn.xlen("rq:results:job-3") == 1, "an id given twice in one call is written once"
 
 
 def test_claim_survives_every_kind_of_malformed_job_hash(redis_conn):

@@ -282,8 +282,12 @@ local function settle(i)
     defer_once('EXPIRE', notify, notify_ttl)
   end
 end
+local settled = {}
 for j = 1, #ids do
-  if held[j] then settle(6 + (j - 1) * 8) end
+  if held[j] and not settled[ids[j]] then  -- an id given twice is settled once
+    settled[ids[j]] = true
+    settle(6 + (j - 1) * 8)
+  end
 end
 flush()
 if ok > 0 then redis.call('HINCRBY', KEYS[3], 'successful_job_count', ok) end
