@@ -25,7 +25,7 @@ import json
 import logging
 import signal
 import time
-from concurrent.futures import FIRST_COMPLETED, wait
+from concurrent.futures import wait
 
 from redis import Redis
 from rq.serializers import JSONSerializer
@@ -113,8 +113,9 @@ class BatchingWorker:
         self._hand_over_loaded()
         if self.gate.busy():
             self._collect(self._step())
-        elif self._loading():
-            wait([f.loading for f in self._loading()], timeout=0.01, return_when=FIRST_COMPLETED)
+        elif loading := self._loading():  # the oldest claim reaches the engine once all its images are in
+            oldest = min(f.batch for f in loading)
+            wait([f.loading for f in loading if f.batch == oldest], timeout=0.01)
         else:
             return False
         return True
