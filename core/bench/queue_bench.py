@@ -110,7 +110,11 @@ def write_results(report: dict, folder: Path) -> list[Path]:
         f"wicore batching worker (batch {report['batch_size']})": report["batch_jobs_per_s"],
         "RQ SimpleWorker": report["rq_jobs_per_s"],
     }
-    title = f"{report['jobs']} jobs, null engine: {report['ratio']:.1f}x plain RQ"
+    title = (
+        f"{report['jobs']} jobs, null engine: {report['ratio']:.1f}x plain RQ\n"
+        f"Redis a job: {report['batch_commands_per_job']:.1f} vs {report['rq_commands_per_job']:.1f} commands, "
+        f"{report['batch_redis_cpu_us_per_job']:.0f} vs {report['rq_redis_cpu_us_per_job']:.0f} us CPU"
+    )
     return write_report(report, folder / f"queue-{os.cpu_count()}cpu", title, bars, "jobs / s")
 
 
