@@ -210,9 +210,9 @@ class BatchingWorker:
         engine gate is aborted there (`EngineGate.abort`: a request waiting in the gate stops at
         once, one in the engine at once or from a later step) and ends when it comes back. Either
         ends canceled, with no result. One SPOP per engine step while jobs are in hand (every 50 ms
-        while they only load: `PollPace`); a failed
-        SPOP is an outage like any other (a request lost with its reply costs only work: the
-        settle script writes no result for a canceled job)."""
+        while they only load: `PollPace`); a failed SPOP is an outage like any other (a request
+        lost with its reply costs only work: the settle script writes no result for a canceled
+        job)."""
         if not (self.in_flight and self.cancel_polls.due()):
             return
         taken = {raw.decode() for raw in self.connection.spop(keys.cancel(self.name), CANCELS_PER_TAKE) or []}

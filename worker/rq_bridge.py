@@ -189,11 +189,6 @@ def exc_string(message: str) -> str:
     return b64encode(zlib.compress(message.encode(errors="replace"))).decode()
 
 
-def claimed_ids(connection: Redis, worker: str) -> list[str]:
-    """The ids a worker holds, in the order it claimed them (its claims set is scored so)."""
-    return [raw.decode(errors="replace") for raw in connection.zrange(keys.claims(worker), 0, -1)]
-
-
 # -- the bridge -----------------------------------------------------------------------------------
 
 
@@ -262,7 +257,8 @@ class RQBridge:
         return int(self._requeue(keys=script_keys, args=args))
 
     def claimed_ids(self) -> list[str]:
-        return claimed_ids(self.connection, self.record.name)
+        """The ids this worker holds, in the order it claimed them (its claims set is scored so)."""
+        return [raw.decode(errors="replace") for raw in self.connection.zrange(self.claims_key, 0, -1)]
 
     def prune_registries(self, queue_names: list[str]) -> None:
         """Drop expired entries of the finished and failed registries (RQ's own worker does this
