@@ -37,8 +37,8 @@ local function call_many(cmd, key, items)
   end
   return replies
 end
--- key: the command's key, or false for a multi-key command (DEL); a, b: the members to add (b
--- optional: ZADD's score and member).
+-- key: the command's key, or false for a multi-key command (DEL); a, b: what to add (b optional:
+-- a ZADD member after its score, or a second key to DEL).
 local function defer(cmd, key, a, b)
   local by_key = deferred[cmd]
   if not by_key then
