@@ -8,7 +8,8 @@ PREFIX = "wicore"
 BLOB = PREFIX + ":blob:{sha256}"
 # Set when a job id is first submitted; makes resubmission of the same work a no-op.
 SUBMITTED = PREFIX + ":submitted:{job_id}"
-# Jobs a worker has taken from a queue and not yet completed (a list per worker).
+# Jobs a worker has taken from a queue and not yet completed (a sorted set per worker, scored in
+# claim order).
 CLAIMS = PREFIX + ":claims:{worker}"
 # Worker names that may hold claims; the reaper walks it.
 CLAIMANTS = PREFIX + ":claimants"

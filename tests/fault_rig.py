@@ -54,13 +54,13 @@ class Workers:
 
     def kill_holding(self, name: str, wanted=bool, timeout: float = 60) -> list[str]:
         """kill -9 the worker at a moment it holds claimed jobs that `wanted(ids)` accepts: freeze
-        it (SIGSTOP), look at its claims list, kill it if it fits, else let it run a little.
+        it (SIGSTOP), look at its claims set, kill it if it fits, else let it run a little.
         Returns the job ids it held when it died."""
         process = self.processes[name]
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             process.send_signal(signal.SIGSTOP)
-            held = [i.decode() for i in self.connection.lrange(keys.claims(name), 0, -1)]
+            held = [i.decode() for i in self.connection.zrange(keys.claims(name), 0, -1)]
             if wanted(held):
                 process.send_signal(signal.SIGKILL)
                 process.wait(timeout=30)

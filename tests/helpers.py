@@ -198,3 +198,30 @@ def children_of(pid: int) -> list[int]:
 def alive(pid: int) -> bool:
     """True while `pid` exists and is not a zombie."""
     return any(p == pid and state != "Z" for p, state, _, _ in processes())
+
+
+class CommandCount:
+    """The commands a redis-server ran inside a `with` block, by name, from INFO commandstats: the
+    commands Lua scripts run count one by one, the INFO calls made here do not. Counts, not
+    timings, so the Redis budget can be pinned exactly."""
+
+    def __init__(self, connection: Redis):
+        self.connection = connection
+        self.by_name: dict[str, int] = {}
+
+    def _calls(self) -> dict[str, int]:
+        stats = self.connection.info("commandstats")
+        return {name.removeprefix("cmdstat_"): entry["calls"] for name, entry in stats.items()}
+
+    def __enter__(self) -> CommandCount:
+        self._before = self._calls()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        after = self._calls()
+        delta = {name: calls - self._before.get(name, 0) for name, calls in after.items() if name != "info"}
+        self.by_name = {name: calls for name, calls in delta.items() if calls}
+
+    @property
+    def total(self) -> int:
+        return sum(self.by_name.values())

@@ -78,7 +78,7 @@ def test_the_claim_skips_a_canceled_job_still_in_its_queue(redis_conn, reference
     worker.run()
     assert reference.requests_seen == seen
     assert Job.fetch(job_id, connection=redis_conn).get_status() == JobStatus.CANCELED
-    assert redis_conn.llen(f"rq:queue:{origin}") == 0 and redis_conn.llen(f"wicore:claims:{worker.name}") == 0
+    assert redis_conn.llen(f"rq:queue:{origin}") == 0 and redis_conn.zcard(f"wicore:claims:{worker.name}") == 0
 
 
 def cancel_once_running(redis_url: str, job_id: str, engine, batch: int) -> threading.Thread:

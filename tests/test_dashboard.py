@@ -49,6 +49,33 @@ def test_dashboard_lists_queues_workers_and_jobs(redis_conn, redis_url):
     assert "ImageError" in detail["exc_info"]
 
 
+def test_dashboard_shows_a_batch_in_flight(redis_conn, redis_url):
+    """Jobs a worker claimed in one batch show as started, with their queue's count and the
+    worker's current job, as rq-dashboard reads RQ's own records."""
+    from rq.serializers import JSONSerializer
+
+    from wicore.scheduler.queues import BucketQueues
+    from wicore.worker.dashboard import make_app
+    from wicore.worker.rq_bridge import RQBridge
+
+    ids = Producer(redis_conn, model="dash").submit_many([Submission(png_bytes(i), "x") for i in range(3)])
+    record = RQWorkerRecord([], name="dash-batch", connection=redis_conn, serializer=JSONSerializer)
+    record.register_birth()
+    [name] = BucketQueues(redis_conn, "dash").names()
+    claimed = {c.id for c in RQBridge(record).claim(name, 2)}
+
+    client = make_app(redis_url).test_client()
+    started = client.get(f"/0/data/jobs/{name}/started/8/asc/1.json").get_json()["jobs"]
+    assert {j["id"] for j in started} == claimed and all(j["started_at"] for j in started)
+    [queue] = [q for q in client.get("/0/data/queues.json").get_json()["queues"] if q["name"] == name]
+    assert (queue["count"], queue["started_job_registry_count"]) == (1, 2)
+    [worker] = [w for w in client.get("/0/data/workers.json").get_json()["workers"] if w["name"] == "dash-batch"]
+    assert worker["state"] == "busy" and worker["current_job"]["job_id"] in claimed
+    assert set(ids) - claimed == {
+        j["id"] for j in client.get(f"/0/data/jobs/{name}/queued/8/asc/1.json").get_json()["jobs"]
+    }
+
+
 # -- the guards, on the real `wicore dashboard` process ---------------------------------------
 
 REDIS_PASSWORD = "redis-Secret-4711"

@@ -82,7 +82,7 @@ def claims_with_executions(connection: Redis) -> dict[str, tuple[str, str]]:
 
     def holding() -> bool:
         for name in NAMES:
-            for raw in connection.lrange(keys.claims(name), 0, -1):
+            for raw in connection.zrange(keys.claims(name), 0, -1):
                 executions = connection.zrange(f"rq:executions:{raw.decode()}", 0, -1)
                 if executions:
                     held[raw.decode()] = (name, executions[0].decode())

@@ -6,11 +6,16 @@ from __future__ import annotations
 import pytest
 from redis import Redis
 from redis.exceptions import OutOfMemoryError
+from rq import Queue, Retry
+from rq.job import Job
+from rq.serializers import JSONSerializer
 
 from tests.helpers import png_bytes
 from wicore import keys
 from wicore.embedded import EmbeddedRedis
-from wicore.producer import Producer, Submission
+from wicore.producer import Producer, ProducerConfig, Submission
+from wicore.producer.client import TASK
+from wicore.schemas import CaptionJob
 
 
 def queued_ids(connection: Redis) -> list[bytes]:
@@ -71,3 +76,49 @@ def test_cancel_own_queued_only_takes_this_producers_unstarted_jobs_whatever_the
     assert redis_conn.exists(keys.submitted(ids[2]), keys.submitted(foreign)) == 2
     assert producer.outcome(ids[1]).canceled, "an unreadable job hash still reads canceled"
     assert producer.submit(png_bytes(13), "job 3") == ids[3] and ids[3].encode() in queued_ids(redis_conn)
+
+
+def test_the_job_records_are_the_ones_rq_enqueue_many_writes(redis_conn):
+    """The producer writes RQ's job hash itself (one HSET a job, one RPUSH a queue): field for
+    field it is what `Queue.enqueue_many` writes for the same job, so RQ, rq-dashboard and
+    `Job.fetch` read it as their own."""
+    producer = Producer(redis_conn, model="m", config=ProducerConfig(retries=2))
+    submission = Submission(png_bytes(3), "compare", name="compare-me")
+    [job_id] = producer.submit_many([submission])
+    ours, [queue_key] = redis_conn.hgetall(f"rq:job:{job_id}"), list(redis_conn.scan_iter("rq:queue:*"))
+    queue = Queue(queue_key.decode().removeprefix("rq:queue:"), connection=redis_conn, serializer=JSONSerializer)
+    assert queue.job_ids == [job_id] and redis_conn.sismember("rq:queues", queue.key)
+    fetched = Job.fetch(job_id, connection=redis_conn, serializer=JSONSerializer)
+    redis_conn.delete(f"rq:job:{job_id}", queue.key)
+    config = producer.config
+    data = Queue.prepare_data(
+        TASK,
+        args=fetched.args,  # the payload carries its submission time: the same one
+        job_id=job_id,
+        timeout=config.job_timeout_s,
+        result_ttl=config.result_ttl_s,
+        failure_ttl=config.failure_ttl_s,
+        retry=Retry(max=config.retries),
+        meta={"notify": producer.notify_key},
+        description="caption compare-me",
+    )
+    queue.enqueue_many([data])
+    theirs = redis_conn.hgetall(f"rq:job:{job_id}")
+    stamps = {b"created_at", b"enqueued_at"}
+    assert {k: v for k, v in ours.items() if k not in stamps} == {k: v for k, v in theirs.items() if k not in stamps}
+    assert set(ours) == set(theirs) and queue.job_ids == [job_id]
+    assert CaptionJob.model_validate(fetched.args[0]).job_id == job_id and fetched.retries_left == 2
+
+
+def test_resubmitting_a_failed_job_starts_from_a_fresh_record(redis_conn):
+    """A failed job keeps its hash for failure_ttl; submitting the work again enqueues it anew,
+    without the old run's fields or the TTL its failure set."""
+    producer = Producer(redis_conn, model="m")
+    job_id = producer.submit(png_bytes(4), "again")
+    key = f"rq:job:{job_id}"
+    redis_conn.hset(key, mapping={"status": "failed", "ended_at": "2020-01-01T00:00:00.000000Z"})
+    redis_conn.expire(key, 60)
+    redis_conn.delete(keys.submitted(job_id), *redis_conn.scan_iter("rq:queue:*"))  # as the failure left it
+    assert producer.submit(png_bytes(4), "again") == job_id
+    assert redis_conn.hget(key, "status") == b"queued" and not redis_conn.hget(key, "ended_at")
+    assert redis_conn.ttl(key) == -1 and queued_ids(redis_conn) == [job_id.encode()]

@@ -13,8 +13,15 @@ from rq.results import Result
 from rq.serializers import JSONSerializer
 from rq.worker import Worker
 
+from tests.helpers import png_bytes
 from wicore import keys
+from wicore.engines import EngineConfig
+from wicore.engines.null import NullEngine
+from wicore.producer import Producer, Submission
+from wicore.scheduler.policy import BatchPolicy
+from wicore.worker.loop import BatchingWorker
 from wicore.worker.rq_bridge import Finished, RQBridge, RQWorkerRecord
+from wicore.worker.worker_config import WorkerConfig
 
 QUEUE = "wicore.m.normal.c1.p64.n64"
 
@@ -54,7 +61,11 @@ def test_claim_starts_jobs_as_rq_does(redis_conn):
     worker = Worker.find_by_key(bridge.record.key, connection=redis_conn)
     assert worker.get_state() == "busy"
     assert {e.job_id for e in worker.get_current_executions()} == {"job-0", "job-1", "job-2"}
-    assert redis_conn.lrange(bridge.claims_key, 0, -1) == [b"job-0", b"job-1", b"job-2"]
+    assert bridge.claimed_ids() == ["job-0", "job-1", "job-2"]
+    [execution] = job.get_executions()
+    assert execution.id == claimed[0].execution_id and execution.worker_name == "w1"
+    for key in (execution.key, f"rq:executions:{job.id}", bridge.record.executions_key):
+        assert redis_conn.ttl(key) > 0, f"{key} has no TTL"
 
 
 def test_finish_success_reads_back_through_rq(redis_conn):
@@ -74,7 +85,7 @@ def test_finish_success_reads_back_through_rq(redis_conn):
     worker = Worker.find_by_key(bridge.record.key, connection=redis_conn)
     assert worker.successful_job_count == 2 and worker.get_state() == "idle"
     assert worker.get_current_executions(refresh=True) == []
-    assert redis_conn.llen(bridge.claims_key) == 0
+    assert redis_conn.zcard(bridge.claims_key) == 0
     assert redis_conn.lrange("wicore:notify:test", 0, -1) == [b"job-0", b"job-1"]
 
 
@@ -117,7 +128,7 @@ def test_a_failure_of_a_job_canceled_while_it_ran_leaves_it_canceled(redis_conn)
     job = Job.fetch("job-0", connection=redis_conn, serializer=JSONSerializer)
     assert job.get_status() == JobStatus.CANCELED and queue.count == 0
     assert FailedJobRegistry(QUEUE, connection=redis_conn).count == 0
-    assert redis_conn.zcard("rq:executions:job-0") == 0 and redis_conn.llen(bridge.claims_key) == 0
+    assert redis_conn.zcard("rq:executions:job-0") == 0 and redis_conn.zcard(bridge.claims_key) == 0
 
 
 def test_a_claim_drops_a_cancel_request_older_than_itself(redis_conn):
@@ -161,7 +172,7 @@ def test_requeue_claims_of_a_dead_worker(redis_conn):
     queue, _ = enqueue(redis_conn, 5, retries=1)
     dead = bridge_for(redis_conn, "dead")
     dead.claim(QUEUE, 3)  # started: job-0..2
-    redis_conn.lpush(dead.claims_key, "job-3")  # claimed, never started (moved by hand)
+    redis_conn.zadd(dead.claims_key, {"job-3": 0})  # claimed first, never started (moved by hand)
     redis_conn.lrem("rq:queue:" + QUEUE, 1, "job-3")
     redis_conn.delete(dead.record.key)  # its record expired
     survivor = bridge_for(redis_conn, "alive")
@@ -173,9 +184,22 @@ def test_requeue_claims_of_a_dead_worker(redis_conn):
     assert Job.fetch("job-3", connection=redis_conn).retries_left == 1, "an unstarted job spent nothing"
     assert not redis_conn.exists(dead.claims_key)
     # requeueing twice never duplicates a queued job
-    redis_conn.rpush(dead.claims_key, "job-3")
+    redis_conn.zadd(dead.claims_key, {"job-3": 0})
     survivor.requeue(dead.claims_key, died=True, owner="dead")
     assert queue.job_ids.count("job-3") == 1
+
+
+def test_requeue_reads_the_claims_list_an_earlier_wicore_kept(redis_conn):
+    """Workers of an earlier wicore kept their claims in a list; one killed before an upgrade
+    leaves that list behind, and its jobs still go back to their queues."""
+    queue, _ = enqueue(redis_conn, 3, retries=1)
+    dead = bridge_for(redis_conn, "old")
+    dead.claim(QUEUE, 2)
+    redis_conn.delete(dead.claims_key)
+    redis_conn.rpush(dead.claims_key, "job-0", "job-1")
+    redis_conn.delete(dead.record.key)
+    assert bridge_for(redis_conn, "new").requeue(dead.claims_key, died=True, owner="old") == 2
+    assert queue.job_ids == ["job-0", "job-1", "job-2"] and not redis_conn.exists(dead.claims_key)
 
 
 def test_a_dead_worker_out_of_retries_fails_its_job_and_a_live_one_is_left_alone(redis_conn):
@@ -184,7 +208,7 @@ def test_a_dead_worker_out_of_retries_fails_its_job_and_a_live_one_is_left_alone
     dead.claim(QUEUE, 2)
     survivor = bridge_for(redis_conn, "alive")
     assert survivor.requeue(dead.claims_key, died=True, owner="dead") == -1, "its record is still there"
-    assert redis_conn.llen(dead.claims_key) == 2
+    assert redis_conn.zcard(dead.claims_key) == 2
     redis_conn.delete(dead.record.key)
     survivor.requeue(dead.claims_key, died=True, owner="dead")
     job = Job.fetch("job-0", connection=redis_conn, serializer=JSONSerializer)
@@ -193,9 +217,9 @@ def test_a_dead_worker_out_of_retries_fails_its_job_and_a_live_one_is_left_alone
 
 
 def test_finish_is_idempotent_and_skips_jobs_it_no_longer_holds(redis_conn):
-    enqueue(redis_conn, 3)
+    enqueue(redis_conn, 4)
     bridge = bridge_for(redis_conn)
-    a, b, c = bridge.claim(QUEUE, 3)
+    a, b, c, d = bridge.claim(QUEUE, 4)
     assert bridge.finish([Finished(a, result={"text": "once"})]) == 1
     assert bridge.finish([Finished(a, result={"text": "twice"})]) == 0, "written already"
     assert redis_conn.xlen("rq:results:job-0") == 1
@@ -203,6 +227,8 @@ def test_finish_is_idempotent_and_skips_jobs_it_no_longer_holds(redis_conn):
     assert bridge.finish([Finished(b, result={"text": "late"}), Finished(c, error="ImageError: x")]) == 1
     assert Job.fetch("job-1", connection=redis_conn).get_status() == JobStatus.QUEUED
     assert redis_conn.xlen("rq:results:job-1") == 0
+    assert bridge.finish([Finished(d, result={"text": "d"}), Finished(d, result={"text": "d again"})]) == 1
+    assert redis_conn.xlen("rq:results:job-3") == 1, "an id given twice in one call is written once"
 
 
 def test_claim_survives_every_kind_of_malformed_job_hash(redis_conn):
@@ -243,7 +269,7 @@ def test_claim_survives_every_kind_of_malformed_job_hash(redis_conn):
     assert {c.id for c in claimed if not c.invalid} == {"job-0", "job-1", "no-origin", "bad-numbers"}
     dead = [e[1] for e in redis_conn.xrange(keys.DEAD_LETTER)]
     assert sorted(e[b"id"] for e in dead) == sorted([b"no-such-job", b"bad id!", b"\xff\x00"])
-    assert queue.count == 0 and redis_conn.llen(bridge.claims_key) == len(claimed)
+    assert queue.count == 0 and redis_conn.zcard(bridge.claims_key) == len(claimed)
 
     items = [
         Finished(c, error=c.invalid) if c.invalid else Finished(c, error="EngineError: x", retry=True) for c in claimed
@@ -251,10 +277,42 @@ def test_claim_survives_every_kind_of_malformed_job_hash(redis_conn):
     assert bridge.finish(items) == len(claimed)
     failed = FailedJobRegistry(QUEUE, connection=redis_conn)
     assert set(failed.get_job_ids()) == set(invalid) | {"job-0", "job-1", "no-origin", "bad-numbers"}
-    assert redis_conn.llen(bridge.claims_key) == 0 and redis_conn.scard(bridge.record.executions_key) == 0
+    assert redis_conn.zcard(bridge.claims_key) == 0 and redis_conn.scard(bridge.record.executions_key) == 0
     for job_id, says in (("not-json", "InvalidJob: data is not JSON"), ("pickle-meta", "InvalidJob: meta is not JSON")):
         result = Job.fetch(job_id, connection=redis_conn, serializer=JSONSerializer).latest_result()
         assert result.exc_string.startswith(says)
+
+
+def test_a_batching_run_leaves_records_rq_reads(redis_conn):
+    """A worker's whole run (null engine): each job's end reads back through RQ's readers, the
+    registries hold exactly their jobs, the worker's counters add up, and every key a job left
+    behind expires."""
+    producer = Producer(redis_conn, model="records")
+    ok = producer.submit_many([Submission(png_bytes(i), f"job {i}") for i in range(6)])
+    bad = producer.submit(b"not an image", "broken")
+    engine = NullEngine(EngineConfig(model_dir="", max_batch_size=4))
+    config = WorkerConfig("records", policy=BatchPolicy(max_batch_size=4, max_queue_delay_s=0), burst=True)
+    worker = BatchingWorker(redis_conn, engine, config)
+    assert worker.run() == 7
+    jobs = {job_id: Job.fetch(job_id, connection=redis_conn, serializer=JSONSerializer) for job_id in [*ok, bad]}
+    for job_id in ok:
+        assert jobs[job_id].get_status() == JobStatus.FINISHED and jobs[job_id].return_value()["job_id"] == job_id
+        assert jobs[job_id].latest_result().worker_name == worker.name
+    assert jobs[bad].get_status() == JobStatus.FAILED and "ImageError" in jobs[bad].latest_result().exc_string
+    origins = {job.origin for job in jobs.values()}
+    finished = {i for q in origins for i in FinishedJobRegistry(q, connection=redis_conn).get_job_ids()}
+    failed = {i for q in origins for i in FailedJobRegistry(q, connection=redis_conn).get_job_ids()}
+    assert finished == set(ok) and failed == {bad}
+    assert not any(StartedJobRegistry(q, connection=redis_conn).get_job_ids() for q in origins)
+    record = Worker.find_by_key(worker.record.key, connection=redis_conn)
+    assert (record.successful_job_count, record.failed_job_count) == (6, 1)
+    assert not list(redis_conn.scan_iter("rq:execution*")), "execution records end with their jobs"
+    left = [
+        k
+        for p in ("rq:job:*", "rq:results:*", "wicore:submitted:*", "wicore:notify:*")
+        for k in redis_conn.scan_iter(p)
+    ]
+    assert len(left) >= 14 and all(redis_conn.ttl(key) > 0 for key in left)
 
 
 def test_registries_are_pruned_of_expired_entries(redis_conn):

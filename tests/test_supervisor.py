@@ -75,9 +75,9 @@ def test_a_killed_worker_comes_back_and_no_job_is_lost(tmp_path, server, tiny_mo
         first = wait_for_workers(connection, supervisor, log)
         group = process_group(first["sup-0"])
         before = submit(server.url, write_images(tmp_path / "before", 12), new_tokens=48)
-        wait_until(lambda: connection.llen(keys.claims("sup-0")) > 0, 120, 0.05, "sup-0 to hold jobs")
+        wait_until(lambda: connection.zcard(keys.claims("sup-0")) > 0, 120, 0.05, "sup-0 to hold jobs")
         os.kill(first["sup-0"], signal.SIGKILL)
-        held = connection.lrange(keys.claims("sup-0"), 0, -1)
+        held = connection.zrange(keys.claims("sup-0"), 0, -1)
         assert held, "the kill landed while sup-0 held jobs: only the reaping path can bring them back"
         after = submit(server.url, write_images(tmp_path / "after", 6, start=12), new_tokens=48)
 
@@ -92,7 +92,7 @@ def test_a_killed_worker_comes_back_and_no_job_is_lost(tmp_path, server, tiny_mo
         wait_until(finished, 300, 0.5, "every job to finish")
         assert all(connection.xlen(f"rq:results:{job_id}") == 1 for job_id in ids), "each job ran to its end once"
         assert {h.decode() for h in held} <= set(before)
-        assert connection.llen(keys.claims("sup-0")) == connection.llen(keys.claims("sup-1")) == 0
+        assert connection.zcard(keys.claims("sup-0")) == connection.zcard(keys.claims("sup-1")) == 0
     finally:
         supervisor.send_signal(signal.SIGTERM)
         code = supervisor.wait(timeout=120)
@@ -126,15 +126,15 @@ def test_sigterm_twice_stops_every_worker_at_once_and_their_jobs_go_back(tmp_pat
                                   "--batch-size", "2")  # fmt: skip
     pids = wait_for_workers(connection, supervisor, log)
     ids = submit(server.url, write_images(tmp_path / "imgs", 8), new_tokens=400)  # batches of many seconds
-    holding = lambda: all(connection.llen(keys.claims(name)) for name in pids)  # noqa: E731
+    holding = lambda: all(connection.zcard(keys.claims(name)) for name in pids)  # noqa: E731
     wait_until(holding, 120, 0.05, "both workers to hold jobs")
-    held = [job_id.decode() for name in pids for job_id in connection.lrange(keys.claims(name), 0, -1)]
+    held = [job_id.decode() for name in pids for job_id in connection.zrange(keys.claims(name), 0, -1)]
     supervisor.send_signal(signal.SIGTERM)  # warm: the workers would finish these first ...
     supervisor.send_signal(signal.SIGINT)  # ... but the second signal asks for a cold stop
     assert supervisor.wait(timeout=120) == 0, log.read_text()[-3000:]
 
     assert not any(alive(pid) for pid in pids.values()) and children_of(supervisor.pid) == []
-    assert all(connection.llen(keys.claims(name)) == 0 for name in pids)
+    assert all(connection.zcard(keys.claims(name)) == 0 for name in pids)
     assert set(statuses(connection, held)) == {JobStatus.QUEUED}, "the jobs in hand are back in their queue"
     assert set(statuses(connection, ids)) == {JobStatus.QUEUED}, "nothing ran to its end"
     assert "cold shutdown, returning" in log.read_text()

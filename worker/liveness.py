@@ -86,7 +86,7 @@ class Heartbeat(threading.Thread):
 
 def reap_dead_workers(connection: Redis, bridge: RQBridge) -> int:
     """Requeue the claims of every claimant whose worker key has expired. Safe to run from
-    several workers at once: each claims list is handled in one atomic script, and not at all if
+    several workers at once: each claims set is handled in one atomic script, and not at all if
     its worker has registered again meanwhile."""
     handled = 0
     for raw in connection.smembers(keys.CLAIMANTS):

@@ -25,7 +25,7 @@ import json
 import logging
 import signal
 import time
-from concurrent.futures import FIRST_COMPLETED, wait
+from concurrent.futures import wait
 
 from redis import Redis
 from rq.serializers import JSONSerializer
@@ -41,7 +41,7 @@ from wicore.worker.engine_gate import EngineGate
 from wicore.worker.job_inputs import InputLoader, deadline_message, parse_payloads
 from wicore.worker.liveness import Heartbeat, reap_dead_workers, take_over_name
 from wicore.worker.metrics import WorkerMetrics
-from wicore.worker.redis_link import REDIS_DOWN, Backoff
+from wicore.worker.redis_link import REDIS_DOWN, Backoff, PollPace
 from wicore.worker.results import caption_result
 from wicore.worker.rq_bridge import Claimed, Finished, RQBridge, RQWorkerRecord
 from wicore.worker.worker_config import InFlight, WorkerConfig, WorkerState
@@ -66,6 +66,7 @@ class BatchingWorker:
         self.unwritten: list[Finished] = []  # ended here, not yet written to Redis
         self.metrics = WorkerMetrics(config.model_id)
         self.batch_log = BatchLog()
+        self.cancel_polls = PollPace()
         self.jobs_done = 0
         self.stopping = False
         self.state = WorkerState.STARTING
@@ -112,8 +113,9 @@ class BatchingWorker:
         self._hand_over_loaded()
         if self.gate.busy():
             self._collect(self._step())
-        elif self._loading():
-            wait([f.loading for f in self._loading()], timeout=0.01, return_when=FIRST_COMPLETED)
+        elif loading := self._loading():  # the oldest claim reaches the engine once all its images are in
+            oldest = min(f.batch for f in loading)
+            wait([f.loading for f in loading if f.batch == oldest], timeout=0.01)
         else:
             return False
         return True
@@ -121,6 +123,7 @@ class BatchingWorker:
     def _step(self) -> list[Completion]:
         batch, start = self.engine.num_unfinished(), time.perf_counter()
         done = self.gate.step()
+        self.cancel_polls.stepped = True
         self.metrics.stepped(batch, time.perf_counter() - start)
         self.metrics.in_hand(self.engine.num_unfinished(), len(self._loading()))
         return done
@@ -206,10 +209,11 @@ class BatchingWorker:
         set). One not yet in the engine (its image unread or loading) ends now; one in the
         engine gate is aborted there (`EngineGate.abort`: a request waiting in the gate stops at
         once, one in the engine at once or from a later step) and ends when it comes back. Either
-        ends canceled, with no result. One SPOP a loop iteration while jobs are in hand; a failed
-        SPOP is an outage like any other (a request lost with its reply costs only work: the
-        settle script writes no result for a canceled job)."""
-        if not self.in_flight:
+        ends canceled, with no result. One SPOP per engine step while jobs are in hand (every 50 ms
+        while they only load: `PollPace`); a failed SPOP is an outage like any other (a request
+        lost with its reply costs only work: the settle script writes no result for a canceled
+        job)."""
+        if not (self.in_flight and self.cancel_polls.due()):
             return
         taken = {raw.decode() for raw in self.connection.spop(keys.cancel(self.name), CANCELS_PER_TAKE) or []}
         held = [self.in_flight[job_id] for job_id in taken if job_id in self.in_flight]
@@ -279,6 +283,8 @@ class BatchingWorker:
         if self.config.max_jobs is not None:
             capacity = min(capacity, self.config.max_jobs - self.jobs_done - len(self.in_flight))
         self.record.set_queue_names(self.queues.names())
+        if capacity <= 0:  # no room: reading the queue heads would cost a Redis call per step for nothing
+            return False
         decision = choose(self.queues.heads(), capacity, self.config.policy, time.time())
         if isinstance(decision, Wait) and not self.in_flight:
             self._wait_for_work(min(decision.seconds, self.config.idle_wait_s))

@@ -6,6 +6,7 @@ not there right now", and how long it waits between tries. The check before it s
 from __future__ import annotations
 
 import random
+import time
 from typing import Any
 
 from redis.backoff import ExponentialWithJitterBackoff
@@ -42,3 +43,22 @@ class Backoff:
         step = min(self.most_s, self.first_s * 2**self.tries)
         self.tries += 1
         return random.uniform(step / 2, step)
+
+
+class PollPace:
+    """When a worker turn asks Redis for something it polls (its cancel set): after every engine
+    step, since a running job leaves the engine at the next step boundary, else at most every
+    `every_s`. A turn that only waits for images to load then costs Redis nothing, however long
+    the loading takes."""
+
+    def __init__(self, every_s: float = 0.05) -> None:
+        self.every_s = every_s
+        self.stepped = False
+        self._next_at = 0.0
+
+    def due(self) -> bool:
+        now = time.monotonic()
+        if not (self.stepped or now >= self._next_at):
+            return False
+        self.stepped, self._next_at = False, now + self.every_s
+        return True

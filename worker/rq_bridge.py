@@ -5,12 +5,12 @@ RQ has no API to take or finish several jobs at once, its per-job Python bookkee
 than the work of a small job, and its `Job.restore` raises on a malformed field. So every change
 to a job's records runs server-side, one Lua call per batch (worker/rq_scripts.py):
 
-- `claim`: LMOVE up to N job ids from a bucket queue into this worker's claims list and mark each
+- `claim`: LPOP up to N job ids from a bucket queue into this worker's claims set and mark each
   started exactly as RQ's worker does; ids that name no job go to a dead-letter stream, a job
   canceled while its id sat in the queue is dropped unrun, and a cancel request this worker
   holds for a claimed id (older than the claim) is dropped.
 - `finish`: results, failures, retries and cancellations; only for jobs still in this worker's
-  claims list, so it may be repeated (after a lost reply, or when Redis is back after an
+  claims set, so it may be repeated (after a lost reply, or when Redis is back after an
   outage). A job canceled while it ran (`Producer.cancel`) ends with no result, and a failure
   of it stays canceled (no retry, not counted as failed).
 - `requeue`: a dead worker's claims, or our own orphans, back to the head of their queues.
@@ -207,6 +207,8 @@ class RQBridge:
 
     def claim(self, queue_name: str, count: int) -> list[Claimed]:
         """Take and start up to `count` jobs from a bucket queue, in one round trip."""
+        if count < 1:
+            return []
         at = now()
         args = [count, self.record.name, at.timestamp(), utcformat(at), queue_name]
         args += [DEFAULT_JOB_TIMEOUT, NO_TIMEOUT_TTL, TTL_GRACE_S, *(uuid.uuid4().hex for _ in range(count))]
@@ -238,7 +240,7 @@ class RQBridge:
     def requeue(
         self, claims_key: str, job_ids: list[str] | None = None, *, died: bool, owner: str | None = None
     ) -> int:
-        """Return jobs of a claims list to the heads of their queues: `job_ids`, or the whole list
+        """Return jobs of a claims set to the heads of their queues: `job_ids`, or the whole set
         (which is then deleted). `died`: their worker died holding them, so each spends a retry
         (a job out of retries fails as WorkerDied) and a job that kills its workers ends. With
         `owner`, nothing happens if that worker is registered again (-1). Returns how many jobs
@@ -255,7 +257,8 @@ class RQBridge:
         return int(self._requeue(keys=script_keys, args=args))
 
     def claimed_ids(self) -> list[str]:
-        return [raw.decode() for raw in self.connection.lrange(self.claims_key, 0, -1)]
+        """The ids this worker holds, in the order it claimed them (its claims set is scored so)."""
+        return [raw.decode(errors="replace") for raw in self.connection.zrange(self.claims_key, 0, -1)]
 
     def prune_registries(self, queue_names: list[str]) -> None:
         """Drop expired entries of the finished and failed registries (RQ's own worker does this

@@ -3,25 +3,87 @@ one of these, run server-side, one call per batch.
 
 Nothing read from a job hash is trusted: numbers go through `tonumber` with a default, a missing
 field never reaches a string concatenation, and a job is settled only by the worker whose claims
-list still holds it (LREM returns 1), so writing a result twice is a no-op and a job requeued by
+set still holds it (ZMSCORE finds it), so writing a result twice is a no-op and a job requeued by
 a reaper is never also finished by the worker that lost it. Records follow RQ 3.0's (job hash,
 registries, executions, result stream); tests/test_rq_bridge.py reads them back with RQ.
-The scripts touch keys they compute (rq:job:<id>, ...): fine on one Redis, not on Redis Cluster.
+
+Redis commands are the budget (docs/performance.md, the queue benchmark): every command a script
+runs counts, so per job a claim spends 6 (read the job, mark it started, its execution hash and
+index with their TTLs) and a settle 5 (read status, mark it ended, the result entry and its TTL,
+the job's TTL). Whatever several jobs of a batch write to one key (registries, the claims set,
+the worker's executions index, notification lists) or delete goes out once per batch (`defer`).
+The scripts touch keys they compute (rq:job:<id>, ...): fine on one Redis, not on Redis Cluster
+(README, "Past one Redis").
 """
 
 from __future__ import annotations
 
 # Helpers shared by the scripts below (Lua has no modules in EVAL: each script starts with these).
 _LIB = """
+-- Writes gathered over a batch and sent once per command and key at `flush`, in first-use order
+-- (a notification list's EXPIRE after its RPUSH). Members go out in slices of 1000 (Lua's unpack
+-- has a stack limit); the slice is even, so ZADD's score/member pairs never split.
+local deferred, deferred_order = {}, {}
+local function call_many(cmd, key, items)
+  local replies = {}
+  for first = 1, #items, 1000 do
+    local last = math.min(first + 999, #items)
+    local reply
+    if key then reply = redis.call(cmd, key, unpack(items, first, last))
+    else reply = redis.call(cmd, unpack(items, first, last)) end
+    if type(reply) == 'table' then
+      for i = 1, last - first + 1 do replies[#replies + 1] = reply[i] end
+    end
+  end
+  return replies
+end
+-- key: the command's key, or false for a multi-key command (DEL); a, b: what to add (b optional:
+-- a ZADD member after its score, or a second key to DEL).
+local function defer(cmd, key, a, b)
+  local by_key = deferred[cmd]
+  if not by_key then
+    by_key = {}
+    deferred[cmd] = by_key
+  end
+  local entry = by_key[key or '']
+  if not entry then
+    entry = {cmd = cmd, key = key, items = {}, n = 0}
+    by_key[key or ''] = entry
+    deferred_order[#deferred_order + 1] = entry
+  end
+  entry.items[entry.n + 1] = a
+  entry.n = entry.n + 1
+  if b ~= nil then
+    entry.items[entry.n + 1] = b
+    entry.n = entry.n + 1
+  end
+end
+local function defer_once(cmd, key, value)
+  if not (deferred[cmd] and deferred[cmd][key]) then defer(cmd, key, value) end
+end
+local function flush()
+  for _, entry in ipairs(deferred_order) do call_many(entry.cmd, entry.key, entry.items) end
+  deferred, deferred_order = {}, {}
+end
+
+local function forget_execution(id, eid, origin, worker_executions)
+  local comp = id .. ':' .. eid
+  defer('DEL', false, 'rq:execution:' .. comp)
+  defer('DEL', false, 'rq:executions:' .. id)
+  defer('ZREM', 'rq:wip:' .. origin, comp)
+  defer('SREM', worker_executions, comp)
+end
+
+-- Every execution of a job, when its execution ids are not known (a dead worker's claims).
 local function forget_executions(id, origin, worker_executions)
   local index = 'rq:executions:' .. id
   for _, eid in ipairs(redis.call('ZRANGE', index, 0, -1)) do
     local comp = id .. ':' .. eid
-    redis.call('DEL', 'rq:execution:' .. comp)
-    redis.call('ZREM', 'rq:wip:' .. origin, comp)
-    redis.call('SREM', worker_executions, comp)
+    defer('DEL', false, 'rq:execution:' .. comp)
+    defer('ZREM', 'rq:wip:' .. origin, comp)
+    defer('SREM', worker_executions, comp)
   end
-  redis.call('DEL', index)
+  defer('DEL', false, index)
 end
 
 local function push(origin, id, front)
@@ -41,17 +103,22 @@ local function ttl_of(value, default)
   return math.min(math.floor(n), 315360000)
 end
 
-local function retries_left(id)
-  local n = tonumber(redis.call('HGET', 'rq:job:' .. id, 'retries_left'))
+-- A job hash's retries_left field, read defensively.
+local function retries_of(value)
+  local n = tonumber(value)
   if n == nil or n ~= n or n < 1 then return 0 end
   return math.min(math.floor(n), 1000000)
 end
 
--- `spend`: the job's retries_left goes down by one (it failed, or its worker died holding it).
-local function requeue(id, origin, now_text, front, spend)
+-- `retries`: the job's retries_left, spent by one when `spend` (it failed, or its worker died
+-- holding it).
+local function requeue(id, origin, now_text, front, spend, retries)
   local job = 'rq:job:' .. id
-  if spend then redis.call('HSET', job, 'retries_left', retries_left(id) - 1) end
-  redis.call('HSET', job, 'status', 'queued', 'enqueued_at', now_text)
+  if spend then
+    redis.call('HSET', job, 'status', 'queued', 'enqueued_at', now_text, 'retries_left', retries - 1)
+  else
+    redis.call('HSET', job, 'status', 'queued', 'enqueued_at', now_text)
+  end
   push(origin, id, front)
 end
 
@@ -70,10 +137,8 @@ local function registry_score(now, ttl)
   return now + ttl
 end
 
-local function fail(id, origin, exc, worker, eid, started, now, now_text, default_ttl)
-  local job = 'rq:job:' .. id
-  local ttl = ttl_of(redis.call('HGET', job, 'failure_ttl'), default_ttl)
-  redis.call('HSET', job, 'status', 'failed', 'ended_at', now_text)
+local function fail(id, origin, exc, worker, eid, started, now, now_text, ttl)
+  redis.call('HSET', 'rq:job:' .. id, 'status', 'failed', 'ended_at', now_text)
   local fields = {'type', 2, 'worker_name', worker, 'exc_string', exc}
   if eid ~= '' then
     for _, v in ipairs({'execution_id', eid, 'execution_started_at', started, 'execution_ended_at', now}) do
@@ -82,70 +147,80 @@ local function fail(id, origin, exc, worker, eid, started, now, now_text, defaul
   end
   add_result(id, fields, ttl)
   expire_job(id, ttl)
-  redis.call('ZADD', 'rq:failed:' .. origin, registry_score(now, ttl), id)
-  redis.call('DEL', 'wicore:submitted:' .. id)  -- resubmitting a failed job runs it again
+  defer('ZADD', 'rq:failed:' .. origin, registry_score(now, ttl), id)
+  defer('DEL', false, 'wicore:submitted:' .. id)  -- resubmitting a failed job runs it again
 end
 """
 
-# KEYS: queue, claims list, worker executions index, worker hash, claimants set, dead-letter stream,
+# KEYS: queue, claims set, worker executions index, worker hash, claimants set, dead-letter stream,
 # this worker's cancel set.
 # ARGV: count, worker name, now (unix), now (RQ text), queue name, default job timeout, TTL of a
 # job without timeout, TTL grace, then `count` fresh execution ids.
-# Takes up to `count` jobs and starts each as RQ's worker does (status, execution hash, the job's
-# executions index, the started registry, the worker's executions index). An id RQ could not have
-# made, or one with no job hash, goes to the dead-letter stream; an id whose job is no longer
-# queued (a duplicate entry, or a job canceled while its id sat in the queue) is dropped, never
-# started. A cancel request this worker holds for a claimed id predates the claim (it was for an
-# earlier run of the job) and is dropped. Returns per started job: id, execution id, data, meta,
-# origin, result_ttl ('' for a missing field).
+# Takes up to `count` jobs (one LPOP) and starts each as RQ's worker does (status, execution hash,
+# the job's executions index, the started registry, the worker's executions index); the claims
+# set (a sorted set, scored in claim order) holds each started id. An id RQ could not have made,
+# or one with no job hash, goes to the dead-letter stream; an id whose job is no longer queued (a
+# duplicate entry, or a job canceled while its id sat in the queue) is dropped, never started. A
+# cancel request this worker holds for a claimed id predates the claim (it was for an earlier run
+# of the job) and is dropped. Returns per started job: id, execution id, data, meta, origin,
+# result_ttl ('' for a missing field).
 CLAIM = (
     _LIB
     + """
 local n, worker, now, now_text, queue_name = tonumber(ARGV[1]), ARGV[2], tonumber(ARGV[3]), ARGV[4], ARGV[5]
 local default_timeout, no_timeout_ttl, grace = tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8])
 local settled = {finished = 1, failed = 1, started = 1, stopped = 1, canceled = 1, deferred = 1, scheduled = 1}
+local ids = redis.call('LPOP', KEYS[1], n)
+if not ids then return {} end
 local out, longest = {}, 0
-redis.call('SADD', KEYS[5], worker)
+local last = redis.call('ZRANGE', KEYS[2], -1, -1, 'WITHSCORES')
+local order = tonumber(last[2]) or 0
 local function dead_letter(id, reason)
-  redis.call('LREM', KEYS[2], 1, id)
   redis.call('XADD', KEYS[6], 'MAXLEN', '~', 10000, '*', 'id', id, 'queue', queue_name, 'reason', reason,
              'worker', worker, 'at', ARGV[3])
 end
-for i = 1, n do
-  local id = redis.call('LMOVE', KEYS[1], KEYS[2], 'LEFT', 'RIGHT')
-  if not id then break end
-  redis.call('SREM', KEYS[7], id)
-  local job = 'rq:job:' .. id
+-- data, meta, status, result_ttl, timeout; nil when the key holds no RQ job hash.
+local function read_job(id)
+  local f = redis.pcall('HMGET', 'rq:job:' .. id, 'data', 'meta', 'status', 'result_ttl', 'timeout', 'created_at')
+  if f.err then return nil end
+  for i = 1, 6 do if f[i] then return f end end
+  return nil
+end
+local function start(id, eid, f)
+  local comp = id .. ':' .. eid
+  local timeout = ttl_of(f[5], default_timeout)
+  local ttl = timeout + grace
+  if timeout < 0 then ttl = no_timeout_ttl end
+  if ttl > longest then longest = ttl end
+  redis.call('HSET', 'rq:job:' .. id, 'status', 'started', 'started_at', now_text, 'last_heartbeat', now_text,
+             'worker_name', worker, 'origin', queue_name)
+  redis.call('HSET', 'rq:execution:' .. comp, 'id', eid, 'job_id', id, 'created_at', now,
+             'last_heartbeat', now, 'worker_name', worker)
+  redis.call('EXPIRE', 'rq:execution:' .. comp, ttl)
+  redis.call('ZADD', 'rq:executions:' .. id, now + ttl + grace, eid)
+  redis.call('EXPIRE', 'rq:executions:' .. id, ttl + grace)
+  defer('ZADD', 'rq:wip:' .. queue_name, now + ttl, comp)
+  defer('SADD', KEYS[3], comp)
+  order = order + 1
+  defer('ZADD', KEYS[2], order, id)
+  out[#out + 1] = {id, eid, f[1] or '', f[2] or '', queue_name, f[4] or ''}
+end
+for i, id in ipairs(ids) do
+  defer('SREM', KEYS[7], id)
   if #id > 200 or not string.find(id, '^[%w_-]+$') then
     dead_letter(id, 'not a job id: RQ ids are letters, digits, _ and -')
-  elseif redis.call('EXISTS', job) == 0 then
-    dead_letter(id, 'no job hash under this id (deleted, or evicted by maxmemory)')
   else
-    local f = redis.call('HMGET', job, 'data', 'meta', 'status', 'result_ttl', 'timeout')
-    if f[3] and settled[f[3]] then
-      redis.call('LREM', KEYS[2], 1, id)
-    else
-      local eid = ARGV[8 + i]
-      local comp = id .. ':' .. eid
-      local timeout = ttl_of(f[5], default_timeout)
-      local ttl = timeout + grace
-      if timeout < 0 then ttl = no_timeout_ttl end
-      if ttl > longest then longest = ttl end
-      redis.call('HSET', job, 'status', 'started', 'started_at', now_text, 'last_heartbeat', now_text,
-                 'worker_name', worker, 'origin', queue_name)
-      redis.call('PERSIST', job)
-      redis.call('HSET', 'rq:execution:' .. comp, 'id', eid, 'job_id', id, 'created_at', now,
-                 'last_heartbeat', now, 'worker_name', worker)
-      redis.call('EXPIRE', 'rq:execution:' .. comp, ttl)
-      redis.call('ZADD', 'rq:executions:' .. id, now + ttl + grace, eid)
-      redis.call('EXPIRE', 'rq:executions:' .. id, ttl + grace)
-      redis.call('ZADD', 'rq:wip:' .. queue_name, now + ttl, comp)
-      redis.call('SADD', KEYS[3], comp)
-      out[#out + 1] = {id, eid, f[1] or '', f[2] or '', queue_name, f[4] or ''}
+    local f = read_job(id)
+    if not f then
+      dead_letter(id, 'no job hash under this id (deleted, evicted by maxmemory, or not a hash)')
+    elseif not (f[3] and settled[f[3]]) then
+      start(id, ARGV[8 + i], f)
     end
   end
 end
+flush()
 if #out > 0 then
+  redis.call('SADD', KEYS[5], worker)
   redis.call('EXPIRE', KEYS[3], longest + grace)
   redis.call('HSET', KEYS[4], 'state', 'busy')
 end
@@ -153,7 +228,7 @@ return out
 """
 )
 
-# KEYS: claims list, worker executions index, worker hash.
+# KEYS: claims set, worker executions index, worker hash.
 # ARGV: worker name, now (unix), now (RQ text), default failure ttl, notify TTL, then 8 per job:
 #   id, execution id, origin, kind, value, result ttl, started (unix), notify key.
 # kind 'ok': value is the return value (base64 JSON); 'fail': value is RQ's exc_string (base64
@@ -161,62 +236,74 @@ return out
 # failed with `value`; 'cancel': the engine aborted it on a cancel request (value as 'fail').
 # A job canceled while it ran (its status reads 'canceled') stays canceled whatever its kind: no
 # result, no retry, not counted as failed; a 'cancel' of a job not canceled fails it with
-# `value`. A job no longer in this worker's claims list is skipped. Returns how many were settled.
+# `value`. A job no longer in this worker's claims set is skipped. Returns how many were settled.
 SETTLE = (
     _LIB
     + """
 local worker, now, now_text, default_ttl = ARGV[1], tonumber(ARGV[2]), ARGV[3], tonumber(ARGV[4])
 local notify_ttl = tonumber(ARGV[5])
 local ok, failed, canceled, worked = 0, 0, 0, 0
-for i = 6, #ARGV, 8 do
+local ids = {}
+for i = 6, #ARGV, 8 do ids[#ids + 1] = ARGV[i] end
+if #ids == 0 then return 0 end
+local held = call_many('ZMSCORE', KEYS[1], ids)
+local function settle(i)
   local id, eid, origin, kind, value = ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3], ARGV[i + 4]
   local ttl, started, notify = ttl_of(ARGV[i + 5], 0), tonumber(ARGV[i + 6]), ARGV[i + 7]
   local job = 'rq:job:' .. id
-  if redis.call('LREM', KEYS[1], 1, id) == 1 then
-    forget_executions(id, origin, KEYS[2])
-    local ended = true
-    if redis.call('EXISTS', job) == 0 then
-      ended = false
-    elseif redis.call('HGET', job, 'status') == 'canceled' then
-      canceled = canceled + 1
-    elseif kind == 'ok' then
-      redis.call('HSET', job, 'status', 'finished', 'ended_at', now_text)
-      add_result(id, {'type', 1, 'worker_name', worker, 'return_value', value, 'execution_id', eid,
-                      'execution_started_at', ARGV[i + 6], 'execution_ended_at', ARGV[2]}, ttl)
-      if ttl == 0 then
-        redis.call('DEL', job, 'rq:results:' .. id)
-      else
-        expire_job(id, ttl)
-        redis.call('ZADD', 'rq:finished:' .. origin, registry_score(now, ttl), id)
-      end
-      ok = ok + 1
-    elseif kind == 'retry' and retries_left(id) > 0 then
-      requeue(id, origin, now_text, false, true)
-      ended, failed = false, failed + 1
+  defer('ZREM', KEYS[1], id)
+  forget_execution(id, eid, origin, KEYS[2])
+  worked = worked + (now - (started or now))
+  local f = redis.call('HMGET', job, 'status', 'failure_ttl', 'retries_left')
+  if not f[1] then return end  -- the job hash is gone (deleted, or evicted)
+  if f[1] == 'canceled' then
+    canceled = canceled + 1
+  elseif kind == 'ok' then
+    redis.call('HSET', job, 'status', 'finished', 'ended_at', now_text)
+    add_result(id, {'type', 1, 'worker_name', worker, 'return_value', value, 'execution_id', eid,
+                    'execution_started_at', ARGV[i + 6], 'execution_ended_at', ARGV[2]}, ttl)
+    if ttl == 0 then
+      defer('DEL', false, job, 'rq:results:' .. id)
     else
-      fail(id, origin, value, worker, eid, ARGV[i + 6], now, now_text, default_ttl)
-      failed = failed + 1
+      expire_job(id, ttl)
+      defer('ZADD', 'rq:finished:' .. origin, registry_score(now, ttl), id)
     end
-    if ended and notify ~= '' then
-      redis.call('RPUSH', notify, id)
-      redis.call('EXPIRE', notify, notify_ttl)
-    end
-    worked = worked + (now - (started or now))
+    ok = ok + 1
+  elseif kind == 'retry' and retries_of(f[3]) > 0 then
+    requeue(id, origin, now_text, false, true, retries_of(f[3]))
+    failed = failed + 1
+    return
+  else
+    fail(id, origin, value, worker, eid, ARGV[i + 6], now, now_text, ttl_of(f[2], default_ttl))
+    failed = failed + 1
+  end
+  if notify ~= '' then
+    defer('RPUSH', notify, id)
+    defer_once('EXPIRE', notify, notify_ttl)
   end
 end
-redis.call('HINCRBY', KEYS[3], 'successful_job_count', ok)
-redis.call('HINCRBY', KEYS[3], 'failed_job_count', failed)
+local settled = {}
+for j = 1, #ids do
+  if held[j] and not settled[ids[j]] then  -- an id given twice is settled once
+    settled[ids[j]] = true
+    settle(6 + (j - 1) * 8)
+  end
+end
+flush()
+if ok > 0 then redis.call('HINCRBY', KEYS[3], 'successful_job_count', ok) end
+if failed > 0 then redis.call('HINCRBY', KEYS[3], 'failed_job_count', failed) end
 redis.call('HINCRBYFLOAT', KEYS[3], 'total_working_time', worked)
-if redis.call('SCARD', KEYS[2]) == 0 then redis.call('HSET', KEYS[3], 'state', 'idle') end
+if redis.call('ZCARD', KEYS[1]) == 0 then redis.call('HSET', KEYS[3], 'state', 'idle') end
 return ok + failed + canceled
 """
 )
 
-# KEYS: a claims list, the executions index of the worker that held it, and optionally that
+# KEYS: a claims set, the executions index of the worker that held it, and optionally that
 # worker's key: when given and present, the worker is alive (again) and nothing is done (-1).
 # ARGV: now (unix), now (RQ text), spend ('1': the worker died holding these jobs, so a retry
 # is spent), exc_string for a job out of retries (base64 zlib), worker name, default failure ttl,
-# then the job ids to give back (none: every id in the list, and the list is deleted).
+# then the job ids to give back (none: every id in the set, and the set is deleted; a claims
+# list, as a worker of an earlier wicore kept it, is read too).
 # Returns the jobs to their queues' heads in their claimed order: unstarted ones as they were,
 # started ones with their execution records dropped (so RQ's started-registry cleanup never
 # counts them as abandoned again), or failed once their retries are spent. A job canceled while its
@@ -230,12 +317,16 @@ if #KEYS > 2 and redis.call('EXISTS', KEYS[3]) == 1 then return -1 end
 local ids = {}
 for i = 7, #ARGV do ids[#ids + 1] = ARGV[i] end
 local whole = #ids == 0
-if whole then ids = redis.call('LRANGE', KEYS[1], 0, -1) end
+if whole and redis.call('TYPE', KEYS[1])['ok'] == 'list' then
+  ids = redis.call('LRANGE', KEYS[1], 0, -1)
+elseif whole then
+  ids = redis.call('ZRANGE', KEYS[1], 0, -1)
+end
 local handled = 0
 for i = #ids, 1, -1 do
   local id = ids[i]
-  local mine = whole or redis.call('LREM', KEYS[1], 1, id) == 1
-  local f = redis.call('HMGET', 'rq:job:' .. id, 'status', 'origin')
+  local mine = whole or redis.call('ZREM', KEYS[1], id) == 1
+  local f = redis.call('HMGET', 'rq:job:' .. id, 'status', 'origin', 'failure_ttl', 'retries_left')
   if mine and f[2] then
     if f[1] == 'queued' then
       push(f[2], id, true)
@@ -244,17 +335,18 @@ for i = #ids, 1, -1 do
     elseif f[1] == 'started' then
       forget_executions(id, f[2], KEYS[2])
       if not spend then
-        requeue(id, f[2], now_text, true, false)
-      elseif retries_left(id) > 0 then
-        requeue(id, f[2], now_text, true, true)
+        requeue(id, f[2], now_text, true, false, 0)
+      elseif retries_of(f[4]) > 0 then
+        requeue(id, f[2], now_text, true, true, retries_of(f[4]))
       else
-        fail(id, f[2], exc, worker, '', '', now, now_text, default_ttl)
+        fail(id, f[2], exc, worker, '', '', now, now_text, ttl_of(f[3], default_ttl))
       end
     end
     handled = handled + 1
   end
 end
 if whole then redis.call('DEL', KEYS[1]) end
+flush()
 return handled
 """
 )

@@ -32,7 +32,10 @@ def queue(
         f"commands/job, {report['batch_redis_cpu_us_per_job']} us Redis CPU/job\n"
         f"plain RQ:        {report['rq_jobs_per_s']:.0f} jobs/s, {report['rq_commands_per_job']} Redis "
         f"commands/job, {report['rq_redis_cpu_us_per_job']} us Redis CPU/job\n"
-        f"ratio: {report['ratio']:.1f}x"
+        f"ratio: {report['ratio']:.1f}x\n"
+        f"enqueueing: {report['batch_enqueue_commands_per_job']} Redis commands/job, "
+        f"{report['batch_enqueue_redis_cpu_us_per_job']} us Redis CPU/job (RQ's enqueue_many: "
+        f"{report['rq_enqueue_commands_per_job']}, {report['rq_enqueue_redis_cpu_us_per_job']} us)"
     )
     if out is not None:
         from wicore.bench.queue_bench import write_results
