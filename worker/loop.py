@@ -272,7 +272,9 @@ class BatchingWorker:
     # -- taking jobs --------------------------------------------------------------------------
 
     def _admit(self) -> bool:
-        """Fill the engine's free slots from the bucket the policy picks. True if jobs came in."""
+        """Fill the engine's free slots from the bucket the policy picks (the high lane may take
+        the slots `BatchPolicy.high_lane_slots` keeps from the others). True if jobs came in, or
+        a partial batch is ripening: the loop comes back for it rather than idling."""
         if self.config.max_jobs is not None and self.jobs_done + len(self.in_flight) >= self.config.max_jobs:
             return False
         capacity = self.gate.free_slots() - len(self._before_engine())
@@ -280,8 +282,10 @@ class BatchingWorker:
             capacity = min(capacity, self.config.max_jobs - self.jobs_done - len(self.in_flight))
         self.record.set_queue_names(self.queues.names())
         decision = choose(self.queues.heads(), capacity, self.config.policy, time.time())
-        if isinstance(decision, Wait) and not self.in_flight:
-            self._wait_for_work(min(decision.seconds, self.config.idle_wait_s))
+        if isinstance(decision, Wait):
+            if not self.in_flight:
+                self._wait_for_work(min(decision.seconds, self.config.idle_wait_s))
+            return True
         if not isinstance(decision, Take):
             return False
         claimed = self.bridge.claim(decision.queue_name, decision.count)
