@@ -68,7 +68,7 @@ class InputLoader:
         except Exception as exc:  # whatever else an input does to the loaders is still that job's alone
             error = f"{ImageError.__name__}: cannot load the image ({type(exc).__name__}: {exc})"
             return Loaded(error=error, preprocess_s=time.perf_counter() - start)
-        request = EngineRequest(job_id, job.chat(), [image], job.params, [job.image.sha256])
+        request = EngineRequest(job_id, job.chat(), [image], job.params, [job.image.sha256], job.priority)
         return Loaded(request=request, preprocess_s=time.perf_counter() - start)
 
     def _read_path(self, raw: str) -> bytes:

@@ -223,8 +223,8 @@ class FastEngine(Engine):
             self.runner.set_table(seq.kv.row, seq.kv.table)
             self.tiers.start(seq)  # reads host slots before `demote` may reuse them
         self.tiers.demote(self.blocks.take_evicted())  # before anything writes the reused pages
-        if vision:
-            self.counters.images += self.images.launch(vision)
+        if vision:  # a leading lane's batch is urgent (`StepPlanner`)
+            self.counters.images += self.images.launch(vision, urgent=self.planner.lead_rank is not None)
             self.images.collect()  # on CPU it is done already
         self.tiers.land()
         prefill, decode = self.planner.schedule_model()
@@ -292,7 +292,7 @@ class FastEngine(Engine):
         elif self.readbacks:
             self.readbacks[0].tokens()
         elif self.planner.waiting:
-            self.planner.waiting[0].vision.pixels.wait(IDLE_WAIT_S)  # FIFO: the head decides
+            self.planner.waiting[0].vision.pixels.wait(IDLE_WAIT_S)  # admission takes the head first
 
     # -- requests ---------------------------------------------------------------------------
 

@@ -1,0 +1,81 @@
+"""Interactive jobs beside bulk work, on a real redis-server and the tiny Gemma-3 (fast engine,
+CPU): a high-lane job submitted while bulk jobs fill the worker's running set is taken at once
+(the slots the policy keeps for the high lane) and ends before the bulk jobs already running (the
+engine runs the leading lane alone)."""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+
+import pytest
+from rq.job import Job
+
+from tests.helpers import png_bytes, wait_until
+from wicore.engines import EngineConfig
+from wicore.engines.fast import FastEngine
+from wicore.engines.fast.options import FastOptions
+from wicore.producer import Producer, Submission
+from wicore.scheduler.policy import BatchPolicy
+from wicore.schemas import GenerationParams, Lane
+from wicore.worker.loop import BatchingWorker
+from wicore.worker.worker_config import WorkerConfig
+
+MODEL = "tiny"
+LONG = GenerationParams(max_new_tokens=300, ignore_eos=True)  # hundreds of steps: still running when it lands
+
+
+@pytest.fixture
+def fast(tiny_model_dir):
+    # One torch thread: two OpenMP threads on a busy 2-core machine slow each step tenfold.
+    engine = FastEngine(
+        EngineConfig(str(tiny_model_dir), max_batch_size=4, cache=False, options=FastOptions(torch_threads=1))
+    )
+    yield engine
+    engine.close()
+
+
+def submit_once_running(producer: Producer, engine, running: int, submission: Submission) -> list[str]:
+    """From another thread (the worker runs in this one): submit once `running` requests have
+    reached the engine. The list gets the job's id."""
+    submitted: list[str] = []
+
+    def run():
+        wait_until(lambda: engine.requests_seen >= running, 60, 0.002, "bulk jobs in the engine")
+        submitted.append(producer.submit_many([submission])[0])
+
+    threading.Thread(target=run, daemon=True).start()
+    return submitted
+
+
+def test_a_high_lane_job_overtakes_a_full_running_set(redis_conn, fast):
+    producer = Producer(redis_conn, model=MODEL)
+    high = Submission(png_bytes(99), "interactive", params=LONG, priority=Lane.HIGH)
+    # The high lane's queue exists already (a worker looks for new queues once a second).
+    producer.cancel(producer.submit_many([Submission(png_bytes(98), "interactive", params=LONG, priority=Lane.HIGH)]))
+    bulk = producer.submit_many([Submission(png_bytes(i), f"bulk {i}", params=LONG) for i in range(6)])
+    submitted = submit_once_running(producer, fast, 3, high)
+    policy = BatchPolicy(max_batch_size=4, max_queue_delay_s=0.0, high_lane_slots=1)
+    BatchingWorker(redis_conn, fast, WorkerConfig(MODEL, policy=policy, burst=True)).run()
+    [high_id] = submitted
+    arrived = Job.fetch(high_id, connection=redis_conn).enqueued_at
+    running = [i for i in bulk if Job.fetch(i, connection=redis_conn).started_at < arrived]
+    assert len(running) == 3, "a full running set: every slot but the high lane's"
+    ended = [raw.decode() for raw in redis_conn.lrange(producer.notify_key, 0, -1)]  # in completion order
+    after = ended[ended.index(high_id) + 1 :]
+    assert set(running) <= set(after), f"bulk jobs running when it arrived ended first: {ended}"
+    assert all(producer.outcome(i).result.output_tokens == 300 for i in [*bulk, high_id])
+    assert fast.requests_seen == 7
+
+
+def test_bulk_alone_never_takes_the_high_lanes_slots(redis_conn, fast, caplog):
+    producer = Producer(redis_conn, model=MODEL)
+    short = GenerationParams(max_new_tokens=2)
+    producer.submit_many([Submission(png_bytes(i), f"bulk {i}", params=short) for i in range(7)])
+    policy = BatchPolicy(max_batch_size=4, max_queue_delay_s=0.0, high_lane_slots=1)
+    with caplog.at_level(logging.INFO, logger="wicore.worker.batches"):
+        worker = BatchingWorker(redis_conn, fast, WorkerConfig(MODEL, policy=policy, burst=True))
+        worker.run()
+    claims = [int(re.search(r": (\d+) jobs", r.getMessage())[1]) for r in caplog.records if "jobs in" in r.getMessage()]
+    assert worker.jobs_done == 7 and sum(claims) == 7 and max(claims) == 3, claims
