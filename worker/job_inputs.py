@@ -7,7 +7,7 @@ from __future__ import annotations
 import hashlib
 import os
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -17,6 +17,7 @@ from wicore import keys
 from wicore.engines.base import EngineRequest
 from wicore.errors import DeadlineExceeded, ImageError, ImageNotAllowed, InvalidJob, JobInputError
 from wicore.ops.image_decode import ImageLimits, decode_image, read_image_file
+from wicore.priority_pool import PriorityPool
 from wicore.schemas import CaptionJob
 from wicore.worker.rq_bridge import Claimed
 
@@ -42,13 +43,16 @@ class InputLoader:
         self.connection = connection
         self.config = config
         self.roots = tuple(root.resolve() for root in config.allowed_roots)
-        self.pool = ThreadPoolExecutor(max_workers=config.threads, thread_name_prefix="wicore-decode")
+        self.pool = PriorityPool(config.threads, "wicore-decode")  # a high-lane job's image goes first
 
     def submit(self, jobs: list[tuple[str, CaptionJob]]) -> list[Future[Loaded]]:
-        """One MGET for every blob now; decoding runs in the pool. Order follows `jobs`."""
+        """One MGET for every blob now; decoding runs in the pool, by lane. Order follows `jobs`."""
         blob_shas = [job.image.sha256 for _, job in jobs if job.image.is_blob]
         blobs = dict(zip(blob_shas, self.connection.mget([keys.blob(s) for s in blob_shas]))) if blob_shas else {}
-        return [self.pool.submit(self._load_one, job_id, job, blobs.get(job.image.sha256)) for job_id, job in jobs]
+        return [
+            self.pool.submit(self._load_one, job_id, job, blobs.get(job.image.sha256), rank=job.priority.rank)
+            for job_id, job in jobs
+        ]
 
     def load(self, jobs: list[tuple[str, CaptionJob]]) -> list[Loaded]:
         """`submit`, waiting for every result."""

@@ -21,7 +21,6 @@ import logging
 import random
 from collections import deque
 from collections.abc import Iterable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from functools import partial
 
@@ -46,6 +45,7 @@ from wicore.engines.kvcache.prefix_keys import PromptKeyer, model_fingerprint
 from wicore.engines.pending import Pending
 from wicore.engines.text import finish_sequence, first_stop, stop_token_ids
 from wicore.errors import JobInputError, PromptTooLong
+from wicore.priority_pool import PriorityPool
 
 log = logging.getLogger(__name__)
 VISION_IN_FLIGHT = 2  # vision batches queued on the side stream at once (double buffering)
@@ -89,7 +89,7 @@ class FastEngine(Engine):
             opts.prefix_split_images,
         )
         threads = opts.preprocess_threads
-        self.pool = ThreadPoolExecutor(threads, thread_name_prefix="wicore-pixels") if threads else None
+        self.pool = PriorityPool(threads, "wicore-pixels") if threads else None  # a better lane's images first
         self.rng = random.Random(config.seed)  # seeds for sampled requests that bring none
         self.images = ImageStage(self.runner, self.inputs, self.pool, opts.vision_cache_bytes)
         self.readbacks: deque[Readback] = deque()
@@ -319,7 +319,10 @@ class FastEngine(Engine):
             return
         job = partial(self.keyer, seq.request, seq.prompt)
         hash_pixels = seq.request.images and not seq.request.image_hashes
-        seq.cache.keys = Pending(self.pool.submit(job)) if self.pool is not None and hash_pixels else Pending.now(job())
+        if self.pool is not None and hash_pixels:
+            seq.cache.keys = Pending(self.pool.submit(job, rank=seq.rank))
+        else:
+            seq.cache.keys = Pending.now(job())
         seq.cache.disk_lookup = self.tiers.disk is not None
 
     def _fail_unreadable_images(self, done: list[Completion]) -> None:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -29,10 +28,11 @@ from wicore.engines.fast.sequence import SeqStatus, Sequence
 from wicore.engines.pending import Pending
 from wicore.engines.vision_cache import EmbeddingStore, LocalVisionCache, VisionCache
 from wicore.errors import JobInputError
+from wicore.priority_pool import PriorityPool
 
 
 class ImageStage:
-    def __init__(self, runner, inputs: InputProcessor, pool: ThreadPoolExecutor | None, cache_bytes: int):
+    def __init__(self, runner, inputs: InputProcessor, pool: PriorityPool | None, cache_bytes: int):
         self.runner, self.inputs, self.pool = runner, inputs, pool
         self.cache = VisionCache(LocalVisionCache(cache_bytes), device=str(runner.device)) if cache_bytes else None
         self.jobs: deque[VisionJob] = deque()
@@ -76,7 +76,7 @@ class ImageStage:
         key = keys[0] if len(keys) == 1 else None
         if key is not None and key in self.pending_pixels:
             return self.pending_pixels[key]
-        pixels = Pending(self.pool.submit(self.inputs.resized, seq.request.images))
+        pixels = Pending(self.pool.submit(self.inputs.resized, seq.request.images, rank=seq.rank))
         if key is not None:
             self.pending_pixels[key] = pixels
         return pixels
