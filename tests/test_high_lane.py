@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import re
 import threading
+import time
 
 import pytest
 from rq.job import Job
@@ -79,3 +80,15 @@ def test_bulk_alone_never_takes_the_high_lanes_slots(redis_conn, fast, caplog):
         worker.run()
     claims = [int(re.search(r": (\d+) jobs", r.getMessage())[1]) for r in caplog.records if "jobs in" in r.getMessage()]
     assert worker.jobs_done == 7 and sum(claims) == 7 and max(claims) == 3, claims
+
+
+def test_a_high_lane_job_past_its_deadline_still_fails_unrun(redis_conn, fast):
+    producer = Producer(redis_conn, model=MODEL)
+    late = producer.submit(png_bytes(1), "late", priority=Lane.HIGH, deadline=time.time() - 1)
+    on_time = producer.submit(png_bytes(2), "on time", priority=Lane.HIGH, params=GenerationParams(max_new_tokens=2))
+    seen = fast.requests_seen
+    policy = BatchPolicy(max_batch_size=4, max_queue_delay_s=0.0, high_lane_slots=1)
+    BatchingWorker(redis_conn, fast, WorkerConfig(MODEL, policy=policy, burst=True)).run()
+    outcomes = {o.job_id: o for o in producer.wait([late, on_time], timeout=30)}
+    assert outcomes[late].error.startswith("DeadlineExceeded") and outcomes[on_time].result is not None
+    assert fast.requests_seen - seen == 1, "the late job never reached the engine"

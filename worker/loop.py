@@ -49,6 +49,7 @@ from wicore.worker.worker_config import InFlight, WorkerConfig, WorkerState
 log = logging.getLogger(__name__)
 
 CANCELS_PER_TAKE = 1024  # cancel requests read per loop iteration (the rest wait for the next)
+REDIS_TIMEOUT_TICK_S = 0.1  # how finely Redis (hz 10, its default) ends BLPOP timeouts
 
 
 class BatchingWorker:
@@ -196,8 +197,13 @@ class BatchingWorker:
         return True
 
     def _wait_for_work(self, seconds: float) -> None:
-        # Redis reads a timeout under 1 ms as 0, which would block forever.
-        self.connection.blpop([keys.doorbell(self.config.model_id)], timeout=max(seconds, 0.002))
+        """Block on the doorbell; a wait shorter than Redis's timeout tick (a ripening batch)
+        sleeps here instead: Redis ends a blocking command's timeout on its cron, 10 times a
+        second by default, so a 20 ms BLPOP lasts up to 100 ms."""
+        if seconds < REDIS_TIMEOUT_TICK_S:
+            time.sleep(max(seconds, 0.0))
+            return
+        self.connection.blpop([keys.doorbell(self.config.model_id)], timeout=seconds)
 
     # -- canceling jobs -----------------------------------------------------------------------
 
