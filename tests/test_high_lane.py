@@ -1,7 +1,7 @@
 """Interactive jobs beside bulk work, on a real redis-server and the tiny Gemma-3 (fast engine,
 CPU): a high-lane job submitted while bulk jobs fill the worker's running set is taken at once
 (the slots the policy keeps for the high lane) and ends before the bulk jobs already running (the
-engine runs the leading lane alone)."""
+engine runs the leading lane alone; the worker steps no other lane's work while its image loads)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import logging
 import re
 import threading
 import time
+from concurrent.futures import Future
 
 import pytest
 from rq.job import Job
@@ -19,9 +20,10 @@ from wicore.engines.fast import FastEngine
 from wicore.engines.fast.options import FastOptions
 from wicore.producer import Producer, Submission
 from wicore.scheduler.policy import BatchPolicy
-from wicore.schemas import GenerationParams, Lane
+from wicore.schemas import CaptionJob, GenerationParams, ImageRef, Lane
 from wicore.worker.loop import BatchingWorker
-from wicore.worker.worker_config import WorkerConfig
+from wicore.worker.rq_bridge import Claimed
+from wicore.worker.worker_config import InFlight, WorkerConfig, overtaking_loads
 
 MODEL = "tiny"
 LONG = GenerationParams(max_new_tokens=300, ignore_eos=True)  # hundreds of steps: still running when it lands
@@ -92,3 +94,16 @@ def test_a_high_lane_job_past_its_deadline_still_fails_unrun(redis_conn, fast):
     outcomes = {o.job_id: o for o in producer.wait([late, on_time], timeout=30)}
     assert outcomes[late].error.startswith("DeadlineExceeded") and outcomes[on_time].result is not None
     assert fast.requests_seen - seen == 1, "the late job never reached the engine"
+
+
+def flight(rid: str, lane: Lane, loading: Future | None) -> InFlight:
+    job = CaptionJob(image=ImageRef(sha256="a" * 64), model=MODEL, prompt=rid, priority=lane)
+    return InFlight(Claimed(rid, "e", "q", [], {}, None, 0.0), job, batch=0, fetched=True, loading=loading)
+
+
+def test_only_a_better_lane_loading_holds_the_engine_back():
+    in_engine, loading = flight("bulk", Lane.NORMAL, None), Future()
+    high, low = flight("high", Lane.HIGH, loading), flight("low", Lane.LOW, loading)
+    assert overtaking_loads([in_engine, high, low]) == [high]
+    assert overtaking_loads([high, low]) == [], "nothing in the engine to hold back"
+    assert overtaking_loads([flight("bulk-2", Lane.NORMAL, loading), in_engine]) == []

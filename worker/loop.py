@@ -44,7 +44,7 @@ from wicore.worker.metrics import WorkerMetrics
 from wicore.worker.redis_link import REDIS_DOWN, Backoff
 from wicore.worker.results import caption_result
 from wicore.worker.rq_bridge import Claimed, Finished, RQBridge, RQWorkerRecord
-from wicore.worker.worker_config import InFlight, WorkerConfig, WorkerState
+from wicore.worker.worker_config import InFlight, WorkerConfig, WorkerState, overtaking_loads
 
 log = logging.getLogger(__name__)
 
@@ -109,12 +109,15 @@ class BatchingWorker:
 
     def _work(self) -> bool:
         """Feed loaded jobs to the engine, step it, or wait for images, all without Redis.
-        False when there was nothing to do."""
+        While a better lane's images load, the engine waits for them rather than start another
+        lane's work (a prefill, a vision batch) ahead of them. False when there was nothing to do."""
         self._hand_over_loaded()
-        if self.gate.busy():
+        overtaking = overtaking_loads(self.in_flight.values())
+        if self.gate.busy() and not overtaking:
             self._collect(self._step())
         elif self._loading():
-            wait([f.loading for f in self._loading()], timeout=0.01, return_when=FIRST_COMPLETED)
+            unready = [f.loading for f in overtaking or self._loading() if not f.loading.done()]
+            wait(unready, timeout=0.01, return_when=FIRST_COMPLETED)
         else:
             return False
         return True
@@ -198,8 +201,7 @@ class BatchingWorker:
 
     def _wait_for_work(self, seconds: float) -> None:
         """Block on the doorbell; a wait shorter than Redis's timeout tick (a ripening batch)
-        sleeps here instead: Redis ends a blocking command's timeout on its cron, 10 times a
-        second by default, so a 20 ms BLPOP lasts up to 100 ms."""
+        sleeps instead: a 20 ms BLPOP lasts up to 100 ms (Redis ends it on its cron)."""
         if seconds < REDIS_TIMEOUT_TICK_S:
             time.sleep(max(seconds, 0.0))
             return

@@ -41,7 +41,8 @@ class MixedBench:
     interactive: int = 60
     rate: float = 1.0  # interactive jobs per second, both phases
     lead_s: float = 10.0  # bulk alone before the mixed phase's interactive jobs
-    new_tokens: int = 64  # every job, bulk and interactive
+    new_tokens: int = 64  # every interactive job, and bulk jobs unless bulk_new_tokens
+    bulk_new_tokens: int | None = None
     batch_size: int = 384  # the engine's running sequences (wicore worker --batch-size)
     high_lane_slots: int | None = None  # None: the worker's default
     engine: str = "fast"
@@ -59,12 +60,14 @@ class MixedBench:
         )
 
 
-# The tiny preset tests the mechanism on CPU (the numbers are not the GPU's); one torch thread,
-# as on a busy 2-core machine two OpenMP threads slow each step many times over.
+# The tiny preset tests the mechanism on CPU (the numbers are not the GPU's). Its bulk jobs run
+# 256 tokens, so that, as on the GPU, a bulk job stays in the engine many times longer than an
+# interactive one; one torch thread, as two OpenMP threads on a busy 2-core machine slow each step.
 PRESETS = {
     "gemma3-4b": {},
-    "tiny": {"device": "cpu", "batch_size": 16, "bulk_images": 1500, "interactive": 20, "rate": 2.0,
-             "lead_s": 3.0, "new_tokens": 32, "warmup_images": 16, "engine_options": {"torch_threads": 1}},
+    "tiny": {"device": "cpu", "batch_size": 16, "bulk_images": 400, "interactive": 20, "rate": 2.0,
+             "lead_s": 3.0, "new_tokens": 32, "bulk_new_tokens": 256, "warmup_images": 16,
+             "engine_options": {"torch_threads": 1}},
 }  # fmt: skip
 
 
@@ -195,6 +198,7 @@ class BenchRun:
 
         self.bench = bench
         self.params = GenerationParams(max_new_tokens=bench.new_tokens, ignore_eos=True)
+        self.bulk_params = GenerationParams(max_new_tokens=bench.bulk_new_tokens or bench.new_tokens, ignore_eos=True)
         config = ProducerConfig(by_path=True)
         self.interactive_producer = Producer(url, model=MODEL_ID, config=config)
         self.bulk_producer = Producer(url, model=MODEL_ID, config=config)
@@ -202,7 +206,8 @@ class BenchRun:
     def submission(self, path: Path, lane: Lane):
         from wicore.producer import Submission
 
-        return Submission(path, self.bench.prompt, params=self.params, priority=lane)
+        params = self.params if lane is Lane.HIGH else self.bulk_params
+        return Submission(path, self.bench.prompt, params=params, priority=lane)
 
     def warm_up(self, bulk: list[Path], interactive: list[Path]) -> None:
         """Bulk jobs together (full batches, compiles), then interactive jobs one at a time."""
@@ -312,6 +317,7 @@ def mixed_report(bench: MixedBench, idle: list[Timed], mixed: list[Timed], bulk:
         "bulk_images": bench.bulk_images,
         "lead_s": bench.lead_s,
         "new_tokens": bench.new_tokens,
+        "bulk_new_tokens": bench.bulk_new_tokens or bench.new_tokens,
         "batch_size": bench.batch_size,
         "high_lane_slots": bench.high_lane_slots,
         "engine": bench.engine,
