@@ -338,13 +338,14 @@ def write_mixed_report(report: dict, folder: Path) -> list[Path]:
     from wicore.bench.plots import write_report
     from wicore.bench.report import gpu_slug
 
-    bars = {"idle\np50": report["idle_p50_s"], "idle\np99": report["idle_p99_s"],
-            "beside bulk\np50": report["interactive_p50_s"], "beside bulk\np99": report["interactive_p99_s"]}  # fmt: skip
+    keys = {"idle\np50": "idle_p50_s", "idle\np99": "idle_p99_s",
+            "beside bulk\np50": "interactive_p50_s", "beside bulk\np99": "interactive_p99_s"}  # fmt: skip
+    bars = {label: 1000 * report[key] for label, key in keys.items()}
     title = (
         f"Interactive jobs at {report['rate_per_s']:g}/s, {report['preset']}, {report['gpu']}\n"
         f"p99 beside bulk = {report['p99_ratio']:.2f}x idle; bulk {report['bulk_images_per_s_mixed']:.1f} images/s"
     )
-    return write_report(report, folder / f"mixed-{gpu_slug(report['gpu'])}", title, bars, "latency (s)")
+    return write_report(report, folder / f"mixed-{gpu_slug(report['gpu'])}", title, bars, "latency (ms)")
 
 
 def print_mixed_report(report: dict) -> None:
