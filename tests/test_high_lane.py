@@ -11,13 +11,9 @@ import threading
 import time
 from concurrent.futures import Future
 
-import pytest
 from rq.job import Job
 
 from tests.helpers import png_bytes, wait_until
-from wicore.engines import EngineConfig
-from wicore.engines.fast import FastEngine
-from wicore.engines.fast.options import FastOptions
 from wicore.producer import Producer, Submission
 from wicore.scheduler.policy import BatchPolicy
 from wicore.schemas import CaptionJob, GenerationParams, ImageRef, Lane
@@ -27,16 +23,6 @@ from wicore.worker.worker_config import InFlight, WorkerConfig, overtaking_loads
 
 MODEL = "tiny"
 LONG = GenerationParams(max_new_tokens=300, ignore_eos=True)  # hundreds of steps: still running when it lands
-
-
-@pytest.fixture
-def fast(tiny_model_dir):
-    # One torch thread: two OpenMP threads on a busy 2-core machine slow each step tenfold.
-    engine = FastEngine(
-        EngineConfig(str(tiny_model_dir), max_batch_size=4, cache=False, options=FastOptions(torch_threads=1))
-    )
-    yield engine
-    engine.close()
 
 
 def submit_once_running(producer: Producer, engine, running: int, submission: Submission) -> list[str]:
@@ -52,15 +38,15 @@ def submit_once_running(producer: Producer, engine, running: int, submission: Su
     return submitted
 
 
-def test_a_high_lane_job_overtakes_a_full_running_set(redis_conn, fast):
+def test_a_high_lane_job_overtakes_a_full_running_set(redis_conn, fast_engine):
     producer = Producer(redis_conn, model=MODEL)
     high = Submission(png_bytes(99), "interactive", params=LONG, priority=Lane.HIGH)
     # The high lane's queue exists already (a worker looks for new queues once a second).
     producer.cancel(producer.submit_many([Submission(png_bytes(98), "interactive", params=LONG, priority=Lane.HIGH)]))
     bulk = producer.submit_many([Submission(png_bytes(i), f"bulk {i}", params=LONG) for i in range(6)])
-    submitted = submit_once_running(producer, fast, 3, high)
+    submitted = submit_once_running(producer, fast_engine, 3, high)
     policy = BatchPolicy(max_batch_size=4, max_queue_delay_s=0.0, high_lane_slots=1)
-    BatchingWorker(redis_conn, fast, WorkerConfig(MODEL, policy=policy, burst=True)).run()
+    BatchingWorker(redis_conn, fast_engine, WorkerConfig(MODEL, policy=policy, burst=True)).run()
     [high_id] = submitted
     arrived = Job.fetch(high_id, connection=redis_conn).enqueued_at
     running = [i for i in bulk if Job.fetch(i, connection=redis_conn).started_at < arrived]
@@ -69,31 +55,31 @@ def test_a_high_lane_job_overtakes_a_full_running_set(redis_conn, fast):
     after = ended[ended.index(high_id) + 1 :]
     assert set(running) <= set(after), f"bulk jobs running when it arrived ended first: {ended}"
     assert all(producer.outcome(i).result.output_tokens == 300 for i in [*bulk, high_id])
-    assert fast.requests_seen == 7
+    assert fast_engine.requests_seen == 7
 
 
-def test_bulk_alone_never_takes_the_high_lanes_slots(redis_conn, fast, caplog):
+def test_bulk_alone_never_takes_the_high_lanes_slots(redis_conn, fast_engine, caplog):
     producer = Producer(redis_conn, model=MODEL)
     short = GenerationParams(max_new_tokens=2)
     producer.submit_many([Submission(png_bytes(i), f"bulk {i}", params=short) for i in range(7)])
     policy = BatchPolicy(max_batch_size=4, max_queue_delay_s=0.0, high_lane_slots=1)
     with caplog.at_level(logging.INFO, logger="wicore.worker.batches"):
-        worker = BatchingWorker(redis_conn, fast, WorkerConfig(MODEL, policy=policy, burst=True))
+        worker = BatchingWorker(redis_conn, fast_engine, WorkerConfig(MODEL, policy=policy, burst=True))
         worker.run()
     claims = [int(re.search(r": (\d+) jobs", r.getMessage())[1]) for r in caplog.records if "jobs in" in r.getMessage()]
     assert worker.jobs_done == 7 and sum(claims) == 7 and max(claims) == 3, claims
 
 
-def test_a_high_lane_job_past_its_deadline_still_fails_unrun(redis_conn, fast):
+def test_a_high_lane_job_past_its_deadline_still_fails_unrun(redis_conn, fast_engine):
     producer = Producer(redis_conn, model=MODEL)
     late = producer.submit(png_bytes(1), "late", priority=Lane.HIGH, deadline=time.time() - 1)
     on_time = producer.submit(png_bytes(2), "on time", priority=Lane.HIGH, params=GenerationParams(max_new_tokens=2))
-    seen = fast.requests_seen
+    seen = fast_engine.requests_seen
     policy = BatchPolicy(max_batch_size=4, max_queue_delay_s=0.0, high_lane_slots=1)
-    BatchingWorker(redis_conn, fast, WorkerConfig(MODEL, policy=policy, burst=True)).run()
+    BatchingWorker(redis_conn, fast_engine, WorkerConfig(MODEL, policy=policy, burst=True)).run()
     outcomes = {o.job_id: o for o in producer.wait([late, on_time], timeout=30)}
     assert outcomes[late].error.startswith("DeadlineExceeded") and outcomes[on_time].result is not None
-    assert fast.requests_seen - seen == 1, "the late job never reached the engine"
+    assert fast_engine.requests_seen - seen == 1, "the late job never reached the engine"
 
 
 def flight(rid: str, lane: Lane, loading: Future | None) -> InFlight:

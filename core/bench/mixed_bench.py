@@ -349,21 +349,17 @@ def write_mixed_report(report: dict, folder: Path) -> list[Path]:
 
 
 def print_mixed_report(report: dict) -> None:
-    from rich.console import Console
-    from rich.table import Table
+    from wicore.bench.report import print_table
 
-    table = Table("metric", "value", title=f"wicore bench mixed ({report['gpu']})")
-    rows = [
+    bulk = f"{_rate(report['bulk_images_per_s_alone'])} / {_rate(report['bulk_images_per_s_mixed'])}"
+    print_table(f"wicore bench mixed ({report['gpu']})", [
         ("interactive p50 / p99, idle", f"{report['idle_p50_s']:.3f} s / {report['idle_p99_s']:.3f} s"),
         ("interactive p50 / p99, beside bulk", f"{report['interactive_p50_s']:.3f} s / {report['interactive_p99_s']:.3f} s"),
         ("p99 ratio (target <= 2)", f"{report['p99_ratio']:.2f}x"),
-        ("bulk images/s alone / beside", f"{_rate(report['bulk_images_per_s_alone'])} / {_rate(report['bulk_images_per_s_mixed'])}"),
+        ("bulk images/s alone / beside", bulk),
         ("bulk queued throughout", f"{report['saturated']} (fewest queued: {report['bulk_queued_min']})"),
         ("errors", str(report["error_count"])),
-    ]  # fmt: skip
-    for name, value in rows:
-        table.add_row(name, value)
-    Console().print(table)
+    ])  # fmt: skip
 
 
 def _rate(value: float | None) -> str:
