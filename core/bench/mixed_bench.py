@@ -37,7 +37,7 @@ INTERACTIVE_WARMUP = 4  # interactive jobs run alone before the idle phase (smal
 class MixedBench:
     workdir: Path
     preset: str = "gemma3-4b"
-    bulk_images: int = 2048
+    bulk_images: int = 3072  # more than the worker gets through: the rest are canceled
     interactive: int = 60
     rate: float = 1.0  # interactive jobs per second, both phases
     lead_s: float = 10.0  # bulk alone before the mixed phase's interactive jobs

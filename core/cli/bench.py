@@ -145,7 +145,7 @@ def mixed(
     preset: str = typer.Option(
         "gemma3-4b", help="gemma3-4b (CUDA), or tiny (CPU: tests the mechanism, not the number)."
     ),
-    bulk_images: int = typer.Option(None, min=1, help="Bulk jobs queued at once in phase 2 [2048; tiny 400]."),
+    bulk_images: int = typer.Option(None, min=1, help="Bulk jobs queued at once in phase 2 [3072; tiny 400]."),
     interactive: int = typer.Option(None, min=2, help="Interactive (high-lane) jobs per phase [60; tiny 20]."),
     rate: float = typer.Option(None, min=0.01, help="Interactive jobs per second [1; tiny 2]."),
     lead_s: float = typer.Option(
