@@ -30,6 +30,7 @@ from pydantic import (
     SecretStr,
     SerializationInfo,
     ValidationError,
+    ValidationInfo,
     field_serializer,
     field_validator,
     model_validator,
@@ -82,6 +83,7 @@ class Settings(BaseSettings):
     dtype: Literal["auto", "float32", "bfloat16", "float16", "fp8"] = "auto"
     batch_size: int = Field(defaults.BATCH_SIZE, ge=1, le=4096)  # most jobs in one engine batch; 8
     max_queue_delay_ms: float = Field(defaults.MAX_QUEUE_DELAY_S * 1000, ge=0)  # a partial batch's longest wait; 5
+    high_lane_slots: int | None = Field(None, ge=0)  # engine slots kept for high-priority jobs; batch_size // 16
     allowed_roots: list[Path] = []  # path-referenced images must live under one of these; none by default
     max_image_bytes: int = Field(defaults.MAX_IMAGE_BYTES, ge=1)  # an image's encoded size; 32 MiB
     max_image_pixels: int = Field(defaults.MAX_IMAGE_PIXELS, ge=1)  # width x height of an image; 50 M
@@ -104,6 +106,14 @@ class Settings(BaseSettings):
     api_keys: Annotated[list[SecretStr], NoDecode] = []  # bearer keys the gateway accepts; none: open
     max_request_bytes: int = Field(64 * 2**20, ge=1024)  # largest HTTP request body the gateway reads; 64 MiB
     request_timeout_s: float = Field(300.0, gt=0)  # longest a chat completion waits for its job; 5 min
+
+    @field_validator("high_lane_slots")
+    @classmethod
+    def _other_lanes_keep_a_slot(cls, value: int | None, info: ValidationInfo) -> int | None:
+        batch_size = info.data.get("batch_size")  # absent when it failed its own check
+        if value is not None and batch_size is not None and value >= batch_size:
+            raise ValueError(f"must be below batch_size ({batch_size}): the other lanes need a slot, got {value}")
+        return value
 
     @field_validator("api_keys", mode="before")
     @classmethod

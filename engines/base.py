@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from wicore import defaults
 from wicore.engines.fast.options import FastOptions
 from wicore.errors import ConfigError
-from wicore.schemas import FinishReason, GenerationParams
+from wicore.schemas import FinishReason, GenerationParams, Lane
 
 if TYPE_CHECKING:
     import numpy as np
@@ -36,6 +36,7 @@ class EngineRequest:
     images: list[Image.Image | np.ndarray]
     params: GenerationParams
     image_hashes: list[str] = field(default_factory=list)  # sha256 of each image's bytes (caches)
+    priority: Lane = Lane.NORMAL  # its job's lane: an engine serves a better lane first
 
 
 @dataclass

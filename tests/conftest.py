@@ -44,3 +44,18 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     from wicore.models.gemma3 import make_tiny
 
     return make_tiny(tmp_path_factory.mktemp("models") / "tiny")
+
+
+@pytest.fixture
+def fast_engine(tiny_model_dir):
+    """The tiny model on the fast engine: 4 sequences, no caches, one torch thread (two OpenMP
+    threads on a busy 2-core machine slow each step tenfold)."""
+    from wicore.engines.base import EngineConfig
+    from wicore.engines.fast import FastEngine
+    from wicore.engines.fast.options import FastOptions
+
+    engine = FastEngine(
+        EngineConfig(str(tiny_model_dir), max_batch_size=4, cache=False, options=FastOptions(torch_threads=1))
+    )
+    yield engine
+    engine.close()

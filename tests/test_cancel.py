@@ -97,16 +97,6 @@ def cancel_once_running(redis_url: str, job_id: str, engine, batch: int) -> thre
     return thread
 
 
-@pytest.fixture
-def fast(tiny_model_dir):
-    # One torch thread: two OpenMP threads on a busy 2-core machine slow each step tenfold.
-    engine = FastEngine(
-        EngineConfig(str(tiny_model_dir), max_batch_size=4, cache=False, options=FastOptions(torch_threads=1))
-    )
-    yield engine
-    engine.close()
-
-
 def run_with_a_running_cancel(redis_url, redis_conn, engine):
     """Three jobs and a much longer one in one batch; the long one is canceled mid-run."""
     producer = Producer(redis_conn, model=MODEL)
@@ -120,9 +110,9 @@ def run_with_a_running_cancel(redis_url, redis_conn, engine):
     return producer, subs, ids, doomed, worker
 
 
-def test_a_running_job_ends_canceled_and_its_batch_mates_finish(redis_url, redis_conn, fast, caplog):
+def test_a_running_job_ends_canceled_and_its_batch_mates_finish(redis_url, redis_conn, fast_engine, caplog):
     with caplog.at_level(logging.INFO, logger="wicore.worker.batches"):
-        producer, subs, ids, doomed, worker = run_with_a_running_cancel(redis_url, redis_conn, fast)
+        producer, subs, ids, doomed, worker = run_with_a_running_cancel(redis_url, redis_conn, fast_engine)
     lines = [r.getMessage() for r in caplog.records if r.name == "wicore.worker.batches"]  # a claim per bucket
     [line] = [line for line in lines if "canceled" in line]
     assert len(lines) == 2 and re.fullmatch(r"batch \S+: 1 jobs \(1 canceled\) in \d+ ms, [\d.]+ tokens/s", line)
@@ -135,16 +125,16 @@ def test_a_running_job_ends_canceled_and_its_batch_mates_finish(redis_url, redis
     assert CanceledJobRegistry(origin, connection=redis_conn).get_job_ids() == [doomed]
     assert redis_conn.scard(f"rq:worker:{worker.name}:executions") == 0
     assert redis_conn.zcard(f"rq:executions:{doomed}") == 0
-    expected = fast.generate([_request(job_id, sub) for job_id, sub in zip(ids, subs)])
+    expected = fast_engine.generate([_request(job_id, sub) for job_id, sub in zip(ids, subs)])
     for job_id, want in zip(ids, expected):
         assert list(outcomes[job_id].result.token_ids) == want.token_ids, "batch mates are unaffected"
 
 
-def test_a_canceled_sequence_stops_within_a_step(redis_url, redis_conn, fast):
-    run_with_a_running_cancel(redis_url, redis_conn, fast)
-    stats = fast.stats()
+def test_a_canceled_sequence_stops_within_a_step(redis_url, redis_conn, fast_engine):
+    run_with_a_running_cancel(redis_url, redis_conn, fast_engine)
+    stats = fast_engine.stats()
     assert stats["decode_steps"] < LONG.max_new_tokens // 2, "the aborted sequence kept decoding"
-    assert stats["kv_pages_used"] == 0 and fast.num_unfinished() == 0
+    assert stats["kv_pages_used"] == 0 and fast_engine.num_unfinished() == 0
 
 
 @pytest.fixture(scope="module")

@@ -237,3 +237,12 @@ def test_caption_workers_honour_an_engine_option_of_the_config_file(tmp_path, ti
     [log] = (cache / "wicore" / "logs").glob("caption-*/*.log")
     config = json.loads(next(li for li in log.read_text().splitlines() if "config: {" in li).split("config: ", 1)[1])
     assert config["engine"]["max_model_len"] == 16 and config["settings"]["engine"]["name"] == "fast"
+
+
+def test_high_lane_slots_leave_the_other_lanes_a_slot():
+    assert load_settings(batch_size=8, high_lane_slots=7).high_lane_slots == 7
+    assert load_settings(batch_size=8).high_lane_slots is None, "the policy's default: batch_size // 16"
+    with pytest.raises(
+        ConfigError, match=r"^bad configuration: setting high_lane_slots: must be below batch_size \(4\)"
+    ):
+        load_settings(batch_size=4, high_lane_slots=4)

@@ -15,12 +15,12 @@ from tests.helpers import png_bytes
 from wicore.engines.base import ABORTED, EngineConfig, EngineRequest
 from wicore.engines.null import NullEngine
 from wicore.producer import Producer, ProducerConfig, Submission
-from wicore.schemas import GenerationParams
+from wicore.schemas import GenerationParams, Lane
 from wicore.worker.engine_gate import EngineGate
 
 
-def request(rid: str) -> EngineRequest:
-    return EngineRequest(rid, [], [], GenerationParams(max_new_tokens=1))
+def request(rid: str, lane: Lane = Lane.NORMAL) -> EngineRequest:
+    return EngineRequest(rid, [], [], GenerationParams(max_new_tokens=1), priority=lane)
 
 
 def test_abort_stops_requests_waiting_in_the_gate_and_in_the_engine():
@@ -32,6 +32,17 @@ def test_abort_stops_requests_waiting_in_the_gate_and_in_the_engine():
     while gate.busy():
         ended += [c.id for c in gate.step()]
     assert ended == ["r1", "r3"]
+
+
+def test_requests_waiting_in_the_gate_go_to_the_engine_by_lane_then_arrival():
+    engine = NullEngine(EngineConfig(model_dir="", max_batch_size=1))
+    gate = EngineGate(engine)
+    gate.add([request("n0"), request("l0", Lane.LOW), request("n1")])  # n0 in the engine
+    gate.add([request("h0", Lane.HIGH)])
+    ended = []
+    while gate.busy():
+        ended += [c.id for c in gate.step()]
+    assert ended == ["n0", "h0", "n1", "l0"]
 
 
 def outcomes(producer: Producer, ids: list[str]) -> dict:

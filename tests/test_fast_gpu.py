@@ -13,6 +13,7 @@ from wicore.engines.base import EngineConfig
 from wicore.engines.fast import FastEngine
 from wicore.engines.fast.options import FastOptions
 from wicore.engines.reference import ReferenceEngine
+from wicore.schemas import Lane
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -84,3 +85,22 @@ def test_steps_never_synchronize_implicitly(tiny_model_dir):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert [c.error for c in out if not c.ok] == []
+
+
+def test_a_high_lane_request_overtakes_bulk_with_its_vision_on_the_main_stream(tiny_model_dir):
+    """Bulk requests decoding, a high-lane one of the same length added three steps later: its
+    image goes through the tower on the main stream beside the side stream's, it ends first, and
+    every request keeps the reference engine's tokens."""
+    config = EngineConfig(str(tiny_model_dir), device="cuda", max_batch_size=8, options=FastOptions(num_kv_blocks=4096))
+    engine = FastEngine(config)
+    bulk = [request(f"b{i}", variant=10 + i, max_new_tokens=48, ignore_eos=True) for i in range(6)]
+    high = request("h", variant=20, max_new_tokens=48, ignore_eos=True)
+    high.priority = Lane.HIGH
+    assert engine.add(bulk) == []
+    ended = engine.step() + engine.step() + engine.step()
+    assert engine.add([high]) == []
+    while engine.num_unfinished():
+        ended += engine.step()
+    assert [c.id for c in ended][0] == "h"
+    reference = ReferenceEngine(EngineConfig(str(tiny_model_dir), device="cuda", max_batch_size=8))
+    assert mismatches(ended, reference.generate([*bulk, high])) == []

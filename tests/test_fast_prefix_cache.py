@@ -24,7 +24,7 @@ from wicore.engines.kvcache.kv_layout import KVLayout
 from wicore.engines.kvcache.prefix_keys import IMAGE_BLOCK_COST, prompt_keys, usable_prefix
 from wicore.engines.kvcache.tiers import KVTiers
 from wicore.engines.pending import Pending
-from wicore.schemas import GenerationParams
+from wicore.schemas import GenerationParams, Lane
 
 S, F = "sliding_attention", "full_attention"
 IMAGE = "ab" * 32  # a sha256 hex digest
@@ -291,3 +291,24 @@ def test_a_sequence_stopped_before_its_prefill_takes_its_unwritten_blocks_out():
     assert follow_up.cache.reads == again.cache.writes and again.cache.others_wait  # c waits on b
     sched.prefilled([again])
     assert not again.cache.others_wait
+
+
+def test_a_leading_lane_waiting_for_another_lanes_blocks_lets_their_writer_run():
+    """A high-lane question about an image a bulk sequence is computing reads that sequence's
+    blocks: the bulk sequence keeps its vision and prefill while the high lane leads."""
+    image = [0, 1, 2, 3, 4, 5, 6, 7]
+    writer = sequence("bulk", [9, 9, *image, 9, 9, 9, 9, 40, 41], images=[2])
+    other = sequence("bulk-2", [7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7], images=[])
+    reader = sequence("high", [9, 9, *image, 9, 9, 9, 9, 50, 51], images=[2])
+    reader.request.priority = Lane.HIGH
+    sched, _ = scheduler()
+    sched.add(writer)
+    sched.add(other)
+    assert sched.schedule_vision(0) == [], "admitted, no vision launched"
+    sched.add(reader)
+    assert sched.schedule_vision(0) == [writer] and sched.lead_rank == Lane.HIGH.rank
+    assert reader.cache.reads and not reader.cache.blocks_ready and writer.cache.others_wait
+    writer.move(SeqStatus.PREFILL)
+    assert sched.schedule_model() == ([writer], []), "the writer prefills; the other bulk sequence waits"
+    sched.prefilled([writer])
+    assert sched.schedule_model() == ([reader], [])

@@ -1,4 +1,5 @@
-"""The step planner: admission by free rows and pages (FIFO), and the vision and prefill batches."""
+"""The step planner: admission by free rows and pages (by lane, then first come), the vision and
+prefill batches, and a better lane running ahead of the sequences already admitted."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from wicore.engines.fast.sequence import SeqStatus, Sequence
 from wicore.engines.fast.step_planner import StepPlanner
 from wicore.engines.kvcache.block_manager import BlockManager
 from wicore.engines.kvcache.kv_layout import KVLayout
-from wicore.schemas import GenerationParams
+from wicore.schemas import GenerationParams, Lane
 
 S, F = "sliding_attention", "full_attention"
 
@@ -19,8 +20,8 @@ def text_config(layer_types, window=16):
     return SimpleNamespace(layer_types=layer_types, sliding_window=window)
 
 
-def sequence(rid, prompt_len, max_new, images=0):
-    request = EngineRequest(rid, [], [object()] * images, GenerationParams(max_new_tokens=max_new))
+def sequence(rid, prompt_len, max_new, images=0, lane=Lane.NORMAL):
+    request = EngineRequest(rid, [], [object()] * images, GenerationParams(max_new_tokens=max_new), priority=lane)
     return Sequence(request, Prompt(list(range(prompt_len)), []), seed=0)
 
 
@@ -84,3 +85,64 @@ def test_partial_vision_batches_wait_unless_allowed():
     assert [s.id for s in planner.schedule_vision(1, allow_partial=False)] == ["a", "b", "c"]
     planner.add(sequence("d", 20, 4, images=1))
     assert [s.id for s in planner.schedule_vision(1, allow_partial=True)] == ["d"]
+
+
+def ids(seqs):
+    return [s.id for s in seqs]
+
+
+def test_a_better_lane_is_admitted_first_and_each_lane_in_arrival_order():
+    layout = KVLayout.build(text_config([S, F], window=8), block_size=4, max_model_len=64)
+    planner = StepPlanner(layout, BlockManager(200), max_rows=3, vision_batch=8, prefill_tokens=64)
+    lanes = {"n0": Lane.NORMAL, "l0": Lane.LOW, "n1": Lane.NORMAL, "h0": Lane.HIGH, "h1": Lane.HIGH}
+    for rid, lane in lanes.items():
+        planner.add(sequence(rid, 5, 5, lane=lane))
+    assert ids(planner.waiting) == ["h0", "h1", "n0", "n1", "l0"]
+    planner.schedule_vision(1)
+    assert ids(planner.admitted) == ["h0", "h1", "n0"] and ids(planner.waiting) == ["n1", "l0"]
+
+
+def running_bulk(planner, count):
+    """`count` bulk sequences with an image each: the first two prefilled and decoding, the rest
+    waiting for the vision tower (none launched)."""
+    bulk = [sequence(f"b{i}", 20, 4, images=1) for i in range(count)]
+    for seq in bulk:
+        planner.add(seq)
+    planner.schedule_vision(0)  # admits, launches nothing
+    for seq in bulk[:2]:
+        seq.move(SeqStatus.PREFILL)
+    assert planner.schedule_model() == (bulk[:2], [])
+    planner.prefilled(bulk[:2])
+    return bulk
+
+
+def test_a_better_lane_runs_alone_until_its_last_sequence_ends():
+    layout = KVLayout.build(text_config([S, F], window=8), block_size=4, max_model_len=64)
+    planner = StepPlanner(layout, BlockManager(500), max_rows=8, vision_batch=4, prefill_tokens=200)
+    bulk = running_bulk(planner, 4)
+    assert planner.lead_rank is None and ids(planner.schedule_model()[1]) == ["b0", "b1"]
+    high = sequence("h", 20, 4, images=1, lane=Lane.HIGH)
+    planner.add(high)
+    # no vision slot, one image of four: a bulk batch would wait; the leading lane's goes now
+    assert planner.schedule_vision(0, allow_partial=False) == [high] and planner.lead_rank == Lane.HIGH.rank
+    assert planner.schedule_model() == ([], []), "bulk neither prefills nor decodes meanwhile"
+    high.move(SeqStatus.PREFILL)
+    bulk[2].move(SeqStatus.PREFILL)  # a bulk image done too: it still waits
+    assert planner.schedule_model() == ([high], [])
+    planner.prefilled([high])
+    assert planner.schedule_model() == ([], [high])
+    planner.finish(high)
+    assert planner.lead_rank is None
+    assert ids(planner.schedule_vision(1)) == ["b3"]
+    assert planner.schedule_model() == ([bulk[2]], bulk[:2]), "bulk goes on where it stopped"
+
+
+def test_a_better_lane_waiting_for_pages_holds_nothing_back():
+    layout = KVLayout.build(text_config([S, F], window=8), block_size=4, max_model_len=64)
+    need = layout.pages_for(24)
+    planner = StepPlanner(layout, BlockManager(1 + 4 * need), max_rows=8, vision_batch=4, prefill_tokens=200)
+    running_bulk(planner, 4)  # every page taken
+    high = sequence("h", 20, 4, images=1, lane=Lane.HIGH)
+    planner.add(high)
+    assert ids(planner.schedule_vision(1)) == ["b2", "b3"] and high.status == SeqStatus.WAITING
+    assert planner.lead_rank is None and ids(planner.schedule_model()[1]) == ["b0", "b1"], "their end frees pages"

@@ -80,3 +80,29 @@ def test_split_expired():
 def test_policy_rejects_nonsense():
     with pytest.raises(ValueError):
         BatchPolicy(max_batch_size=0)
+
+
+def test_the_last_free_slots_are_the_high_lanes():
+    policy = BatchPolicy(max_batch_size=8, max_queue_delay_s=0.0, high_lane_slots=2)
+    normal, high = head(Lane.NORMAL, 20), head(Lane.HIGH, 20)
+    assert choose([normal], 8, policy, 100.0).count == 6, "bulk leaves the reserved slots free"
+    assert choose([normal], 2, policy, 100.0) is None, "only reserved slots left: bulk waits in Redis"
+    assert choose([normal, high], 2, policy, 100.0) == Take(high.bucket.queue_name, 2)
+    low = head(Lane.LOW, 20)
+    assert choose([low], 3, policy, 100.0).count == 1
+
+
+def test_an_unripe_high_batch_waits_even_when_bulk_has_no_room():
+    policy = BatchPolicy(max_batch_size=8, max_queue_delay_s=0.5, high_lane_slots=2)
+    decision = choose([head(Lane.NORMAL, 20, oldest_at=1.0), head(Lane.HIGH, 1, oldest_at=100.0)], 2, policy, 100.2)
+    assert isinstance(decision, Wait) and decision.seconds == pytest.approx(0.3)
+
+
+def test_high_lane_slots_default_to_one_in_sixteen_and_leave_bulk_a_slot():
+    assert BatchPolicy(max_batch_size=384).reserved == 24
+    assert BatchPolicy(max_batch_size=8).reserved == 0, "small engines keep every slot for everyone"
+    assert BatchPolicy(max_batch_size=4, high_lane_slots=3).reserved == 3
+    with pytest.raises(ValueError, match="high_lane_slots must be >= 0 and < max_batch_size, got 4"):
+        BatchPolicy(max_batch_size=4, high_lane_slots=4)
+    with pytest.raises(ValueError, match="got -1"):
+        BatchPolicy(max_batch_size=4, high_lane_slots=-1)

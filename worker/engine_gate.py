@@ -25,7 +25,7 @@ class EngineGate:
         self.most = max(1, engine.config.max_batch_size)
         self.limit = self.most  # requests the engine may hold now
         self.regrow_after = regrow_after
-        self.waiting: deque[EngineRequest] = deque()  # handed to the gate, not yet to the engine
+        self.waiting: deque[EngineRequest] = deque()  # handed to the gate, not yet to the engine; by lane
         self.held: dict[str, EngineRequest] = {}  # in the engine, kept to run again after an OOM
         self._clean_steps = 0
 
@@ -37,8 +37,9 @@ class EngineGate:
         return bool(self.held or self.waiting or self.engine.num_unfinished())
 
     def add(self, requests: list[EngineRequest]) -> list[Completion]:
-        """Queue requests for the engine; returns the ones that ended at once (rejected)."""
-        self.waiting.extend(requests)
+        """Queue requests for the engine, by lane (`EngineRequest.priority`) then arrival;
+        returns the ones that ended at once (rejected)."""
+        self.waiting = deque(sorted([*self.waiting, *requests], key=lambda r: r.priority.rank))
         return self._feed()
 
     def step(self) -> list[Completion]:

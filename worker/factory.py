@@ -123,7 +123,11 @@ def build_worker(
     config = WorkerConfig(
         model_id=model_id,
         name=name,
-        policy=BatchPolicy(max_batch_size=settings.batch_size, max_queue_delay_s=settings.max_queue_delay_ms / 1000),
+        policy=BatchPolicy(
+            max_batch_size=settings.batch_size,
+            max_queue_delay_s=settings.max_queue_delay_ms / 1000,
+            high_lane_slots=settings.high_lane_slots,
+        ),
         inputs=inputs,
         liveness_ttl_s=settings.liveness_ttl_s,
         heartbeat_s=min(3.0, settings.liveness_ttl_s / 3),

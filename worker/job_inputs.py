@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -22,6 +22,7 @@ from wicore.ops.image_decode import ImageLimits
 from wicore.ops.image_load import ImageSource, LoadRules, input_error_message, load_image
 from wicore.ops.image_preprocess import PreprocessSpec
 from wicore.ops.pixel_pool import PixelPool, PixelResult
+from wicore.priority_pool import PriorityPool
 from wicore.schemas import CaptionJob
 from wicore.worker.rq_bridge import Claimed
 
@@ -50,12 +51,12 @@ class InputLoader:
         self.connection = connection
         self.config = config
         self.rules = LoadRules(tuple(root.resolve() for root in config.allowed_roots), config.limits)
-        self.pool = ThreadPoolExecutor(max_workers=config.threads, thread_name_prefix="wicore-decode")
+        self.pool = PriorityPool(config.threads, "wicore-decode")  # a high-lane job's image goes first
         use_processes = config.processes > 0 and pixel_spec is not None
         self.pixels = PixelPool(config.processes, pixel_spec, self.rules) if use_processes else None
 
     def submit(self, jobs: list[tuple[str, CaptionJob]]) -> list[Future[Loaded]]:
-        """One MGET for every blob now; loading runs in the pool. Order follows `jobs`."""
+        """One MGET for every blob now; loading runs in the pool, by lane. Order follows `jobs`."""
         blob_shas = [job.image.sha256 for _, job in jobs if job.image.is_blob]
         blobs = dict(zip(blob_shas, self.connection.mget([keys.blob(s) for s in blob_shas]))) if blob_shas else {}
         return [self._submit_one(job_id, job, blobs.get(job.image.sha256)) for job_id, job in jobs]
@@ -66,7 +67,7 @@ class InputLoader:
 
     def _submit_one(self, job_id: str, job: CaptionJob, blob: bytes | None) -> Future[Loaded]:
         if self.pixels is None:
-            return self.pool.submit(self._load_one, job_id, job, blob)
+            return self.pool.submit(self._load_one, job_id, job, blob, rank=job.priority.rank)
         try:
             source = _source(job, blob)
         except ImageNotAllowed as exc:
@@ -79,7 +80,7 @@ class InputLoader:
             image = load_image(_source(job, blob), self.rules)
         except Exception as exc:  # whatever an input does to the loaders is that job's alone
             return Loaded(error=input_error_message(exc), preprocess_s=time.perf_counter() - start)
-        request = EngineRequest(job_id, job.chat(), [image], job.params, [job.image.sha256])
+        request = EngineRequest(job_id, job.chat(), [image], job.params, [job.image.sha256], job.priority)
         return Loaded(request=request, preprocess_s=time.perf_counter() - start)
 
     def close(self) -> None:
@@ -102,7 +103,8 @@ def _resized(job_id: str, job: CaptionJob, result: PixelResult) -> Loaded:
     pixels, error, seconds = result
     if pixels is None:
         return Loaded(error=error, preprocess_s=seconds)
-    return Loaded(EngineRequest(job_id, job.chat(), [pixels], job.params, [job.image.sha256]), preprocess_s=seconds)
+    request = EngineRequest(job_id, job.chat(), [pixels], job.params, [job.image.sha256], job.priority)
+    return Loaded(request, preprocess_s=seconds)
 
 
 def _done(loaded: Loaded) -> Future[Loaded]:

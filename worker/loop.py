@@ -44,11 +44,12 @@ from wicore.worker.metrics import WorkerMetrics
 from wicore.worker.redis_link import REDIS_DOWN, Backoff, PollPace
 from wicore.worker.results import caption_result
 from wicore.worker.rq_bridge import Claimed, Finished, RQBridge, RQWorkerRecord
-from wicore.worker.worker_config import InFlight, WorkerConfig, WorkerState
+from wicore.worker.worker_config import InFlight, WorkerConfig, WorkerState, overtaking_loads
 
 log = logging.getLogger(__name__)
 
 CANCELS_PER_TAKE = 1024  # cancel requests read per loop iteration (the rest wait for the next)
+REDIS_TIMEOUT_TICK_S = 0.1  # how finely Redis (hz 10, its default) ends BLPOP timeouts
 
 
 class BatchingWorker:
@@ -109,13 +110,16 @@ class BatchingWorker:
 
     def _work(self) -> bool:
         """Feed loaded jobs to the engine, step it, or wait for images, all without Redis.
-        False when there was nothing to do."""
+        While a better lane's images load, the engine waits for them rather than start another
+        lane's work (a prefill, a vision batch) ahead of them. False when there was nothing to do."""
         self._hand_over_loaded()
-        if self.gate.busy():
+        overtaking = overtaking_loads(self.in_flight.values())
+        if self.gate.busy() and not overtaking:
             self._collect(self._step())
-        elif loading := self._loading():  # the oldest claim reaches the engine once all its images are in
+        elif loading := self._loading():  # a better lane's loads first, else the oldest claim's, all its images
             oldest = min(f.batch for f in loading)
-            wait([f.loading for f in loading if f.batch == oldest], timeout=0.01)
+            ahead = overtaking or [f for f in loading if f.batch == oldest]
+            wait([f.loading for f in ahead if not f.loading.done()], timeout=0.01)
         else:
             return False
         return True
@@ -199,8 +203,12 @@ class BatchingWorker:
         return True
 
     def _wait_for_work(self, seconds: float) -> None:
-        # Redis reads a timeout under 1 ms as 0, which would block forever.
-        self.connection.blpop([keys.doorbell(self.config.model_id)], timeout=max(seconds, 0.002))
+        """Block on the doorbell; a wait shorter than Redis's timeout tick (a ripening batch)
+        sleeps instead: a 20 ms BLPOP lasts up to 100 ms (Redis ends it on its cron)."""
+        if seconds < REDIS_TIMEOUT_TICK_S:
+            time.sleep(max(seconds, 0.0))
+            return
+        self.connection.blpop([keys.doorbell(self.config.model_id)], timeout=seconds)
 
     # -- canceling jobs -----------------------------------------------------------------------
 
@@ -276,7 +284,9 @@ class BatchingWorker:
     # -- taking jobs --------------------------------------------------------------------------
 
     def _admit(self) -> bool:
-        """Fill the engine's free slots from the bucket the policy picks. True if jobs came in."""
+        """Fill the engine's free slots from the bucket the policy picks (the high lane may take
+        the slots `BatchPolicy.high_lane_slots` keeps from the others). True if jobs came in, or
+        a partial batch is ripening: the loop comes back for it rather than idling."""
         if self.config.max_jobs is not None and self.jobs_done + len(self.in_flight) >= self.config.max_jobs:
             return False
         capacity = self.gate.free_slots() - len(self._before_engine())
@@ -286,8 +296,10 @@ class BatchingWorker:
         if capacity <= 0:  # no room: reading the queue heads would cost a Redis call per step for nothing
             return False
         decision = choose(self.queues.heads(), capacity, self.config.policy, time.time())
-        if isinstance(decision, Wait) and not self.in_flight:
-            self._wait_for_work(min(decision.seconds, self.config.idle_wait_s))
+        if isinstance(decision, Wait):
+            if not self.in_flight:
+                self._wait_for_work(min(decision.seconds, self.config.idle_wait_s))
+            return True
         if not isinstance(decision, Take):
             return False
         claimed = self.bridge.claim(decision.queue_name, decision.count)

@@ -3,6 +3,7 @@ record it keeps of each job in hand (`InFlight`)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from enum import Enum
@@ -51,3 +52,12 @@ class InFlight:
     fetched: bool = False  # its image bytes were asked of Redis (an outage can come between)
     loading: Future[Loaded] | None = None  # the image, until it reaches the engine
     preprocess_s: float = 0.0
+
+
+def overtaking_loads(flights: Iterable[InFlight]) -> list[InFlight]:
+    """Jobs loading their images whose lane is better than that of a job in the engine."""
+    flights = list(flights)
+    in_engine = [f.payload.priority.rank for f in flights if f.fetched and f.loading is None]
+    if not in_engine:
+        return []
+    return [f for f in flights if f.loading is not None and f.payload.priority.rank < max(in_engine)]

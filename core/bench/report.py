@@ -173,3 +173,11 @@ def _gib(value) -> str:
 
 def _share(p: dict) -> str:
     return f"{p['identical']}/{p['compared']} ({100 * p['share']:.0f}%)"
+
+
+def print_table(title: str, rows: list[tuple[str, str]]) -> None:
+    """A two-column metric / value table on the console."""
+    table = Table("metric", "value", title=title)
+    for name, value in rows:
+        table.add_row(name, value)
+    Console().print(table)

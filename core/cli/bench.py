@@ -197,6 +197,45 @@ def fp8_layers(
         typer.echo(json.dumps(report))
 
 
+@app.command()
+@friendly_errors
+def mixed(
+    preset: str = typer.Option(
+        "gemma3-4b", help="gemma3-4b (CUDA), or tiny (CPU: tests the mechanism, not the number)."
+    ),
+    bulk_images: int = typer.Option(None, min=1, help="Bulk jobs queued at once in phase 2 [3072; tiny 400]."),
+    interactive: int = typer.Option(None, min=2, help="Interactive (high-lane) jobs per phase [60; tiny 20]."),
+    rate: float = typer.Option(None, min=0.01, help="Interactive jobs per second [1; tiny 2]."),
+    lead_s: float = typer.Option(
+        None, min=0, help="Seconds of bulk alone before phase 2's interactive jobs [10; tiny 3]."
+    ),
+    new_tokens: int = typer.Option(None, min=1, help="New tokens of an interactive job [64; tiny 32]."),
+    bulk_new_tokens: int = typer.Option(None, min=1, help="New tokens of a bulk job [as --new-tokens; tiny 256]."),
+    batch_size: int = typer.Option(None, min=1, help="Engine running sequences [384; tiny 16]."),
+    high_lane_slots: int = typer.Option(None, min=0, help="Worker slots kept for the high lane [batch size / 16]."),
+    engine_option: list[str] = typer.Option(None, "--engine-option", help="KEY=VALUE engine option; repeatable."),
+    workdir: Path = typer.Option(Path("/tmp/wicore-mixed-bench"), help="Scratch folder (model, images, worker log)."),
+    out: Path = typer.Option(Path("bench/results"), help="Folder for mixed-<gpu>.json and .png."),
+    as_json: bool = typer.Option(False, "--json", help="End with one JSON line."),
+) -> None:
+    """Interactive high-lane jobs at a steady rate on an idle worker, then beside a bulk run that
+    keeps the worker full, in one run: their p50/p99 latency (submit to result) both ways."""
+    from wicore.bench.mixed_bench import preset_bench, print_mixed_report, run_mixed_bench, write_mixed_report
+    from wicore.cli.common import engine_options
+
+    bench = preset_bench(
+        preset, workdir, bulk_images=bulk_images, interactive=interactive, rate=rate, lead_s=lead_s,
+        new_tokens=new_tokens, bulk_new_tokens=bulk_new_tokens, batch_size=batch_size, high_lane_slots=high_lane_slots,
+        engine_options=engine_options(engine_option) or None,
+    )  # fmt: skip
+    report = run_mixed_bench(bench)
+    for path in write_mixed_report(report, out):
+        console.print(f"wrote {path}")
+    print_mixed_report(report)
+    if as_json:
+        typer.echo(json.dumps({k: v for k, v in report.items() if k != "engine_stats"}))
+
+
 @app.command("cache")
 @friendly_errors
 def cache_bench(

@@ -42,6 +42,9 @@ def worker(
     max_queue_delay_ms: float = typer.Option(
         None, help="Longest a partial batch waits to fill [5].", show_default=False
     ),
+    high_lane_slots: int = typer.Option(
+        None, min=0, help="Engine slots only high-priority jobs may take [batch size / 16].", show_default=False
+    ),
     allow_root: list[Path] = typer.Option(None, help="Folder path-referenced images may come from (repeatable)."),
     decode_processes: int = typer.Option(
         None,
@@ -80,6 +83,7 @@ def worker(
         dtype=dtype,
         batch_size=batch_size,
         max_queue_delay_ms=max_queue_delay_ms,
+        high_lane_slots=high_lane_slots,
         allowed_roots=allow_root or None,
         decode_processes=decode_processes,
         no_cache=no_cache,

@@ -25,12 +25,6 @@ class VisionJob:
     def done(self) -> bool:
         return self.event is None or self.event.query()
 
-    def wait(self, timeout: float) -> None:
-        """Until done or `timeout` seconds (polling: CUDA events have no timed wait)."""
-        deadline = time.perf_counter() + timeout
-        while not self.done() and time.perf_counter() < deadline:
-            time.sleep(0.0005)
-
 
 @dataclass
 class Readback:

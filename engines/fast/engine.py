@@ -24,7 +24,6 @@ import logging
 import random
 import traceback
 from collections.abc import Iterable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from functools import partial
 
@@ -52,6 +51,7 @@ from wicore.engines.pending import Pending
 from wicore.engines.text import finish_sequence, first_stop, stop_token_ids
 from wicore.errors import JobInputError, PromptTooLong
 from wicore.ops.image_preprocess import PreprocessSpec
+from wicore.priority_pool import PriorityPool
 
 log = logging.getLogger(__name__)
 VISION_IN_FLIGHT = 2  # vision batches queued on the side stream at once (double buffering)
@@ -103,7 +103,7 @@ class FastEngine(Engine):
             opts.prefix_split_images,
         )
         threads = opts.preprocess_threads
-        self.pool = ThreadPoolExecutor(threads, thread_name_prefix="wicore-pixels") if threads else None
+        self.pool = PriorityPool(threads, "wicore-pixels") if threads else None  # a better lane's images first
         self.rng = random.Random(config.seed)  # seeds for sampled requests that bring none
         self.images = ImageStage(self.runner, self.inputs, self.pool, opts.vision_cache_bytes)
         self.readbacks = Readbacks()
@@ -246,8 +246,8 @@ class FastEngine(Engine):
             self.runner.set_table(seq.kv.row, seq.kv.table)
             self.tiers.start(seq)  # pins its host blocks: `demote` cannot reuse their slots
         self.tiers.demote(self.blocks.take_evicted())  # before anything writes the reused pages
-        if vision:
-            self.counters.images += self.images.launch(vision)
+        if vision:  # a leading lane's batch is urgent (`StepPlanner`)
+            self.counters.images += self.images.launch(vision, urgent=self.planner.lead_rank is not None)
             self.images.collect()  # on CPU it is done already
         self.tiers.land()
         prefill, decode = self.planner.schedule_model()
@@ -315,7 +315,7 @@ class FastEngine(Engine):
         elif self.readbacks:
             self.readbacks.wait_oldest()
         elif self.planner.waiting:
-            self.planner.waiting[0].vision.pixels.wait(IDLE_WAIT_S)  # FIFO: the head decides
+            self.planner.waiting[0].vision.pixels.wait(IDLE_WAIT_S)  # admission takes the head first
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -342,7 +342,10 @@ class FastEngine(Engine):
             return
         job = partial(self.keyer, seq.request, seq.prompt)
         hash_pixels = seq.request.images and not seq.request.image_hashes
-        seq.cache.keys = Pending(self.pool.submit(job)) if self.pool is not None and hash_pixels else Pending.now(job())
+        if self.pool is not None and hash_pixels:
+            seq.cache.keys = Pending(self.pool.submit(job, rank=seq.rank))
+        else:
+            seq.cache.keys = Pending.now(job())
         seq.cache.disk_lookup = self.tiers.disk is not None
 
     def _fail_unreadable_images(self, done: list[Completion]) -> None:

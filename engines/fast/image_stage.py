@@ -7,6 +7,8 @@
   (the worker's decode processes, `FastEngine.pixel_spec`).
 - At launch: a sequence whose images are already being encoded (another question about the
   same image) attaches to that vision batch; repeated images inside a batch are encoded once.
+  An urgent batch (a leading lane's, `StepPlanner`) runs on the main stream, beside the batches
+  queued on the side stream, and is collected whenever it is done.
 - At completion: the new embeddings go into the cache.
 
 Images are known by the sha256 of their bytes (`EngineRequest.image_hashes`); without hashes
@@ -15,8 +17,8 @@ nothing is shared or cached.
 
 from __future__ import annotations
 
+import time
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -28,10 +30,11 @@ from wicore.engines.pending import Pending
 from wicore.engines.vision_cache import EmbeddingStore, LocalVisionCache, VisionCache
 from wicore.errors import JobInputError
 from wicore.ops.image_preprocess import is_resized
+from wicore.priority_pool import PriorityPool
 
 
 class ImageStage:
-    def __init__(self, runner, inputs: InputProcessor, pool: ThreadPoolExecutor | None, cache_bytes: int):
+    def __init__(self, runner, inputs: InputProcessor, pool: PriorityPool | None, cache_bytes: int):
         self.runner, self.inputs, self.pool = runner, inputs, pool
         self.cache = VisionCache(LocalVisionCache(cache_bytes), device=str(runner.device)) if cache_bytes else None
         self.jobs: deque[VisionJob] = deque()
@@ -75,16 +78,16 @@ class ImageStage:
         key = keys[0] if len(keys) == 1 else None
         if key is not None and key in self.pending_pixels:
             return self.pending_pixels[key]
-        pixels = Pending(self.pool.submit(self.inputs.resized, seq.request.images))
+        pixels = Pending(self.pool.submit(self.inputs.resized, seq.request.images, rank=seq.rank))
         if key is not None:
             self.pending_pixels[key] = pixels
         return pixels
 
     # -- launch and completion ----------------------------------------------------------------
 
-    def launch(self, seqs: list[Sequence]) -> int:
-        """Encode what is new; attach what is on its way; take what was cached since `add`.
-        Returns the number of images encoded."""
+    def launch(self, seqs: list[Sequence], urgent: bool = False) -> int:
+        """Encode what is new (`urgent`: on the main stream); attach what is on its way; take
+        what was cached since `add`. Returns the number of images encoded."""
         fresh = []
         for seq in seqs:
             keys = seq.image_keys
@@ -98,7 +101,7 @@ class ImageStage:
                 fresh.append(seq)
         if not fresh:
             return 0
-        job = self._encode(fresh)
+        job = self._encode(fresh, urgent)
         self.jobs.append(job)
         return len(job.keys)
 
@@ -109,7 +112,7 @@ class ImageStage:
         seq.vision.embeds = torch.stack([local.get(k) for k in keys])
         return True
 
-    def _encode(self, seqs: list[Sequence]) -> VisionJob:
+    def _encode(self, seqs: list[Sequence], urgent: bool) -> VisionJob:
         rows: dict[str, int] = {}
         arrays, keys, members = [], [], []
         for seq in seqs:
@@ -124,10 +127,10 @@ class ImageStage:
                 else:
                     indices.append(rows[key])
             members.append((seq, indices))
-        embeds, event = self.runner.encode_images(arrays)
+        embeds, event = self.runner.encode_images(arrays, urgent)
         job = VisionJob([], event, embeds=embeds, keys=keys)
         for seq, indices in members:
-            seq.vision.embeds = self.runner.take(embeds, indices)
+            seq.vision.embeds = self.runner.take(embeds, indices, urgent)
             seq.vision.event = event
             job.seqs.append(seq)
         for key in rows:
@@ -139,9 +142,9 @@ class ImageStage:
     def collect(self) -> None:
         """Finished vision batches: their sequences become ready, attached ones get their rows,
         and the new embeddings go into the cache (as copies, so a cached image does not keep
-        its whole batch's output alive)."""
-        while self.jobs and self.jobs[0].done():
-            job = self.jobs.popleft()
+        its whole batch's output alive). An urgent batch may be done before older ones."""
+        for job in [job for job in self.jobs if job.done()]:
+            self.jobs.remove(job)
             for seq in job.seqs:
                 seq.move(SeqStatus.PREFILL)
             for seq, indices in job.attached:
@@ -159,9 +162,11 @@ class ImageStage:
         return len(self.jobs)
 
     def wait(self, timeout: float) -> None:
-        """Until the oldest vision batch is done, or `timeout` seconds."""
-        if self.jobs:
-            self.jobs[0].wait(timeout)
+        """Until a vision batch is done (polling: CUDA events have no timed wait), or `timeout`
+        seconds."""
+        deadline = time.perf_counter() + timeout
+        while self.jobs and not any(job.done() for job in self.jobs) and time.perf_counter() < deadline:
+            time.sleep(0.0005)
 
     def drop(self, seq: Sequence) -> None:
         """A sequence that stops: it leaves the vision batches it waits on (they still run and

@@ -149,12 +149,19 @@ class ModelRunner:
 
     # -- vision (side stream) ---------------------------------------------------------------
 
-    def encode_images(self, images: list[np.ndarray]) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+    def vision_stream(self, urgent: bool = False):
+        """Where a vision batch runs: the side stream; an urgent one (a leading lane's images,
+        `StepPlanner`) on the main stream, so it does not queue behind the side stream's batches."""
+        return self.main_stream if urgent else self.side_stream
+
+    def encode_images(
+        self, images: list[np.ndarray], urgent: bool = False
+    ) -> tuple[torch.Tensor, torch.cuda.Event | None]:
         """N resized images uint8 [S, S, 3] -> embeddings [N, tokens, hidden] on the vision
-        stream, and the event recorded after them (None on CPU). The upload, the lookup table
-        and the tower all run on that stream, in order."""
+        stream (`vision_stream`), and the event recorded after them (None on CPU). The upload,
+        the lookup table and the tower all run on that stream, in order."""
         staged = self._stage(images)
-        stream = self.side_stream
+        stream = self.vision_stream(urgent)
         with torch.cuda.stream(stream) if stream is not None else nullcontext():
             mark = self.clock.start(stream)
             embeds = self.encode(self.pixel_values(staged.to(self.device, non_blocking=True)))
@@ -165,12 +172,13 @@ class ModelRunner:
                 event.record(stream)
         return embeds, event
 
-    def take(self, embeds: torch.Tensor, rows: list[int]) -> torch.Tensor:
-        """The given output rows [len(rows), tokens, hidden], selected on the vision stream (a
-        view when they are consecutive)."""
+    def take(self, embeds: torch.Tensor, rows: list[int], urgent: bool = False) -> torch.Tensor:
+        """The given output rows [len(rows), tokens, hidden], selected on the stream that made
+        them (a view when they are consecutive)."""
         if rows == list(range(rows[0], rows[0] + len(rows))):
             return embeds[rows[0] : rows[0] + len(rows)]
-        with torch.cuda.stream(self.side_stream) if self.side_stream is not None else nullcontext():
+        stream = self.vision_stream(urgent)
+        with torch.cuda.stream(stream) if stream is not None else nullcontext():
             return embeds[_tensor(rows, embeds.device)]  # through pinned memory: no wait for the tower
 
     def _stage(self, images: list[np.ndarray]) -> torch.Tensor:

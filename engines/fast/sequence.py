@@ -20,13 +20,14 @@ that changes it: a move that `TRANSITIONS` does not list raises `IllegalTransiti
   WAITING, VISION, PREFILL, DECODE ---Engine.abort---> ABORTED
   WAITING, VISION, PREFILL, DECODE ---unreadable image, failed step---> FAILED
 
-WAITING: tokenized, in the FIFO queue, no KV pages; its inputs may still be on their way (pixels
-resized and prefix keys hashed in threads, cached blocks read from disk). Admission takes the
-head once they are in (`admissible`) and a table row and every page it can ever need are free.
-VISION: admitted; its images wait for, or are in, a vision batch. PREFILL: its embeddings are on
-the device (or it needs none); its prefill waits for the token budget and for the cached blocks
-it reads (`CacheState.blocks_ready`). DECODE: one token per step. FINISHED, ABORTED and FAILED
-are final: row and pages are given back.
+WAITING: tokenized, queued by lane then arrival, no KV pages; its inputs may still be on their
+way (pixels resized and prefix keys hashed in threads, cached blocks read from disk). Admission
+takes the head once they are in (`admissible`) and a table row and every page it can ever need
+are free. VISION: admitted; its images wait for, or are in, a vision batch. PREFILL: its
+embeddings are on the device (or it needs none); its prefill waits for the token budget and for
+the cached blocks it reads (`CacheState.blocks_ready`). DECODE: one token per step. FINISHED,
+ABORTED and FAILED are final: row and pages are given back. While a better lane has admitted
+sequences, a sequence of a worse lane stays where it is (`StepPlanner.lead_rank`).
 
 An abort stops a sequence between steps, except one whose cached blocks other sequences wait
 to read (it writes them, or restores them into its pages): that one is stopped once its prefill
@@ -178,6 +179,11 @@ class Sequence:
     @property
     def id(self) -> str:
         return self.request.id
+
+    @property
+    def rank(self) -> int:
+        """Its lane's rank (`EngineRequest.priority`): lower is served first."""
+        return self.request.priority.rank
 
     @property
     def prompt_len(self) -> int:

@@ -1,10 +1,19 @@
 """Which sequences do what in the next step.
 
-FIFO admission: the oldest waiting sequence is admitted when a table row and every KV page it
-can ever need (prompt + max_new_tokens) are free, so a running sequence never waits for memory
-and nothing is preempted. Admitted sequences go through the vision tower in batches of about
-`vision_batch` images, are prefilled together (up to `prefill_tokens` tokens a step) and then
-decode one token per step until they finish; finished sequences give their pages and row back.
+Admission in lane order (`Sequence.rank`: the job's priority), first come first within a lane:
+the head of the waiting queue is admitted when a table row and every KV page it can ever need
+(prompt + max_new_tokens) are free, so a running sequence never waits for memory and nothing is
+preempted. Admitted sequences go through the vision tower in batches of about `vision_batch`
+images, are prefilled together (up to `prefill_tokens` tokens a step) and then decode one token
+per step until they finish; finished sequences give their pages and row back.
+
+Lanes: while admitted sequences belong to more than one lane, the best of them leads
+(`lead_rank`): only its sequences get vision batches, prefills and decode steps; the others keep
+their rows and pages and go on once it has none left admitted. A leading sequence's images go at
+once, in a batch of their own (the engine runs it ahead of the vision batches already queued),
+and its prefill is never behind another lane's. A sequence of another lane whose blocks a
+leading one waits to read (`CacheState.others_wait`) keeps its vision and prefill. Only admitted
+sequences lead: one waiting for pages never holds back the sequences whose end frees them.
 
 With the prefix cache (`blocks.cache`), a sequence that never wraps a sliding ring is admitted
 through `prefix_admission.place_cached`: it takes the cached blocks of its prompt's prefix, only
@@ -18,7 +27,7 @@ through the batch; docs/performance.md).
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 
 import numpy as np
 
@@ -53,16 +62,27 @@ class StepPlanner:
         self.vision_batch, self.prefill_tokens = vision_batch, prefill_tokens
         self.key_cells = KEY_CELLS * prefill_tokens
         self.free_rows = deque(range(max_rows))
-        self.waiting: deque[Sequence] = deque()
+        self.waiting: deque[Sequence] = deque()  # by rank, then arrival
         self.admitted: list[Sequence] = []  # VISION, PREFILL and DECODE, in admission order
         self.newly_admitted: list[Sequence] = []
+        self.admitted_ranks: Counter[int] = Counter()  # admitted sequences per lane rank (none at 0)
 
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        """Queued behind every waiting sequence of its lane or a better one."""
+        at = len(self.waiting)
+        while at and self.waiting[at - 1].rank > seq.rank:
+            at -= 1
+        self.waiting.insert(at, seq)
 
     def sequences(self) -> list[Sequence]:
-        """Every sequence it holds: the waiting ones (FIFO), then the admitted ones."""
+        """Every sequence it holds: the waiting ones (in admission order), then the admitted ones."""
         return [*self.waiting, *self.admitted]
+
+    @property
+    def lead_rank(self) -> int | None:
+        """The rank of the lane that alone runs while admitted sequences span several lanes
+        (module docstring); None when they are all of one lane."""
+        return min(self.admitted_ranks) if len(self.admitted_ranks) > 1 else None
 
     @property
     def num_unfinished(self) -> int:
@@ -75,12 +95,14 @@ class StepPlanner:
     def schedule_vision(self, vision_slots: int, allow_partial: bool = True) -> list[Sequence]:
         """Admit what fits, then pick the next vision batch if `vision_slots` (batches that may
         still be queued on the device) allows one. A batch short of `vision_batch` images goes
-        only with `allow_partial` (the engine allows it when the device would otherwise idle)."""
+        only with `allow_partial` (the engine allows it when the device would otherwise idle).
+        A leading lane's batch goes whatever the slots and its size (module docstring)."""
         self._admit()
-        if vision_slots <= 0:
+        lead = self.lead_rank
+        if lead is None and vision_slots <= 0:
             return []
-        batch, images = self._vision_batch()
-        if not allow_partial and images < self.vision_batch:
+        batch, images = self._vision_batch(lead)
+        if lead is None and not allow_partial and images < self.vision_batch:
             return []
         for seq in batch:
             seq.vision.launched = True
@@ -93,10 +115,11 @@ class StepPlanner:
 
     def schedule_model(self) -> tuple[list[Sequence], list[Sequence]]:
         """(prefill batch, decode batch) of this step."""
-        decode = [s for s in self.admitted if s.wants_decode]
+        lead = self.lead_rank
+        decode = [s for s in self.admitted if s.wants_decode and (lead is None or s.rank <= lead)]
         if self.blocks.cache is not None:
             decode.sort(key=_pages_key)  # sharers of a prefix side by side (module docstring)
-        return self._take_prefill(), decode
+        return self._take_prefill(lead), decode
 
     def _admit(self) -> None:
         while self.waiting and self.free_rows:
@@ -107,6 +130,7 @@ class StepPlanner:
             seq.kv.row = self.free_rows.popleft()
             seq.move(SeqStatus.VISION if seq.needs_vision else SeqStatus.PREFILL)
             self.admitted.append(seq)
+            self.admitted_ranks[seq.rank] += 1
             self.newly_admitted.append(seq)
 
     def _place(self, seq: Sequence) -> bool:
@@ -132,12 +156,12 @@ class StepPlanner:
             taken += count
         return table
 
-    def _vision_batch(self) -> tuple[list[Sequence], int]:
+    def _vision_batch(self, lead: int | None) -> tuple[list[Sequence], int]:
         """(sequences, distinct images among them): an image several of them ask about is
         encoded once, so it counts once towards `vision_batch`."""
         batch, images = [], set()
         for seq in self.admitted:
-            if seq.status == SeqStatus.VISION and not seq.vision.launched:
+            if seq.status == SeqStatus.VISION and not seq.vision.launched and _runs(seq, lead):
                 new = _image_ids(seq) - images
                 if batch and len(images) + len(new) > self.vision_batch:
                     break
@@ -145,13 +169,13 @@ class StepPlanner:
                 images |= new
         return batch, len(images)
 
-    def _take_prefill(self) -> list[Sequence]:
+    def _take_prefill(self, lead: int | None) -> list[Sequence]:
         """Ready sequences, oldest first, while the batch padded to its longest uncached suffix
         (the tokens it computes) stays within `prefill_tokens`, and padded to its longest
         prompt (the keys each layer gathers for attention) within KEY_CELLS x that."""
         batch, suffix, prompt = [], 0, 0
         for seq in self.admitted:
-            if seq.status == SeqStatus.PREFILL and seq.cache.blocks_ready:
+            if seq.status == SeqStatus.PREFILL and seq.cache.blocks_ready and _runs(seq, lead):
                 suffix_next = max(suffix, seq.prompt_len - seq.cache.prefix_len)
                 prompt_next = max(prompt, seq.prompt_len)
                 size = len(batch) + 1
@@ -181,6 +205,7 @@ class StepPlanner:
             self.waiting.remove(seq)
             return
         self.admitted.remove(seq)
+        self.admitted_ranks -= Counter({seq.rank: 1})  # drops the rank at 0
         self.blocks.release(seq.kv.pages)
         unwritten = seq.cache.unwritten()
         dropped = {id(block) for block in unwritten}
@@ -209,6 +234,12 @@ class StepPlanner:
     @property
     def num_admitted(self) -> int:
         return len(self.admitted)
+
+
+def _runs(seq: Sequence, lead: int | None) -> bool:
+    """Whether its vision and prefill may go now: no lane leads, it is of the leading lane, or a
+    sequence waits to read blocks it writes."""
+    return lead is None or seq.rank <= lead or seq.cache.others_wait
 
 
 def _pages_key(seq: Sequence) -> bytes:
