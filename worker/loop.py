@@ -24,6 +24,7 @@ import itertools
 import json
 import logging
 import signal
+import sys
 import time
 from concurrent.futures import wait
 
@@ -287,11 +288,10 @@ class BatchingWorker:
         """Fill the engine's free slots from the bucket the policy picks (the high lane may take
         the slots `BatchPolicy.high_lane_slots` keeps from the others). True if jobs came in, or
         a partial batch is ripening: the loop comes back for it rather than idling."""
-        if self.config.max_jobs is not None and self.jobs_done + len(self.in_flight) >= self.config.max_jobs:
+        wanted = self._jobs_wanted()
+        if wanted <= 0:
             return False
-        capacity = self.gate.free_slots() - len(self._before_engine())
-        if self.config.max_jobs is not None:
-            capacity = min(capacity, self.config.max_jobs - self.jobs_done - len(self.in_flight))
+        capacity = self.gate.free_slots() - len(self._before_engine())  # the engine's room: lanes share it
         self.record.set_queue_names(self.queues.names())
         if capacity <= 0:  # no room: reading the queue heads would cost a Redis call per step for nothing
             return False
@@ -302,10 +302,16 @@ class BatchingWorker:
             return True
         if not isinstance(decision, Take):
             return False
-        claimed = self.bridge.claim(decision.queue_name, decision.count)
+        claimed = self.bridge.claim(decision.queue_name, min(decision.count, wanted))
         self.batch_log.claimed(claimed)
         self._submit(claimed)
         return bool(claimed)
+
+    def _jobs_wanted(self) -> int:
+        """Jobs this worker may still take (`max_jobs`), beside the engine's room."""
+        if self.config.max_jobs is None:
+            return sys.maxsize
+        return self.config.max_jobs - self.jobs_done - len(self.in_flight)
 
     def _submit(self, claimed: list[Claimed]) -> None:
         """Jobs that cannot run (bad record or payload, deadline passed) fail here, unrun; the
