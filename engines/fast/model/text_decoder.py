@@ -107,10 +107,16 @@ class LayerFunctions:
 def compile_dynamic(fn: Callable) -> Callable:
     """Inductor with symbolic sizes (one graph for every token count), rounding intermediates
     to the model dtype as eager does, so outputs stay as close as possible to transformers'."""
+    import torch._dynamo.config as dynamo
     import torch._inductor.config as inductor
 
     if hasattr(inductor, "emulate_precision_casts"):
         inductor.emulate_precision_casts = True
+    # Every engine in a process shares these two functions' compiled variants, and each model,
+    # dtype and GEMM mode adds its own (a benchmark or test process builds several): dynamo's
+    # default of 8 per function would fail a later engine with fullgraph=True.
+    limit = "recompile_limit" if hasattr(dynamo, "recompile_limit") else "cache_size_limit"
+    setattr(dynamo, limit, max(getattr(dynamo, limit), 64))
     return torch.compile(fn, dynamic=True, fullgraph=True)
 
 
