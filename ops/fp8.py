@@ -68,7 +68,7 @@ def fp8_linear(
     x: torch.Tensor, weight: FP8Weight, bias: torch.Tensor | None = None, fast_accum: bool = True
 ) -> torch.Tensor:
     """x [..., K] -> [..., N] in x's dtype: x quantized per token (per tensor for a tensorwise
-    weight), one scaled matmul, bias added in its epilogue. `fast_accum`: Hopper's faster FP8
+    weight), one scaled matmul, bias added after it. `fast_accum`: Hopper's faster FP8
     accumulation (fewer promotions to float32), as inference libraries use."""
     rows = x.reshape(-1, x.shape[-1])
     x_q, x_scale = quantize(rows, rowwise=weight.scale.dim() > 0)
