@@ -27,7 +27,6 @@ E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0  # largest finite e4m3fn value
 AMAX_FLOOR = 1e-12  # an all-zero row (graph padding) gets a tiny scale, not a division by zero
 ALIGNMENT = 16  # K and N of every FP8 GEMM
-ROW_MULTIPLE = 16  # M, padded in `scaled_mm`
 MIN_CAPABILITY = (8, 9)  # Ada and Hopper have e4m3 tensor cores
 
 
@@ -80,23 +79,12 @@ def scaled_mm(
     x_q: torch.Tensor, x_scale: torch.Tensor, weight: FP8Weight, bias: torch.Tensor | None, out_dtype, fast_accum: bool
 ) -> torch.Tensor:
     """The matmul alone: quantized x [M, K] and its scale ([M, 1] or []) -> [M, N] in out_dtype.
-    Rows are padded to a multiple of 16: cuBLASLt finds no rowwise-scaled FP8 algorithm for a
-    few rows with a bias (H200, M = 7), and zero rows cost nothing to the result."""
-    rows = x_q.shape[0]
-    pad = -rows % ROW_MULTIPLE
-    if pad:
-        x_q = F.pad(x_q.view(torch.uint8), (0, 0, 0, pad)).view(x_q.dtype)  # pad is not defined for float8
-        x_scale = F.pad(x_scale, (0, 0, 0, pad), value=1.0) if x_scale.dim() else x_scale
+    The bias is added after it, not in its epilogue: cuBLASLt has no rowwise-scaled algorithm with
+    a bias for some shapes (H200: 7 x 10240 -> 2560), and inductor fuses the add when compiled."""
     out = torch._scaled_mm(
-        x_q,
-        weight.data.t(),
-        scale_a=x_scale,
-        scale_b=weight.scale,
-        bias=None if bias is None else bias.to(out_dtype),
-        out_dtype=out_dtype,
-        use_fast_accum=fast_accum,
+        x_q, weight.data.t(), scale_a=x_scale, scale_b=weight.scale, out_dtype=out_dtype, use_fast_accum=fast_accum
     )
-    return out[:rows] if pad else out
+    return out if bias is None else out + bias.to(out_dtype)
 
 
 def fp8_linear_reference(x: torch.Tensor, weight: FP8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
