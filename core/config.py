@@ -99,6 +99,9 @@ class Settings(BaseSettings):
     vision_cache_ttl_s: float = Field(86_400, gt=0)  # a shared embedding lives this long unread; one day
     dashboard_auth: SecretStr | None = None  # USER:PASSWORD for `wicore dashboard`'s basic auth; none
     log_level: str = "WARNING"  # DEBUG | INFO | WARNING | ERROR
+    # `wicore worker` samples its loop thread's stack and writes where it spent its time here (JSON,
+    # `stack_sampler`) when it stops: what the host does while the device idles. None: off.
+    sample_stacks: Path | None = None
     # The HTTP gateway (`wicore serve`) and the workers' Prometheus endpoints.
     host: str = "127.0.0.1"  # interface `wicore serve` and a worker's /metrics listen on
     port: int = Field(8000, ge=1, le=65535)  # `wicore serve`'s port; 8000

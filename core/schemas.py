@@ -163,6 +163,7 @@ class Timings(Strict):
     preprocess_s: float  # image fetch + decode
     engine_s: float  # in the engine (shared batch time)
     total_s: float  # submitted -> result written
+    first_token_s: float | None = None  # submitted -> first token generated (None: the engine does not stream)
 
 
 FinishReason = Literal["stop", "length", "stop_string"]

@@ -50,6 +50,7 @@ class Completion:
     input_error: bool = False  # the request's own fault: fail it, never retry
     out_of_memory: bool = False  # the device ran out of memory: run it again in a smaller batch
     engine_s: float = 0.0
+    first_token_s: float | None = None  # in the engine -> its first token read back (None: not measured)
 
     @property
     def ok(self) -> bool:

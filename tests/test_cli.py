@@ -111,8 +111,13 @@ def test_result_exit_codes(tmp_path, server, tiny_model_dir):
     [job_id] = job_ids(wicore("enqueue", str(tmp_path / "bad.png"), "--redis-url", url, "--model-id", "tiny"))
     unfinished = wicore("result", job_id, "--redis-url", url, check=False)
     assert unfinished.returncode == 3
-    worker = start_worker("--redis-url", url, "--model", str(tiny_model_dir), "--burst")
+    stacks = tmp_path / "stacks.json"  # the loop thread sampled, its report written at exit
+    worker = start_worker("--redis-url", url, "--model", str(tiny_model_dir), "--burst",
+                          env={"WICORE_SAMPLE_STACKS": str(stacks)})  # fmt: skip
     assert worker.wait(timeout=120) == 0
+    report = json.loads(stacks.read_text())
+    assert report["samples"] > 0 and 0 < sum(share for _, share in report["innermost"]) <= 1.0001
+    assert dict(report["inclusive"])["run (loop.py)"] == 1.0, "every sample is inside BatchingWorker.run"
     failed = wicore("result", job_id, "--wait", "5", "--redis-url", url, check=False)
     assert failed.returncode == 1 and json.loads(failed.stdout)["error"].startswith("ImageError")
     unknown = wicore("result", "wc-nope", "--redis-url", url, check=False)

@@ -48,6 +48,13 @@ def test_worker_metrics_count_the_jobs_it_ran(redis_conn, tiny_model_dir):
     assert metric_total(samples, "wicore:images_processed_total") == 6
     assert metric_total(samples, "wicore:e2e_request_latency_seconds_count") == 6
     assert metric_total(samples, "wicore:request_queue_time_seconds_count") == 6
+    assert metric_total(samples, "wicore:time_to_first_token_seconds_count") == 6
+    first_tokens = [o.result.timings.first_token_s for o in results.values() if o.result]
+    totals = [o.result.timings.total_s for o in results.values() if o.result]
+    assert all(0 < first <= total for first, total in zip(first_tokens, totals, strict=True))
+    assert metric_total(samples, "wicore:time_to_first_token_seconds_sum") <= metric_total(
+        samples, "wicore:e2e_request_latency_seconds_sum"
+    )
     assert metric_total(samples, "wicore:engine_step_duration_seconds_count") >= 5, "a step per token at least"
     assert metric_total(samples, "wicore:num_requests_running") == 0
     # The engine's own counters, from the snapshot the worker published when it stopped.

@@ -386,11 +386,15 @@ class BatchingWorker:
             self.metrics.failed("input" if completion.input_error else "transient")
             return Finished(flight.claimed, error=completion.error, retry=not completion.input_error)
         submitted = flight.payload.submitted_at
+        total_s = max(0.0, time.time() - submitted)
+        first = completion.first_token_s
         timings = Timings(
             queued_s=max(0.0, flight.claimed.started_at - submitted),
             preprocess_s=flight.preprocess_s,
             engine_s=completion.engine_s,
-            total_s=max(0.0, time.time() - submitted),
+            total_s=total_s,
+            # the engine's clock is not the producer's: count back from now by the time since the first token
+            first_token_s=None if first is None else max(0.0, total_s - (completion.engine_s - first)),
         )
         result = caption_result(
             completion, timings, worker=self.name, engine=self.engine.name, model=self.config.model_id

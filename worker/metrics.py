@@ -65,6 +65,9 @@ class WorkerMetrics:
         self.queue_time = histogram("request_queue_time_seconds", "Submitted -> taken by a worker.", LATENCY_BUCKETS)
         self.inference_time = histogram("request_inference_time_seconds", "Time in the engine.", LATENCY_BUCKETS)
         self.e2e = histogram("e2e_request_latency_seconds", "Submitted -> result written.", LATENCY_BUCKETS)
+        self.first_token = histogram(
+            "time_to_first_token_seconds", "Submitted -> first token generated.", LATENCY_BUCKETS
+        )
         self.step_time = histogram("engine_step_duration_seconds", "One engine step (worker's view).", STEP_BUCKETS)
         self.batch_size = histogram("batch_size", "Sequences in the engine at each step.", BATCH_BUCKETS)
 
@@ -91,6 +94,8 @@ class WorkerMetrics:
         self.queue_time.labels(self.model).observe(timings.queued_s)
         self.inference_time.labels(self.model).observe(timings.engine_s)
         self.e2e.labels(self.model).observe(timings.total_s)
+        if timings.first_token_s is not None:
+            self.first_token.labels(self.model).observe(timings.first_token_s)
 
     def failed(self, kind: str, count: int = 1) -> None:
         self.failure.labels(self.model, kind).inc(count)

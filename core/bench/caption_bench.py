@@ -42,6 +42,7 @@ class CaptionBench:
     model_dir: Path | None = None  # default: `make-model gemma3-4b` (seeded weights on the device)
     hf_peers: bool = True  # False (`--no-hf`): the product alone, for A/B runs of engine options
     decode_processes: int | None = None  # the worker's `--decode-processes`; None: its default
+    sample_stacks: bool = False  # the worker's loop thread sampled (`stack_sampler`): `host_stacks` in the JSON
 
 
 def device_name(device: str) -> str:
@@ -104,6 +105,10 @@ def run_product(
     with EmbeddedRedis() as server, busy_sampler(bench.device) as busy:
         command = worker_command(bench, server.url, model_dir, timed[0].parent, gpus)
         env = {**os.environ, "WICORE_LOG_LEVEL": "INFO"}
+        stacks = log.with_name("worker-stacks.json")
+        stacks.unlink(missing_ok=True)
+        if bench.sample_stacks:
+            env["WICORE_SAMPLE_STACKS"] = str(stacks)
         with open(log, "wb") as sink:
             worker = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, env=env)
         try:
@@ -142,6 +147,7 @@ def run_product(
         "engine_stats": stats[names[0]],
         "engine_stats_by_worker": stats,
         "tokens": tokens,
+        "host_stacks": json.loads(stacks.read_text()) if stacks.exists() else None,
     }
 
 
@@ -260,6 +266,7 @@ def caption_report(bench: CaptionBench, runs: CaptionRuns) -> dict:
         "errors": product["errors"],
         "error_count": product["error_count"],
         "engine_stats": product["engine_stats"],
+        "host_stacks": product["host_stacks"],  # None without --sample-stacks
     }
 
 
@@ -268,6 +275,7 @@ def bench_command(bench: CaptionBench) -> str:
     words = ["wicore bench caption --preset gemma3-4b", f"--images {bench.images}"]
     words += [] if bench.hf_peers else ["--no-hf"]
     words += [] if bench.decode_processes is None else [f"--decode-processes {bench.decode_processes}"]
+    words += ["--sample-stacks"] if bench.sample_stacks else []
     return " ".join(words)
 
 

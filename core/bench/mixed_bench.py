@@ -295,10 +295,21 @@ def latency_summary(timed: list[Timed], prefix: str) -> dict:
     return {f"{prefix}_p50_s": percentile(latencies, 50), f"{prefix}_p99_s": percentile(latencies, 99)}
 
 
-def split_summary(timed: list[Timed]) -> dict:
-    """The worker's median split of the successful jobs' latency."""
-    parts = ("queued_s", "preprocess_s", "engine_s", "total_s")
-    return {part: percentile([t.timings[part] for t in timed if t.ok], 50) for part in parts}
+SPLIT_PARTS = ("queued_s", "preprocess_s", "first_token_s", "engine_s", "total_s")
+
+
+def split_summary(timed: list[Timed], pct: float) -> dict:
+    """A percentile of each part of the worker's split of the successful jobs' latency (each part
+    on its own: the parts at p99 come from different jobs). `first_token_s` counts from submission."""
+    return {
+        part: percentile([t.timings[part] for t in timed if t.ok and t.timings.get(part) is not None], pct)
+        for part in SPLIT_PARTS
+    }
+
+
+def job_splits(timed: list[Timed]) -> list[dict]:
+    """Each successful job's split, rounded, in arrival order (where a slow job's time went)."""
+    return [{part: round(t.timings.get(part) or 0.0, 4) for part in SPLIT_PARTS} for t in timed if t.ok]
 
 
 def mixed_report(bench: MixedBench, idle: list[Timed], mixed: list[Timed], bulk: dict, start_s: float, stats: dict):
@@ -322,8 +333,11 @@ def mixed_report(bench: MixedBench, idle: list[Timed], mixed: list[Timed], bulk:
         "high_lane_slots": bench.high_lane_slots,
         "engine": bench.engine,
         "engine_options": bench.engine_options,
-        "idle_split_p50": split_summary(idle),
-        "interactive_split_p50": split_summary(mixed),
+        "idle_split_p50": split_summary(idle, 50),
+        "interactive_split_p50": split_summary(mixed, 50),
+        "idle_split_p99": split_summary(idle, 99),
+        "interactive_split_p99": split_summary(mixed, 99),
+        "interactive_splits": job_splits(mixed),
         "idle_latencies_s": [round(t.latency_s, 4) for t in idle],
         "interactive_latencies_s": [round(t.latency_s, 4) for t in mixed],
         "error_count": len(errors),

@@ -88,6 +88,9 @@ def caption(
     decode_processes: int = typer.Option(
         None, min=0, help="The worker's --decode-processes (0: threads).", show_default=False
     ),
+    sample_stacks: bool = typer.Option(
+        False, help="Sample the worker's loop thread: where the host spends its time goes in the JSON (host_stacks)."
+    ),
     gpus: int = typer.Option(
         0,
         min=0,
@@ -124,6 +127,7 @@ def caption(
         hf_images=hf_images,
         hf_peers=hf,
         decode_processes=decode_processes,
+        sample_stacks=sample_stacks,
         gpus=gpus,
     )
     if gpus:

@@ -117,8 +117,22 @@ def serve_jobs(
     if settings.metrics_port is not None:
         worker_obj.metrics.serve(settings.metrics_port, settings.host)
         console.print(f"worker {worker_obj.name}: metrics on http://{settings.host}:{settings.metrics_port}/metrics")
-    done = worker_obj.run()
+    done = run_sampled(worker_obj, settings.sample_stacks)
     console.print(f"worker {worker_obj.name}: {done} jobs done, stopped", markup=False)
+
+
+def run_sampled(worker_obj, stacks: Path | None) -> int:
+    """Run the worker; with `stacks`, sample its loop thread and write the report there."""
+    if stacks is None:
+        return worker_obj.run()
+    from wicore.stack_sampler import StackSampler
+
+    sampler = StackSampler()
+    try:
+        with sampler:
+            return worker_obj.run()
+    finally:
+        sampler.write(stacks)
 
 
 def worker_flags(*, allow_random_weights: bool, burst: bool, max_jobs: int | None) -> list[str]:

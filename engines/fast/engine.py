@@ -22,6 +22,7 @@ from __future__ import annotations
 import gc
 import logging
 import random
+import time
 import traceback
 from collections.abc import Iterable
 from dataclasses import asdict
@@ -287,6 +288,8 @@ class FastEngine(Engine):
         """Record a token; True when the sequence ends with it."""
         generated = seq.tokens.generated
         generated.append(token)
+        if len(generated) == 1:
+            seq.tokens.first_at = time.perf_counter()
         params = seq.request.params
         if len(generated) >= seq.max_new or (not params.ignore_eos and token in self.eos_ids):
             return True
@@ -299,7 +302,11 @@ class FastEngine(Engine):
         ids, text, reason = finish_sequence(self.tokenizer, seq.tokens.generated, seq.request.params, self.eos_ids)
         self.planner.finish(seq)
         self.counters.record_finish(len(ids))
-        return Completion(seq.id, text, ids, reason, prompt_tokens=seq.prompt_len, engine_s=seq.age())
+        first = seq.tokens.first_at
+        first_token_s = None if first is None else first - seq.added_at
+        return Completion(
+            seq.id, text, ids, reason, prompt_tokens=seq.prompt_len, engine_s=seq.age(), first_token_s=first_token_s
+        )
 
     def _abort(self, seq: Sequence) -> Completion:
         self.images.drop(seq)
