@@ -161,7 +161,7 @@ class Engine(abc.ABC):
         return [done[r.id] for r in requests]
 
     def close(self) -> None:
-        """Release the device. Engines hold no other resources."""
+        """Release the device; what a cache writes behind (the shared vision cache) is written first."""
 
 
 class StaticBatchEngine(Engine):

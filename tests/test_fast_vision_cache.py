@@ -66,6 +66,7 @@ def test_shared_redis_layer_serves_another_engine(tiny_model_dir, expected, redi
     first = fast(tiny_model_dir)
     first.attach_vision_cache(RedisVisionCache(redis_conn, namespace="tiny", max_bytes=2**24, ttl_s=60))
     first.generate(vqa())
+    first.close()  # writes the embeddings still queued for the shared store
     second = fast(tiny_model_dir)  # a fresh engine (another worker): empty local cache
     shared = RedisVisionCache(redis_conn, namespace="tiny", max_bytes=2**24, ttl_s=60)
     second.attach_vision_cache(shared)

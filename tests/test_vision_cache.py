@@ -1,6 +1,8 @@
+import threading
+
 import torch
 
-from wicore.engines.vision_cache import EmbeddingStore, LocalVisionCache, VisionCache, tensor_bytes
+from wicore.engines.vision_cache import WRITES_PENDING, EmbeddingStore, LocalVisionCache, VisionCache, tensor_bytes
 
 
 def emb(i, tokens=4):
@@ -51,7 +53,39 @@ def test_vision_cache_goes_to_the_shared_store_once_per_batch():
     assert h(1) in cache.local  # filled from the shared store
     cache.get_many([h(1), h(2)])
     assert shared.calls == 1  # now local hits only
+    cache.flush()
     assert h(0) in shared  # puts go to both
+
+
+class GatedStore(LocalVisionCache):
+    """A shared store whose writes wait until the test opens the gate (a slow Redis)."""
+
+    def __init__(self):
+        super().__init__(max_bytes=10**6)
+        self.entered, self.gate = threading.Event(), threading.Event()
+
+    def put_many(self, items):
+        self.entered.set()
+        assert self.gate.wait(10), "the gate never opened"
+        super().put_many(items)
+
+
+def test_shared_puts_are_written_behind_and_never_wait_for_the_store():
+    store = GatedStore()
+    cache = VisionCache(LocalVisionCache(max_bytes=10**6), store)
+    cache.put_many({h(0): emb(0)})
+    assert store.entered.wait(10)  # the writer holds the first batch, stuck in the store
+    for i in range(1, WRITES_PENDING + 3):  # WRITES_PENDING queue behind it, two more are dropped
+        cache.put_many({h(i): emb(i)})  # returns at once though the store is stuck
+    assert len(cache.local) == WRITES_PENDING + 3, "the local cache has them all now"
+    assert len(store) == 0 and cache.dropped_writes == 2
+    store.gate.set()
+    cache.flush()
+    assert len(store) == WRITES_PENDING + 1
+    assert torch.equal(store.get(h(0)), emb(0))
+    cache.close()
+    cache.put_many({h(99): emb(99)})  # after close: local only
+    assert h(99) in cache.local and h(99) not in store
 
 
 def test_vision_cache_without_a_shared_store():

@@ -131,5 +131,6 @@ def test_engine_side_vision_cache_over_redis(redis_conn):
     writer = VisionCache(LocalVisionCache(10**6), shared)
     reader = VisionCache(LocalVisionCache(10**6), shared)  # another worker
     writer.put_many({h(7): emb(7)})
+    writer.flush()  # puts are written behind
     assert torch.equal(reader.get_many([h(7)])[h(7)], emb(7))
     assert h(7) in reader.local

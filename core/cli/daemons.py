@@ -118,6 +118,7 @@ def serve_jobs(
         worker_obj.metrics.serve(settings.metrics_port, settings.host)
         console.print(f"worker {worker_obj.name}: metrics on http://{settings.host}:{settings.metrics_port}/metrics")
     done = run_sampled(worker_obj, settings.sample_stacks)
+    engine_obj.close()  # lets the caches write what they hold back (the shared vision cache writes behind)
     console.print(f"worker {worker_obj.name}: {done} jobs done, stopped", markup=False)
 
 

@@ -225,6 +225,7 @@ class FastEngine(Engine):
         if self.pool is not None:
             self.pool.shutdown(wait=False, cancel_futures=True)
         self.tiers.close()
+        self.images.close()
         if self.runner is not None:
             self.runner.release()
         self.runner = self.images = self.tiers = None

@@ -176,6 +176,11 @@ class ImageStage:
             job.attached = [(s, rows) for s, rows in job.attached if s is not seq]
         seq.vision.embeds, seq.vision.event = None, None
 
+    def close(self) -> None:
+        """Write the embeddings still queued for the shared store."""
+        if self.cache is not None:
+            self.cache.close()
+
     def reset(self) -> None:
         """Forget the vision batches in flight (after a failed step)."""
         self.jobs.clear()
@@ -187,5 +192,5 @@ class ImageStage:
             out["vision_cache"] = self.cache.local.stats.to_dict()
             shared = getattr(self.cache.shared, "stats", None)
             if shared is not None:
-                out["vision_cache_shared"] = shared.to_dict()
+                out["vision_cache_shared"] = {**shared.to_dict(), "dropped_writes": self.cache.dropped_writes}
         return out
