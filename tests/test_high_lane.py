@@ -56,6 +56,9 @@ def test_a_high_lane_job_overtakes_a_full_running_set(redis_conn, fast_engine):
     assert set(running) <= set(after), f"bulk jobs running when it arrived ended first: {ended}"
     assert all(producer.outcome(i).result.output_tokens == 300 for i in [*bulk, high_id])
     assert fast_engine.requests_seen == 7
+    timeline = fast_engine.stats()["high_lane_timelines"][-1]  # seconds from `add` to each milestone
+    milestones = ["vision", "vision_launched", "prefill", "decode", "first_token", "finished"]
+    assert [timeline[m] for m in milestones] == sorted(timeline[m] for m in milestones)
 
 
 def test_bulk_alone_never_takes_the_high_lanes_slots(redis_conn, fast_engine, caplog):

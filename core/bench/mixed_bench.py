@@ -307,6 +307,14 @@ def split_summary(timed: list[Timed], pct: float) -> dict:
     }
 
 
+def timeline_summary(stats: dict, count: int, pct: float) -> dict:
+    """A percentile of the seconds from `add` to each milestone in the engine, over the last
+    `count` high-lane sequences (the interactive jobs beside bulk; fast engine's stats)."""
+    timelines = (stats.get("high_lane_timelines") or [])[-count:]
+    keys = sorted({key for timeline in timelines for key in timeline})
+    return {key: percentile([t[key] for t in timelines if key in t], pct) for key in keys}
+
+
 def job_splits(timed: list[Timed]) -> list[dict]:
     """Each successful job's split, rounded, in arrival order (where a slow job's time went)."""
     return [{part: round(t.timings.get(part) or 0.0, 4) for part in SPLIT_PARTS} for t in timed if t.ok]
@@ -338,6 +346,8 @@ def mixed_report(bench: MixedBench, idle: list[Timed], mixed: list[Timed], bulk:
         "idle_split_p99": split_summary(idle, 99),
         "interactive_split_p99": split_summary(mixed, 99),
         "interactive_splits": job_splits(mixed),
+        "interactive_engine_timeline_p50": timeline_summary(stats, len(mixed), 50),
+        "interactive_engine_timeline_p99": timeline_summary(stats, len(mixed), 99),
         "idle_latencies_s": [round(t.latency_s, 4) for t in idle],
         "interactive_latencies_s": [round(t.latency_s, 4) for t in mixed],
         "error_count": len(errors),

@@ -53,9 +53,9 @@ from wicore.engines.text import finish_sequence, first_stop, stop_token_ids
 from wicore.errors import JobInputError, PromptTooLong
 from wicore.ops.image_preprocess import PreprocessSpec
 from wicore.priority_pool import PriorityPool
+from wicore.schemas import Lane
 
 log = logging.getLogger(__name__)
-VISION_IN_FLIGHT = 2  # vision batches queued on the side stream at once (double buffering)
 IDLE_WAIT_S = 0.02  # longest wait inside a step that launched nothing
 READ_LAG = 2  # a step's tokens are waited for once this many later steps have launched
 
@@ -243,7 +243,7 @@ class FastEngine(Engine):
         # A full vision batch may queue behind another; a partial one only goes when no vision
         # work is queued (the device would idle), so the tower mostly runs full, compiled batches.
         queued = self.images.num_queued
-        vision = self.planner.schedule_vision(VISION_IN_FLIGHT - queued, allow_partial=not queued)
+        vision = self.planner.schedule_vision(self.resolved.vision_batches_queued - queued, allow_partial=not queued)
         for seq in self.planner.take_admitted():
             self.runner.set_table(seq.kv.row, seq.kv.table)
             self.tiers.start(seq)  # pins its host blocks: `demote` cannot reuse their slots
@@ -290,7 +290,7 @@ class FastEngine(Engine):
         generated = seq.tokens.generated
         generated.append(token)
         if len(generated) == 1:
-            seq.tokens.first_at = time.perf_counter()
+            seq.tokens.first_at = seq.timeline["first_token"] = time.perf_counter()
         params = seq.request.params
         if len(generated) >= seq.max_new or (not params.ignore_eos and token in self.eos_ids):
             return True
@@ -303,6 +303,8 @@ class FastEngine(Engine):
         ids, text, reason = finish_sequence(self.tokenizer, seq.tokens.generated, seq.request.params, self.eos_ids)
         self.planner.finish(seq)
         self.counters.record_finish(len(ids))
+        if seq.request.priority is Lane.HIGH:
+            self.counters.record_timeline(seq)
         first = seq.tokens.first_at
         first_token_s = None if first is None else first - seq.added_at
         return Completion(

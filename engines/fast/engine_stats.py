@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 import torch
+
+TIMELINES_KEPT = 64
 
 
 @dataclass
@@ -24,6 +26,9 @@ class EngineStats:
     rejected: int = 0
     aborted: int = 0
     decode_batch_sizes: Counter = field(default_factory=Counter)  # batch size -> steps
+    # The last high-lane sequences' timelines: seconds from `add` to each status, to the launch of
+    # their vision batch and to their first token (where an interactive job's time goes).
+    high_lane_timelines: deque = field(default_factory=lambda: deque(maxlen=TIMELINES_KEPT))
 
     def record_prefill(self, seqs) -> None:
         self.prefill_batches += 1
@@ -42,6 +47,9 @@ class EngineStats:
     def record_finish(self, tokens: int) -> None:
         self.finished += 1
         self.generated_tokens += tokens
+
+    def record_timeline(self, seq) -> None:
+        self.high_lane_timelines.append({k: round(t - seq.added_at, 4) for k, t in seq.timeline.items()})
 
     def report(self, runner, blocks, planner) -> dict:
         seconds = runner.clock.collect() if runner is not None else {}
@@ -65,6 +73,7 @@ class EngineStats:
             "mean_decode_batch": mean_batch,
             "max_decode_batch": max(self.decode_batch_sizes, default=0),
             "decode_batch_sizes": dict(sorted(self.decode_batch_sizes.items())),
+            "high_lane_timelines": list(self.high_lane_timelines),
             "graph_replays": self.graph_replays,
             "eager_decodes": self.eager_decodes,
             # Prefills over the pages alone (short suffixes) and how many replayed a graph.

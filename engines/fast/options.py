@@ -61,6 +61,12 @@ class FastOptions(BaseModel):
     vision_batch_size: int | None = Field(
         None, ge=1, description="Images per vision-tower call. Default: 32 on CUDA, 8 on CPU."
     )
+    vision_batches_queued: int = Field(
+        2,
+        ge=1,
+        description="Vision batches queued on the side stream at once. 2 keeps the tower busy while the host "
+        "plans the next step; 1 leaves a high-lane job's images behind at most one bulk batch. Default: 2.",
+    )
     compile_vision: bool | None = Field(
         None,
         description="Inductor for the vision tower's full batches. Default: on CUDA only, where the fused kernels "
@@ -192,6 +198,7 @@ class FastOptions(BaseModel):
             graph_prefill_tokens=self._prefill_graph_sizes(prefill_tokens) if graphs else (),
             paged_prefill_tokens=_default(self.paged_prefill_tokens, 128 if cuda else 0),
             vision_batch_size=_default(self.vision_batch_size, 32 if cuda else 8),
+            vision_batches_queued=self.vision_batches_queued,
             compile_vision=_default(self.compile_vision, cuda),
             vision_compile_mode=self.vision_compile_mode,
             compile_text=_default(self.compile_text, cuda),
@@ -261,6 +268,7 @@ class ResolvedFastConfig:
     graph_prefill_tokens: tuple[int, ...]
     paged_prefill_tokens: int
     vision_batch_size: int
+    vision_batches_queued: int
     compile_vision: bool
     vision_compile_mode: str
     compile_text: bool

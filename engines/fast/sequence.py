@@ -162,6 +162,8 @@ class Sequence:
     tokens: TokenState = field(default_factory=TokenState)
     abort_requested: bool = False  # stop once its prefill is launched (module docstring)
     added_at: float = field(default_factory=time.perf_counter)
+    # perf_counter when it entered each status, launched its vision batch, read its first token
+    timeline: dict[str, float] = field(default_factory=dict)
     _status: SeqStatus = field(default=SeqStatus.WAITING, init=False, repr=False)
 
     @property
@@ -172,6 +174,7 @@ class Sequence:
         if status not in TRANSITIONS[self._status]:
             raise IllegalTransition(f"sequence {self.id}: {self._status.value} -> {status.value}")
         self._status = status
+        self.timeline[status.value] = time.perf_counter()
 
     @property
     def ended(self) -> bool:

@@ -27,6 +27,7 @@ through the batch; docs/performance.md).
 
 from __future__ import annotations
 
+import time
 from collections import Counter, deque
 
 import numpy as np
@@ -104,8 +105,10 @@ class StepPlanner:
         batch, images = self._vision_batch(lead)
         if lead is None and not allow_partial and images < self.vision_batch:
             return []
+        now = time.perf_counter()
         for seq in batch:
             seq.vision.launched = True
+            seq.timeline["vision_launched"] = now
         return batch
 
     def take_admitted(self) -> list[Sequence]:
