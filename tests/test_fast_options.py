@@ -21,7 +21,8 @@ def test_defaults():
     assert resolve(cuda=True, model_limit=8192).max_prefill_tokens == 16384
     assert resolve(cuda=True, batch=64).graph_batch_sizes == (1, 2, 4, 8, 16, 32, 48, 64)
     assert resolve(cuda=True, batch=40).graph_batch_sizes == (1, 2, 4, 8, 16, 32, 40)
-    assert resolve(cuda=True).vision_batch_size == 32 and resolve(cuda=False).vision_batch_size == 8
+    assert resolve(cuda=True).vision_batch_size == 8 == resolve(cuda=False).vision_batch_size
+    assert resolve(cuda=True).vision_batches_queued == 1
     assert resolve(cuda=True).paged_prefill_tokens == 128 and resolve(cuda=False).paged_prefill_tokens == 0
     prefill_graphs = resolve(cuda=True).graph_prefill_tokens
     assert prefill_graphs[:3] == (64, 128, 256) and prefill_graphs[-1] == 2048
