@@ -118,6 +118,9 @@ def test_result_exit_codes(tmp_path, server, tiny_model_dir):
     report = json.loads(stacks.read_text())
     assert report["samples"] > 0 and 0 < sum(share for _, share in report["innermost"]) <= 1.0001
     assert dict(report["inclusive"])["run (loop.py)"] == 1.0, "every sample is inside BatchingWorker.run"
+    connection = Redis.from_url(url)
+    [published] = [json.loads(connection.get(key)) for key in connection.scan_iter("wicore:stats:*")]
+    assert published["gc_full_collections"] >= 0 and published["gc_full_pause_max_s"] >= 0  # after gc.freeze
     failed = wicore("result", job_id, "--wait", "5", "--redis-url", url, check=False)
     assert failed.returncode == 1 and json.loads(failed.stdout)["error"].startswith("ImageError")
     unknown = wicore("result", "wc-nope", "--redis-url", url, check=False)

@@ -34,6 +34,7 @@ from rq.serializers import JSONSerializer
 from wicore import keys
 from wicore.engines.base import ABORTED, Completion, Engine
 from wicore.errors import ShutdownRequested
+from wicore.gc_pauses import PAUSES
 from wicore.scheduler.policy import Take, Wait, choose, split_expired
 from wicore.scheduler.queues import BucketQueues
 from wicore.schemas import Timings
@@ -190,6 +191,7 @@ class BatchingWorker:
         identity = {"model": self.config.model_id, "engine": self.engine.name}
         identity |= {"device": self.engine.config.device, "dtype": self.engine.config.dtype}
         stats = {**identity, "jobs_done": self.jobs_done, "in_flight": len(self.in_flight), **self.engine.stats()}
+        stats |= PAUSES.report()  # {} unless `wicore worker` installed it
         self.metrics.engine_snapshot(stats)
         self.metrics.in_hand(self.engine.num_unfinished(), len(self._loading()))
         self.connection.set(keys.stats(self.name), json.dumps(stats), ex=max(60, int(self.config.liveness_ttl_s * 4)))

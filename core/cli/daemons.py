@@ -110,6 +110,10 @@ def serve_jobs(
     from wicore.worker.factory import build_engine, build_worker
 
     engine_obj = build_engine(settings, model_dir)
+    from wicore.gc_pauses import PAUSES, freeze_startup_heap
+
+    freeze_startup_heap()  # a full collection would walk the model's objects, stalling the engine
+    PAUSES.install()
     worker_obj = build_worker(settings, connection, engine_obj, served_id, name=name, burst=burst, max_jobs=max_jobs)
     fp8 = " with FP8 GEMMs" if engine_obj.config.options.gemm_dtype == "fp8" else ""
     where = f"{engine_obj.name} engine on {engine_obj.config.device} ({engine_obj.config.dtype}{fp8})"
