@@ -24,7 +24,6 @@ import itertools
 import json
 import logging
 import signal
-import sys
 import time
 from concurrent.futures import wait
 
@@ -37,16 +36,15 @@ from wicore.errors import ShutdownRequested
 from wicore.gc_pauses import PAUSES
 from wicore.scheduler.policy import Take, Wait, choose, split_expired
 from wicore.scheduler.queues import BucketQueues
-from wicore.schemas import Timings
 from wicore.worker.batch_log import BatchLog
 from wicore.worker.engine_gate import EngineGate
 from wicore.worker.job_inputs import InputLoader, deadline_message, parse_payloads
 from wicore.worker.liveness import Heartbeat, reap_dead_workers, take_over_name
 from wicore.worker.metrics import WorkerMetrics
 from wicore.worker.redis_link import REDIS_DOWN, Backoff, PollPace
-from wicore.worker.results import caption_result
+from wicore.worker.results import caption_result, job_timings
 from wicore.worker.rq_bridge import Claimed, Finished, RQBridge, RQWorkerRecord
-from wicore.worker.worker_config import InFlight, WorkerConfig, WorkerState, overtaking_loads
+from wicore.worker.worker_config import InFlight, WorkerConfig, WorkerState, loads_to_wait_for, overtaking_loads
 
 log = logging.getLogger(__name__)
 
@@ -118,10 +116,8 @@ class BatchingWorker:
         overtaking = overtaking_loads(self.in_flight.values())
         if self.gate.busy() and not overtaking:
             self._collect(self._step())
-        elif loading := self._loading():  # a better lane's loads first, else the oldest claim's, all its images
-            oldest = min(f.batch for f in loading)
-            ahead = overtaking or [f for f in loading if f.batch == oldest]
-            wait([f.loading for f in ahead if not f.loading.done()], timeout=0.01)
+        elif loading := self._loading():
+            wait(loads_to_wait_for(loading, overtaking), timeout=0.01)
         else:
             return False
         return True
@@ -290,7 +286,7 @@ class BatchingWorker:
         """Fill the engine's free slots from the bucket the policy picks (the high lane may take
         the slots `BatchPolicy.high_lane_slots` keeps from the others). True if jobs came in, or
         a partial batch is ripening: the loop comes back for it rather than idling."""
-        wanted = self._jobs_wanted()
+        wanted = self.config.jobs_wanted(self.jobs_done, len(self.in_flight))
         if wanted <= 0:
             return False
         capacity = self.gate.free_slots() - len(self._before_engine())  # the engine's room: lanes share it
@@ -308,12 +304,6 @@ class BatchingWorker:
         self.batch_log.claimed(claimed)
         self._submit(claimed)
         return bool(claimed)
-
-    def _jobs_wanted(self) -> int:
-        """Jobs this worker may still take (`max_jobs`), beside the engine's room."""
-        if self.config.max_jobs is None:
-            return sys.maxsize
-        return self.config.max_jobs - self.jobs_done - len(self.in_flight)
 
     def _submit(self, claimed: list[Claimed]) -> None:
         """Jobs that cannot run (bad record or payload, deadline passed) fail here, unrun; the
@@ -387,17 +377,7 @@ class BatchingWorker:
         if not completion.ok:
             self.metrics.failed("input" if completion.input_error else "transient")
             return Finished(flight.claimed, error=completion.error, retry=not completion.input_error)
-        submitted = flight.payload.submitted_at
-        total_s = max(0.0, time.time() - submitted)
-        first = completion.first_token_s
-        timings = Timings(
-            queued_s=max(0.0, flight.claimed.started_at - submitted),
-            preprocess_s=flight.preprocess_s,
-            engine_s=completion.engine_s,
-            total_s=total_s,
-            # the engine's clock is not the producer's: count back from now by the time since the first token
-            first_token_s=None if first is None else max(0.0, total_s - (completion.engine_s - first)),
-        )
+        timings = job_timings(completion, flight.payload.submitted_at, flight.claimed.started_at, flight.preprocess_s)
         result = caption_result(
             completion, timings, worker=self.name, engine=self.engine.name, model=self.config.model_id
         )

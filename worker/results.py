@@ -2,8 +2,24 @@
 
 from __future__ import annotations
 
+import time
+
 from wicore.engines.base import Completion
 from wicore.schemas import CaptionResult, Timings
+
+
+def job_timings(completion: Completion, submitted: float, started: float, preprocess_s: float) -> Timings:
+    """A finished job's split, on the producer's clock (unix seconds) up to now."""
+    total_s = max(0.0, time.time() - submitted)
+    first = completion.first_token_s
+    return Timings(
+        queued_s=max(0.0, started - submitted),
+        preprocess_s=preprocess_s,
+        engine_s=completion.engine_s,
+        total_s=total_s,
+        # the engine's clock is not the producer's: count back from now by the time since the first token
+        first_token_s=None if first is None else max(0.0, total_s - (completion.engine_s - first)),
+    )
 
 
 def caption_result(completion: Completion, timings: Timings, *, worker: str, engine: str, model: str) -> CaptionResult:

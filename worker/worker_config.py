@@ -3,6 +3,7 @@ record it keeps of each job in hand (`InFlight`)."""
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -38,6 +39,10 @@ class WorkerConfig:
     burst: bool = False  # exit once the queues are empty and the engine is idle
     max_jobs: int | None = None  # exit after this many jobs ended (tests, benchmarks)
 
+    def jobs_wanted(self, done: int, in_hand: int) -> int:
+        """Jobs the worker may still take (`max_jobs`), beside the engine's room."""
+        return sys.maxsize if self.max_jobs is None else self.max_jobs - done - in_hand
+
     @property
     def maintain_every_s(self) -> float:
         """Reaping and reconciling run at least three times per liveness TTL."""
@@ -61,3 +66,11 @@ def overtaking_loads(flights: Iterable[InFlight]) -> list[InFlight]:
     if not in_engine:
         return []
     return [f for f in flights if f.loading is not None and f.payload.priority.rank < max(in_engine)]
+
+
+def loads_to_wait_for(loading: list[InFlight], overtaking: list[InFlight]) -> list[Future[Loaded]]:
+    """What the engine waits for while nothing else may run: a better lane's loads first, else
+    every image of the oldest claim (its jobs reach the engine together)."""
+    oldest = min(f.batch for f in loading)
+    ahead = overtaking or [f for f in loading if f.batch == oldest]
+    return [f.loading for f in ahead if f.loading is not None and not f.loading.done()]
