@@ -22,8 +22,8 @@ def test_presets_and_overrides(tmp_path):
     assert (tiny.device, tiny.batch_size, tiny.rate) == ("cpu", 16, 4.0), "None keeps the preset's value"
     assert tiny.engine_options == {"torch_threads": 1, "vision_batch_size": 4}
     gpu = preset_bench("gemma3-4b", tmp_path)
-    assert (gpu.device, gpu.batch_size, gpu.bulk_images) == ("cuda", 384, 3072)
-    assert gpu.command == "wicore bench mixed --preset gemma3-4b --bulk-images 3072 --interactive 60 --rate 1"
+    assert (gpu.device, gpu.batch_size, gpu.bulk_images) == ("cuda", 384, 6144)
+    assert gpu.command == "wicore bench mixed --preset gemma3-4b --bulk-images 6144 --interactive 120 --rate 1"
     with pytest.raises(ConfigError, match="^unknown preset 'gemma3-12b'; choose one of gemma3-4b, tiny$"):
         preset_bench("gemma3-12b", tmp_path)
 

@@ -207,8 +207,8 @@ def mixed(
     preset: str = typer.Option(
         "gemma3-4b", help="gemma3-4b (CUDA), or tiny (CPU: tests the mechanism, not the number)."
     ),
-    bulk_images: int = typer.Option(None, min=1, help="Bulk jobs queued at once in phase 2 [3072; tiny 400]."),
-    interactive: int = typer.Option(None, min=2, help="Interactive (high-lane) jobs per phase [60; tiny 20]."),
+    bulk_images: int = typer.Option(None, min=1, help="Bulk jobs queued at once in phase 2 [6144; tiny 400]."),
+    interactive: int = typer.Option(None, min=2, help="Interactive (high-lane) jobs per phase [120; tiny 20]."),
     rate: float = typer.Option(None, min=0.01, help="Interactive jobs per second [1; tiny 2]."),
     lead_s: float = typer.Option(
         None, min=0, help="Seconds of bulk alone before phase 2's interactive jobs [10; tiny 3]."
