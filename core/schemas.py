@@ -198,7 +198,7 @@ class ManifestEntry(BaseModel):
         return dict(self.model_extra or {})
 
 
-ResultStatus = Literal["finished", "failed", "unfinished", "unknown"]
+ResultStatus = Literal["finished", "failed", "canceled", "unfinished", "unknown"]
 
 
 class ResultLine(Strict):
@@ -209,9 +209,14 @@ class ResultLine(Strict):
 
     input: str | None = Field(description="The input as given (null when `wicore result` got bare job ids).")
     job_id: str | None = Field(description="null when the input failed before a job was made.")
-    status: ResultStatus = Field(description="unfinished: not ended when the wait ran out; unknown: no such job.")
+    status: ResultStatus = Field(
+        description="canceled: `wicore cancel` ended it, no result; unfinished: not ended when the wait ran out; "
+        "unknown: no such job."
+    )
     text: str | None = None
-    error: str | None = Field(None, description="Why the job failed, one line; null unless status is failed/unknown.")
+    error: str | None = Field(
+        None, description="Why the job has no result, one line; null unless status is failed/canceled/unknown."
+    )
     finish_reason: FinishReason | None = None
     prompt_tokens: int | None = None
     output_tokens: int | None = None

@@ -129,6 +129,18 @@ def test_result_exit_codes(tmp_path, server, tiny_model_dir):
     assert [q["failed"] for q in status["queues"]] == [1]
 
 
+def test_a_canceled_job_reads_canceled_not_failed(tmp_path, server):
+    write_images(tmp_path / "imgs", 1)
+    url = server.url
+    [job_id] = job_ids(wicore("enqueue", str(tmp_path / "imgs"), "--redis-url", url, "--model-id", "tiny"))
+    canceled = wicore("cancel", job_id, "--redis-url", url)
+    assert json.loads(canceled.stdout)["status"] == "canceled"
+    read = wicore("result", job_id, "--redis-url", url, check=False)
+    line = json.loads(read.stdout)
+    assert (line["status"], read.returncode) == ("canceled", 1), "no result: exit 1, like a failed job"
+    assert line["error"].startswith("JobCanceled") and line["text"] is None
+
+
 def test_kill_9_mid_batch_then_new_worker_finishes_every_job_once(tmp_path, server, tiny_model_dir):
     write_images(tmp_path / "imgs", 24)
     url = server.url

@@ -22,7 +22,7 @@ from wicore.errors import ConfigError, RedisUnavailable, WicoreError
 
 class ExitCode(IntEnum):
     OK = 0
-    FAILED = 1  # some jobs or inputs failed; their lines say why
+    FAILED = 1  # some jobs or inputs failed (or were canceled); their lines say why
     USAGE = 2  # a flag, argument, setting, input path or model directory is wrong
     UNFINISHED = 3  # `result`: some jobs had not ended when --wait ran out
     REDIS = 4  # Redis is unreachable, refuses the credentials, or refuses writes
@@ -33,7 +33,7 @@ class ExitCode(IntEnum):
 
 EXIT_MEANING = {
     ExitCode.OK: "success",
-    ExitCode.FAILED: "some jobs or inputs failed (their lines say why)",
+    ExitCode.FAILED: "some jobs or inputs failed or were canceled (their lines say why)",
     ExitCode.USAGE: "bad flag, argument, setting, input path or model directory",
     ExitCode.UNFINISHED: "some jobs had not ended when --wait ran out",
     ExitCode.REDIS: "Redis unreachable, refused the credentials, or refuses writes",

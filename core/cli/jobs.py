@@ -120,7 +120,7 @@ def result(
         statuses.add(line.status)
     if "unfinished" in statuses:
         raise typer.Exit(ExitCode.UNFINISHED)
-    if statuses & {"failed", "unknown"}:
+    if statuses & {"failed", "canceled", "unknown"}:  # some job has no result
         raise typer.Exit(ExitCode.FAILED)
 
 

@@ -19,7 +19,8 @@ def line_of(outcome: Outcome, input: str | None) -> ResultLine:
     if outcome.status == MISSING:
         return ResultLine(input=input, job_id=outcome.job_id, status="unknown", error=GONE)
     if outcome.error is not None:
-        return ResultLine(input=input, job_id=outcome.job_id, status="failed", error=outcome.error)
+        status = "canceled" if outcome.canceled else "failed"
+        return ResultLine(input=input, job_id=outcome.job_id, status=status, error=outcome.error)
     return ResultLine(input=input, job_id=outcome.job_id, status="unfinished")
 
 
