@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from wicore.bench.bench_images import make_images
+from wicore.bench.caption_bench import device_name
 from wicore.engines.base import EngineConfig, EngineRequest
 from wicore.engines.fast.options import FastOptions
 from wicore.ops.image_decode import decode_image
@@ -164,7 +165,7 @@ def run_cache_bench(bench: CacheBench) -> dict:
     dup_on = run_config("dup30 cached", model_dir, bench, dups, warm, cache=True)
     off = runs[0]["requests_per_s"]
     return {
-        "gpu": _gpu_name(),
+        "gpu": device_name(bench.device),
         "command": "wicore bench cache",
         "ceilings": ceilings.as_dict(),
         "vqa": runs,
@@ -214,9 +215,3 @@ def release(engine) -> None:
     del engine
     gc.collect()
     torch.cuda.empty_cache()
-
-
-def _gpu_name() -> str:
-    import torch
-
-    return torch.cuda.get_device_name(0)

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from wicore.bench.cache_bench import QUESTIONS, image_request, release
+from wicore.bench.caption_bench import device_name
 from wicore.engines.base import Completion, EngineConfig, EngineRequest
 from wicore.ops.image_decode import decode_image
 from wicore.schemas import DEFAULT_PROMPT, GenerationParams
@@ -87,7 +88,7 @@ def run_fidelity_bench(bench: FidelityBench) -> dict:
     off = outputs["off"][0]
     report = [config_report(name, out, stats, off, samples, bench, reference) for name, (out, stats) in outputs.items()]
     return {
-        "gpu": _device_name(bench.device),
+        "gpu": device_name(bench.device),
         "command": "wicore bench fidelity",
         "model": bench.model,
         "dtype": bench.dtype,
@@ -261,12 +262,6 @@ def _model_dir(bench: FidelityBench) -> Path:
     from wicore.models.gemma3 import make_gemma3_4b
 
     return make_gemma3_4b(bench.workdir / "gemma3-4b")
-
-
-def _device_name(device: str) -> str:
-    import torch
-
-    return torch.cuda.get_device_name(0) if device.startswith("cuda") else "cpu"
 
 
 def write_fidelity_report(report: dict, folder: Path, tag: str = "") -> Path:
