@@ -290,7 +290,7 @@ class FastEngine(Engine):
         generated = seq.tokens.generated
         generated.append(token)
         if len(generated) == 1:
-            seq.tokens.first_at = seq.timeline["first_token"] = time.perf_counter()
+            seq.timeline["first_token"] = time.perf_counter()
         params = seq.request.params
         if len(generated) >= seq.max_new or (not params.ignore_eos and token in self.eos_ids):
             return True
@@ -305,7 +305,7 @@ class FastEngine(Engine):
         self.counters.record_finish(len(ids))
         if seq.request.priority is Lane.HIGH:
             self.counters.record_timeline(seq)
-        first = seq.tokens.first_at
+        first = seq.timeline.get("first_token")
         first_token_s = None if first is None else first - seq.added_at
         return Completion(
             seq.id, text, ids, reason, prompt_tokens=seq.prompt_len, engine_s=seq.age(), first_token_s=first_token_s

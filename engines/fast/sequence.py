@@ -148,7 +148,6 @@ class TokenState:
 
     generated: list[int] = field(default_factory=list)  # tokens read back so far
     launched: int = 0  # tokens whose sampling has been launched on the device
-    first_at: float | None = None  # perf_counter when the first token was read back
 
 
 @dataclass(eq=False)
