@@ -100,6 +100,7 @@ def run_product(
     from wicore.embedded import EmbeddedRedis
     from wicore.producer import Producer, ProducerConfig, Submission
     from wicore.schemas import GenerationParams
+    from wicore.worker.status import published_stats
 
     params = GenerationParams(max_new_tokens=bench.new_tokens, ignore_eos=True)
     with EmbeddedRedis() as server, busy_sampler(bench.device) as busy:
@@ -127,7 +128,7 @@ def run_product(
         finally:
             worker.send_signal(signal.SIGTERM)
             worker.wait(timeout=120)
-        stats = {name: json.loads(connection.get(f"wicore:stats:{name}") or b"{}") for name in names}  # at stop
+        stats = {name: published_stats(connection, name) for name in names}  # at stop
     errors = [o.error for o in outcomes.values() if o.error]
     results = [o.result for o in outcomes.values() if o.result]
     tokens = {str(p): list(outcomes[i].result.token_ids) for p, i in zip(timed, ids) if outcomes[i].result}

@@ -160,9 +160,9 @@ class BenchWorker:
 
     def stats(self) -> dict:
         """What the worker published at its stop (engine counters among them)."""
-        import json
+        from wicore.worker.status import published_stats
 
-        return json.loads(self.connection.get(f"wicore:stats:{self.names[0]}") or b"{}")
+        return published_stats(self.connection, self.names[0])
 
 
 @contextmanager
