@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from wicore.bench.gpu_busy import GpuBusySampler, Sample, busy_fraction
+from wicore.bench.gpu_busy import GpuBusySampler, Sample, busy_fraction, busy_profile
 
 
 def test_each_sample_covers_the_time_since_the_one_before_weighted_by_its_overlap():
@@ -26,10 +26,18 @@ def test_no_sample_inside_the_window_is_no_figure():
     assert busy_fraction([], 0, 1) is None
 
 
+def test_the_profile_gives_each_slice_of_the_window_its_own_share():
+    samples = [Sample(0, 0.0), Sample(100, 100.0), Sample(200, 50.0), Sample(300, 0.0)]
+    assert busy_profile(samples, 0, 300, slice_us=100) == pytest.approx([1.0, 0.5, 0.0])
+    assert busy_profile(samples, 50, 300, slice_us=200) == pytest.approx([(50 + 50) / 200, 0.0]), "last slice shorter"
+    assert busy_profile(samples, 300, 400, slice_us=100) == [None], "a slice no sample covers has no figure"
+
+
 def test_without_a_gpu_the_sampler_gives_none_and_says_why():
     with GpuBusySampler(None) as busy:
         pass
     assert busy.fraction(0.0, time.time()) is None and busy.error.startswith("no GPU")
+    assert busy.profile(0.0, time.time()) == []
 
 
 @pytest.mark.gpu

@@ -145,6 +145,7 @@ def run_product(
         "worker_start_s": load_s,
         "gpu_busy_fraction": busy.fraction(*busy_window),
         "gpu_busy_error": busy.error,
+        "gpu_busy_by_second": [None if f is None else round(f, 3) for f in busy.profile(*busy_window)],
         "engine_stats": stats[names[0]],
         "engine_stats_by_worker": stats,
         "tokens": tokens,
@@ -258,6 +259,7 @@ def caption_report(bench: CaptionBench, runs: CaptionRuns) -> dict:
         "roofline_fraction": product["images_per_s"] / roofline,
         "gpu_busy_fraction": product["gpu_busy_fraction"],  # NVML: a kernel ran (core/bench/gpu_busy.py)
         "gpu_busy_error": product["gpu_busy_error"],
+        "gpu_busy_by_second": product["gpu_busy_by_second"],  # where in the window it idled
         **peer_report(product, peers),
         "output_tokens_per_s": product["output_tokens_per_s"],
         "latency_p50_s": product["latency_p50_s"],

@@ -44,6 +44,13 @@ def busy_fraction(samples: list[Sample], start_us: int, end_us: int) -> float | 
     return busy / covered if covered > 0 else None
 
 
+def busy_profile(samples: list[Sample], start_us: int, end_us: int, slice_us: int = 1_000_000) -> list[float | None]:
+    """`busy_fraction` of each consecutive slice of [start_us, end_us] (the last one shorter):
+    where in the window the device idled, e.g. while the pipeline fills or drains."""
+    edges = list(range(start_us, end_us, slice_us)) + [end_us]
+    return [busy_fraction(samples, a, b) for a, b in zip(edges, edges[1:], strict=False)]
+
+
 class _Value(ctypes.Union):
     _fields_ = [
         ("dVal", ctypes.c_double),
@@ -131,6 +138,10 @@ class GpuBusySampler:
     def fraction(self, start_s: float, end_s: float) -> float | None:
         """Busy share of [start_s, end_s] (time.time() seconds)."""
         return busy_fraction(self.samples, int(start_s * 1e6), int(end_s * 1e6)) if self.samples else None
+
+    def profile(self, start_s: float, end_s: float) -> list[float | None]:
+        """Busy share of each second of [start_s, end_s] (`busy_profile`); [] without samples."""
+        return busy_profile(self.samples, int(start_s * 1e6), int(end_s * 1e6)) if self.samples else []
 
     def _run(self) -> None:
         while True:
