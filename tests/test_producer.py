@@ -122,3 +122,27 @@ def test_resubmitting_a_failed_job_starts_from_a_fresh_record(redis_conn):
     assert producer.submit(png_bytes(4), "again") == job_id
     assert redis_conn.hget(key, "status") == b"queued" and not redis_conn.hget(key, "ended_at")
     assert redis_conn.ttl(key) == -1 and queued_ids(redis_conn) == [job_id.encode()]
+
+
+def test_a_bulk_submit_enqueues_its_first_jobs_before_it_reads_the_rest(redis_conn):
+    """Workers start on a first small chunk while the producer still reads and hashes images;
+    chunks then double up to `chunk`."""
+    from wicore.producer.client import FIRST_CHUNK
+
+    producer = Producer(redis_conn, model="m")
+    queued_before: list[int] = []
+
+    def submissions():
+        for i in range(200):
+            queued_before.append(sum(Queue(n, connection=redis_conn).count for n in queue_names(redis_conn)))
+            yield Submission(png_bytes(i, (8, 8)), "x")
+
+    ids = producer.submit_many(submissions(), chunk=4 * FIRST_CHUNK)
+    assert len(set(ids)) == 200 and sum(Queue(n, connection=redis_conn).count for n in queue_names(redis_conn)) == 200
+    ends = [16, 48, 112, 176]  # chunks of 16, 32, 64, 64, then the last 24
+    assert FIRST_CHUNK == 16 and [i for i in range(1, 200) if queued_before[i] > queued_before[i - 1]] == ends
+    assert [queued_before[i] for i in ends] == ends
+
+
+def queue_names(connection) -> list[str]:
+    return [name.decode().removeprefix("rq:queue:") for name in connection.smembers("rq:queues")]

@@ -17,6 +17,7 @@ from wicore.engines import EngineConfig
 from wicore.engines.null import NullEngine
 from wicore.errors import ResultTimeout
 from wicore.producer import ShardedProducer, Submission, shard_of
+from wicore.producer.client import chunks
 from wicore.scheduler.policy import BatchPolicy
 from wicore.worker.loop import BatchingWorker
 from wicore.worker.worker_config import WorkerConfig
@@ -106,4 +107,5 @@ def test_sharding_adds_no_command_per_job(shards):
     with CommandCount(shards[0]) as first, CommandCount(shards[1]) as second:
         producer.submit_many(Submission(png_bytes(i % 2), f"counted {i}") for i in range(n))
     per_chunk = 10 + 2 * 2  # as on one Redis (tests/test_redis_budget.py): calls, then 2 per distinct image
-    assert first.total + second.total <= 2 * n + 2 * per_chunk, (first.by_name, second.by_name)
+    calls = 2 * per_chunk * len(list(chunks(range(n), 256)))  # each chunk touches both shards
+    assert first.total + second.total <= 2 * n + calls, (first.by_name, second.by_name)

@@ -295,8 +295,8 @@ def redis_status(server, job_id: str):
         return connection.hget(f"rq:job:{job_id}", "status")
 
 
-def test_jobs_claimed_together_reach_the_engine_together(redis_conn):
-    """Images decode at different speeds; the engine still gets each claimed batch in one `add`."""
+def recording_engine(max_batch_size: int):
+    """A NullEngine that records the size of each `add`."""
     from wicore.engines.null import NullEngine
 
     class RecordingEngine(NullEngine):
@@ -308,11 +308,31 @@ def test_jobs_claimed_together_reach_the_engine_together(redis_conn):
             self.adds.append(len(requests))
             return super().add(requests)
 
+    return RecordingEngine(EngineConfig(model_dir="", max_batch_size=max_batch_size))
+
+
+def test_jobs_claimed_together_reach_the_engine_together(redis_conn):
+    """Images decode at different speeds; the engine still gets each claimed batch in one `add`."""
     producer = Producer(redis_conn, model=MODEL)
     sizes = [(900, 900), (20, 20), (600, 400), (30, 30), (800, 700), (10, 10), (500, 500), (40, 40)]
     ids = producer.submit_many([Submission(png_bytes(i, size), "x") for i, size in enumerate(sizes)])
-    engine = RecordingEngine(EngineConfig(model_dir="", max_batch_size=8))
+    engine = recording_engine(8)
     policy = BatchPolicy(max_batch_size=8, max_queue_delay_s=0.0)
     BatchingWorker(redis_conn, engine, WorkerConfig(MODEL, policy=policy, burst=True)).run()
     assert all(o.result is not None for o in outcomes(producer, ids).values())
     assert engine.adds == [8]
+
+
+def test_a_large_claim_reaches_the_engine_in_handover_groups(redis_conn):
+    """A claim of 40 goes to the engine as its groups load: the first 32 alone (its last 8 images
+    are the slowest to decode) or all 40 once, never a group split."""
+    from wicore.worker.loop import HANDOVER_JOBS
+
+    producer = Producer(redis_conn, model=MODEL)
+    sizes = [(16, 16)] * HANDOVER_JOBS + [(1500, 1500)] * 8
+    ids = producer.submit_many([Submission(png_bytes(i, size), "x") for i, size in enumerate(sizes)])
+    engine = recording_engine(64)
+    policy = BatchPolicy(max_batch_size=64, max_queue_delay_s=0.0)
+    BatchingWorker(redis_conn, engine, WorkerConfig(MODEL, policy=policy, burst=True)).run()
+    assert all(o.result is not None for o in outcomes(producer, ids).values())
+    assert engine.adds in ([HANDOVER_JOBS, 8], [40])

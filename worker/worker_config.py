@@ -53,7 +53,7 @@ class WorkerConfig:
 class InFlight:
     claimed: Claimed
     payload: CaptionJob
-    batch: int  # jobs claimed together reach the engine together
+    batch: int  # its handover group: jobs claimed together reach the engine in groups (`loop.HANDOVER_JOBS`)
     fetched: bool = False  # its image bytes were asked of Redis (an outage can come between)
     loading: Future[Loaded] | None = None  # the image, until it reaches the engine
     preprocess_s: float = 0.0
@@ -70,7 +70,7 @@ def overtaking_loads(flights: Iterable[InFlight]) -> list[InFlight]:
 
 def loads_to_wait_for(loading: list[InFlight], overtaking: list[InFlight]) -> list[Future[Loaded]]:
     """What the engine waits for while nothing else may run: a better lane's loads first, else
-    every image of the oldest claim (its jobs reach the engine together)."""
+    every image of the oldest handover group (its jobs reach the engine together)."""
     oldest = min(f.batch for f in loading)
     ahead = overtaking or [f for f in loading if f.batch == oldest]
     return [f.loading for f in ahead if f.loading is not None and not f.loading.done()]
