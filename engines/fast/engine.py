@@ -5,9 +5,9 @@ the decode batch), launch vision on the side stream, prefill and decode on the m
 then read back the sampled tokens that have reached the host and return the sequences that
 ended. Tokens are read when they have landed, and waited for only once READ_LAG steps old: the
 host plans and launches the next steps while the device runs, and a slow turn of the worker's
-loop (results written, jobs claimed) finds a step or two queued on the device rather than an
-idle one. A sequence that ended is decoded at most READ_LAG times more and those tokens are
-dropped (a sequence that ends at max_new_tokens is never decoded past it).
+loop (results written, jobs claimed) finds steps queued on the device rather than an idle one.
+A sequence that ended is decoded at most READ_LAG times more and those tokens are dropped (a
+sequence that ends at max_new_tokens is never decoded past it).
 
 The prefix cache (`kvcache.gpu_tier`, `kvcache.tiers`) adds to a step: disk reads started for waiting
 sequences, restores from the host / disk tier queued for newly admitted ones, copies down for the
@@ -57,7 +57,9 @@ from wicore.schemas import Lane
 
 log = logging.getLogger(__name__)
 IDLE_WAIT_S = 0.02  # longest wait inside a step that launched nothing
-READ_LAG = 2  # a step's tokens are waited for once this many later steps have launched
+# A step's tokens are waited for once this many later steps have launched: with 2 the device ran
+# out of queued work 6-8% of a bulk run on an H200 while the host was between steps, with 3 ~1%.
+READ_LAG = 3
 
 
 class FastEngine(Engine):
