@@ -23,6 +23,7 @@ stays off for `cooldown_s` so a dead Redis does not add its timeouts to every ba
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Mapping, Sequence
 
@@ -103,6 +104,9 @@ class RedisVisionCache:
         self.base = f"{KEY_PREFIX}:{{{namespace}}}"
         self.cooldown_s = cooldown_s
         self.stats = TierStats()
+        # Lookups run on the engine's thread, writes on its write-behind one (`WriteBehind`):
+        # counters change under this lock, never during a Redis call.
+        self._stats_lock = threading.Lock()
         self._down_until = 0.0  # time.monotonic() before which Redis is not tried
         self._get = connection.register_script(GET_SCRIPT)
         self._put = connection.register_script(PUT_SCRIPT)
@@ -126,11 +130,17 @@ class RedisVisionCache:
         hashes = list(dict.fromkeys(hashes))
         if not hashes:
             return {}
-        with self.stats.timed():
-            blobs = self._fetch(hashes)
-            found = {h: t for h, blob in zip(hashes, blobs, strict=True) if (t := self._decode(h, blob)) is not None}
-        self.stats.record(hits=len(found), misses=len(hashes) - len(found))
-        self.stats.bytes_out += sum(len(b) for b in blobs if b is not None)
+        start = time.perf_counter()
+        blobs = self._fetch(hashes)
+        found = {h: t for h, blob in zip(hashes, blobs, strict=True) if (t := self._decode(h, blob)) is not None}
+        corrupt = sum(blob is not None for blob in blobs) - len(found)
+        self._count(
+            seconds=time.perf_counter() - start,
+            hits=len(found),
+            misses=len(hashes) - len(found),
+            bytes_out=sum(len(b) for b in blobs if b is not None),
+            corrupt=corrupt,
+        )
         return found
 
     def put_many(self, items: Mapping[str, torch.Tensor]) -> None:
@@ -142,13 +152,19 @@ class RedisVisionCache:
         args: list[str | bytes | int] = [_now_ms(), self.ttl_ms, self.max_bytes, f"{self.base}:e:", EXPIRED_SCAN]
         for image_hash, blob in blobs.items():
             args += [image_hash, blob]
-        with self.stats.timed():
-            try:
-                self.stats.evictions += int(self._put(keys=keys, args=args))
-            except redis.RedisError as e:
-                self._failed("put", e)
-                return
-        self.stats.bytes_in += sum(map(len, blobs.values()))
+        start = time.perf_counter()
+        try:
+            evicted = int(self._put(keys=keys, args=args))
+        except redis.RedisError as e:
+            self._count(seconds=time.perf_counter() - start)
+            self._failed("put", e)
+            return
+        self._count(seconds=time.perf_counter() - start, evictions=evicted, bytes_in=sum(map(len, blobs.values())))
+
+    def _count(self, **added: float) -> None:
+        with self._stats_lock:
+            for name, value in added.items():
+                setattr(self.stats, name, getattr(self.stats, name) + value)
 
     def _fetch(self, hashes: list[str]) -> list[bytes | None]:
         """One round trip: the blobs, and a touch (LRU time, TTL) for those found."""
@@ -175,7 +191,6 @@ class RedisVisionCache:
             return codec.decode(blob).tensor
         except codec.CorruptBlob as e:
             log.warning("shared vision cache: dropping damaged entry %s: %s", image_hash, e)
-            self.stats.corrupt += 1
             return None
 
 
