@@ -58,6 +58,7 @@ def test_bench_runs_end_to_end_on_cpu(tmp_path, tiny_model_dir):
     # the reference engine in fp32 against HF generate on the same model: identical tokens
     assert report["parity_vs_hf_best_batch"]["share"] == 1.0
     assert report["gpu_busy_fraction"] is None and report["gpu_busy_error"].startswith("no GPU"), "CPU: no figure"
+    assert report["gpu_busy_by_second"] == [], "CPU: no profile either"
     paths = write_caption_report(report, tmp_path / "results")
     assert json.loads(paths[0].read_text())["gpu"] == "cpu" and paths[1].stat().st_size > 0
 
