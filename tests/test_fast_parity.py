@@ -54,6 +54,8 @@ def test_mixed_batch_matches_reference(fast, expected):
     assert fast.num_unfinished() == 0
     stats = fast.stats()
     assert stats["kv_pages_used"] == 0 and stats["max_decode_batch"] == 4
+    launches = stats["vision_batch_sizes"]  # images -> launches: every image encoded counts once
+    assert sum(size * n for size, n in launches.items()) == stats["images"] > 0 and max(launches) <= 8
 
 
 @pytest.mark.parametrize("size", [1, 2, 3, 4])

@@ -251,7 +251,7 @@ class FastEngine(Engine):
             self.tiers.start(seq)  # pins its host blocks: `demote` cannot reuse their slots
         self.tiers.demote(self.blocks.take_evicted())  # before anything writes the reused pages
         if vision:  # a leading lane's batch is urgent (`StepPlanner`)
-            self.counters.images += self.images.launch(vision, urgent=self.planner.lead_rank is not None)
+            self.counters.record_vision(self.images.launch(vision, urgent=self.planner.lead_rank is not None))
             self.images.collect()  # on CPU it is done already
         self.tiers.land()
         prefill, decode = self.planner.schedule_model()

@@ -26,6 +26,8 @@ class EngineStats:
     rejected: int = 0
     aborted: int = 0
     decode_batch_sizes: Counter = field(default_factory=Counter)  # batch size -> steps
+    # images -> vision-tower launches; a launch short of `vision_batch_size` runs the eager tower
+    vision_batch_sizes: Counter = field(default_factory=Counter)
     # The last high-lane sequences' timelines: seconds from `add` to each status, to the launch of
     # their vision batch and to their first token (where an interactive job's time goes).
     high_lane_timelines: deque = field(default_factory=lambda: deque(maxlen=TIMELINES_KEPT))
@@ -43,6 +45,11 @@ class EngineStats:
             self.graph_replays += 1
         else:
             self.eager_decodes += 1
+
+    def record_vision(self, images: int) -> None:
+        if images:
+            self.images += images
+            self.vision_batch_sizes[images] += 1
 
     def record_finish(self, tokens: int) -> None:
         self.finished += 1
@@ -73,6 +80,7 @@ class EngineStats:
             "mean_decode_batch": mean_batch,
             "max_decode_batch": max(self.decode_batch_sizes, default=0),
             "decode_batch_sizes": dict(sorted(self.decode_batch_sizes.items())),
+            "vision_batch_sizes": dict(sorted(self.vision_batch_sizes.items())),
             "high_lane_timelines": list(self.high_lane_timelines),
             "graph_replays": self.graph_replays,
             "eager_decodes": self.eager_decodes,
