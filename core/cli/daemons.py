@@ -29,43 +29,49 @@ from wicore.cli.redis_check import connect
 from wicore.config import Settings, redact_url
 from wicore.errors import ConfigError
 
+# `wicore worker`'s own options (the shared ones live in cli/common.py).
+EngineNameOption = typer.Option(None, help="reference | fast | null (default: auto: fast on CUDA)", show_default=False)
+MaxQueueDelayOption = typer.Option(None, help="Longest a partial batch waits to fill [5].", show_default=False)
+HighLaneSlotsOption = typer.Option(
+    None, min=0, help="Engine slots only high-priority jobs may take [batch size / 16].", show_default=False
+)
+AllowRootOption = typer.Option(None, help="Folder path-referenced images may come from (repeatable).")
+DecodeProcessesOption = typer.Option(
+    None, min=0, help="Processes decoding and resizing images; 0: threads [default: 0].", show_default=False
+)
+MetricsPortOption = typer.Option(None, help="Serve Prometheus /metrics on this port.", show_default=False)
+GpusOption = typer.Option(
+    None, help="all, or GPU indices (0,1): one worker process per GPU, each pinned to it, kept running."
+)
+WorkersOption = typer.Option(None, min=1, help="N worker processes kept running (on CPU; --gpus on GPUs).")
+SettingsFileOption = typer.Option(None, hidden=True, help="Settings from the parent (caption, --gpus).")
+
 
 @friendly_errors
 def worker(
     redis_url: str = RedisOption,
     model: Path = ModelOption,
     model_id: str = ModelIdOption,
-    engine: str = typer.Option(None, help="reference | fast | null (default: auto: fast on CUDA)", show_default=False),
+    engine: str = EngineNameOption,
     device: str = DeviceOption,
     dtype: str = DtypeOption,
     batch_size: int = BatchSizeOption,
-    max_queue_delay_ms: float = typer.Option(
-        None, help="Longest a partial batch waits to fill [5].", show_default=False
-    ),
-    high_lane_slots: int = typer.Option(
-        None, min=0, help="Engine slots only high-priority jobs may take [batch size / 16].", show_default=False
-    ),
-    allow_root: list[Path] = typer.Option(None, help="Folder path-referenced images may come from (repeatable)."),
-    decode_processes: int = typer.Option(
-        None,
-        min=0,
-        help="Processes decoding and resizing images; 0: threads [default: 0].",
-        show_default=False,
-    ),
+    max_queue_delay_ms: float = MaxQueueDelayOption,
+    high_lane_slots: int = HighLaneSlotsOption,
+    allow_root: list[Path] = AllowRootOption,
+    decode_processes: int = DecodeProcessesOption,
     name: str = typer.Option(None, help="Worker name (default: random)."),
     burst: bool = typer.Option(False, help="Exit once the queues are empty."),
     max_jobs: int = typer.Option(None, help="Exit after this many jobs."),
-    metrics_port: int = typer.Option(None, help="Serve Prometheus /metrics on this port.", show_default=False),
+    metrics_port: int = MetricsPortOption,
     no_cache: bool = NoCacheOption,
     engine_option: list[str] = EngineOption,
     allow_random_weights: bool = AllowRandomWeightsOption,
     config: Path = ConfigOption,
     debug: bool = DebugOption,
-    gpus: str = typer.Option(
-        None, help="all, or GPU indices (0,1): one worker process per GPU, each pinned to it, kept running."
-    ),
-    workers: int = typer.Option(None, min=1, help="N worker processes kept running (on CPU; --gpus on GPUs)."),
-    settings_file: Path = typer.Option(None, hidden=True, help="Settings from the parent (caption, --gpus)."),
+    gpus: str = GpusOption,
+    workers: int = WorkersOption,
+    settings_file: Path = SettingsFileOption,
 ) -> None:
     """Serve caption jobs from Redis: take batches by shape bucket, run them, write results.
     Logs one INFO line per batch and one WARNING per failed job (WICORE_LOG_LEVEL=warning: fewer).
