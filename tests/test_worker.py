@@ -336,3 +336,36 @@ def test_a_large_claim_reaches_the_engine_in_handover_groups(redis_conn):
     BatchingWorker(redis_conn, engine, WorkerConfig(MODEL, policy=policy, burst=True)).run()
     assert all(o.result is not None for o in outcomes(producer, ids).values())
     assert engine.adds in ([HANDOVER_JOBS, 8], [40])
+
+
+def test_a_worker_that_goes_idle_publishes_the_counters_of_its_last_jobs(redis_conn):
+    """`wicore status` reads the published stats: they show the jobs just done once the worker
+    waits for more, not only at its next maintenance (an hour away here)."""
+    import threading
+
+    from tests.helpers import wait_until
+    from wicore.engines.null import NullEngine
+    from wicore.worker.status import published_stats
+
+    engine = NullEngine(EngineConfig(model_dir="", max_batch_size=4))
+    config = WorkerConfig(MODEL, max_jobs=5, liveness_ttl_s=3600, reap_every_s=3600)
+    worker = BatchingWorker(redis_conn, engine, config)
+    producer = Producer(redis_conn, model=MODEL)
+    seen = []
+
+    def client():
+        ids = producer.submit_many([Submission(png_bytes(i), "x") for i in range(4)])
+        try:
+            assert all(o.result is not None for o in outcomes(producer, ids).values())
+            wait_until(lambda: published_stats(redis_conn, worker.name).get("jobs_done") == 4, 30, what="4 jobs")
+            seen.append(published_stats(redis_conn, worker.name)["in_flight"])
+        finally:
+            producer.submit(png_bytes(9), "the fifth ends the run")
+
+    helper = threading.Thread(target=client)
+    helper.start()
+    try:
+        assert worker.run() == 5
+    finally:
+        helper.join(timeout=60)
+    assert seen == [0]

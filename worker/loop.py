@@ -74,6 +74,7 @@ class BatchingWorker:
         self.state = WorkerState.STARTING
         self._batches = itertools.count()
         self._next_maintenance = 0.0
+        self._published_jobs = 0  # jobs_done when the stats were last published
         self._reap_after = 0.0  # after an outage, others get a TTL to beat again before we reap
 
     @property
@@ -165,7 +166,7 @@ class BatchingWorker:
 
     def _maintain(self) -> None:
         """Every `maintain_every_s`: give back claims we do not hold, requeue dead workers' jobs,
-        prune expired registry entries, publish our engine's counters."""
+        prune expired registry entries, publish our engine's counters (also on going idle)."""
         if time.monotonic() < self._next_maintenance:
             return
         self._reconcile()
@@ -192,6 +193,7 @@ class BatchingWorker:
         self.metrics.engine_snapshot(stats)
         self.metrics.in_hand(self.engine.num_unfinished(), len(self._loading()))
         self.connection.set(keys.stats(self.name), json.dumps(stats), ex=max(60, int(self.config.liveness_ttl_s * 4)))
+        self._published_jobs = self.jobs_done
 
     def _idle(self) -> bool:
         """Nothing in hand and nothing taken: wait for the doorbell. False ends the loop."""
@@ -199,6 +201,8 @@ class BatchingWorker:
             return False
         if self.config.burst and not self.queues.heads():
             return False
+        if self.jobs_done != self._published_jobs:  # `wicore status` shows the work just ended
+            self._publish_stats()
         self._wait_for_work(self.config.idle_wait_s)
         return True
 
