@@ -159,8 +159,9 @@ class Producer:
 
     def submit_many(self, submissions: Iterable[Submission], chunk: int = 256) -> list[str]:
         """One job id per submission, in order. Two round trips per chunk of at most `chunk`
-        submissions (bounding the image bytes held in memory; `chunks` ramps up to it): claim the new ids and look up the blobs in one
-        script call, then store the missing blobs and enqueue the new jobs in one transaction."""
+        submissions (bounding the image bytes held in memory; `chunks` ramps up to it): claim the
+        new ids and look up the blobs in one script call, then store the missing blobs and enqueue
+        the new jobs in one transaction."""
         return [job_id for batch in chunks(submissions, chunk) for job_id in self._submit_chunk(batch)]
 
     def _submit_chunk(self, submissions: list[Submission]) -> list[str]:
