@@ -56,24 +56,11 @@ def _paged_attention_kernel(
     USE_SOFTCAP: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    tile_id = tl.program_id(0)
     kv_head = tl.program_id(1)
-    # The tile's tokens are consecutive positions, whose ends never decrease: it reads keys
-    # [first, length), from the first token's window start to the last token's end.
-    if TOKENS == 1:
-        first_token = tile_id
-        count = 1
-        length = tl.load(ends_ptr + tile_id)
-    else:
-        first_token = tl.load(tile_first_ptr + tile_id).to(tl.int32)
-        count = tl.load(tile_count_ptr + tile_id).to(tl.int32)
-        last_end = tl.load(ends_ptr + first_token + tl.maximum(count - 1, 0))
-        length = tl.where(count > 0, last_end, 0)
-    first = 0
-    if USE_WINDOW:
-        first = tl.maximum(tl.load(lens_ptr + first_token) - window, 0)
+    first_token, count, first, length = _tile_span(
+        tl.program_id(0), lens_ptr, ends_ptr, tile_first_ptr, tile_count_ptr, window, TOKENS, USE_WINDOW
+    )
     table_row = tl.load(rows_ptr + first_token).to(tl.int64)
-
     # Row r of the query tile: token r // QPK of the tile, query head kv_head * QPK + r % QPK.
     offs_r = tl.arange(0, BLOCK_Q)
     offs_d = tl.arange(0, DIM_PAD)
@@ -93,44 +80,71 @@ def _paged_attention_kernel(
     l_i = tl.zeros([BLOCK_Q], tl.float32)
     acc = tl.zeros([BLOCK_Q, DIM_PAD], tl.float32)
     offs_n = tl.arange(0, BLOCK_N)
-    start = (first // BLOCK_N) * BLOCK_N
-    for tile in range(start, length, BLOCK_N):
+    for tile in range((first // BLOCK_N) * BLOCK_N, length, BLOCK_N):
         pos = tile + offs_n
         in_range = (pos >= first) & (pos < length)
         pages = tl.load(tables_ptr + table_row * stride_tr + (pos // PAGE) % ring, mask=in_range, other=0)
         pages = pages.to(tl.int64)
-        slot = pos % PAGE
         kv_mask = in_range[:, None] & (offs_d[None, :] < HEAD_DIM)
-        k = tl.load(
-            k_ptr + pages[:, None] * stride_kp + slot[:, None] * stride_ks + kv_head * stride_kh + offs_d[None, :],
-            mask=kv_mask,
-            other=0.0,
-        )
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [BLOCK_Q, BLOCK_N]
-        if USE_SOFTCAP:
-            s = softcap * (2.0 * tl.sigmoid(2.0 * s / softcap) - 1.0)  # softcap * tanh(s / softcap)
+        k = _page_rows(k_ptr, pages, pos % PAGE, kv_head, stride_kp, stride_ks, stride_kh, offs_d, kv_mask)
+        s = _scores(q, k, scale, softcap, USE_SOFTCAP, PRECISION)
         visible = (pos[None, :] >= row_first[:, None]) & (pos[None, :] < row_end[:, None])
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        # A row may see nothing in a tile (before its window starts): keep it at exp(-inf) = 0.
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(s - m_safe[:, None])
-        alpha = tl.exp(m_i - m_safe)
-        v = tl.load(
-            v_ptr + pages[:, None] * stride_vp + slot[:, None] * stride_vs + kv_head * stride_vh + offs_d[None, :],
-            mask=kv_mask,
-            other=0.0,
-        )
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+        v = _page_rows(v_ptr, pages, pos % PAGE, kv_head, stride_vp, stride_vs, stride_vh, offs_d, kv_mask)
+        m_i, l_i, acc = _online_softmax(tl.where(visible, s, float("-inf")), v, m_i, l_i, acc, PRECISION)
 
     out = acc / tl.where(row_valid, l_i, 1.0)[:, None]
-    tl.store(
-        out_ptr + token[:, None] * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
-        out.to(out_ptr.dtype.element_ty),
-        mask=q_mask,
-    )
+    out_ptrs = out_ptr + token[:, None] * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
+    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=q_mask)
+
+
+@triton.jit
+def _tile_span(tile_id, lens_ptr, ends_ptr, tile_first_ptr, tile_count_ptr, window, TOKENS, USE_WINDOW):
+    """(first token, tokens, first key, key end) of a tile. Its tokens are consecutive positions,
+    whose ends never decrease: it reads keys [first key, key end), from the first token's window
+    start to the last token's end."""
+    if TOKENS == 1:
+        first_token = tile_id
+        count = 1
+        length = tl.load(ends_ptr + tile_id)
+    else:
+        first_token = tl.load(tile_first_ptr + tile_id).to(tl.int32)
+        count = tl.load(tile_count_ptr + tile_id).to(tl.int32)
+        last_end = tl.load(ends_ptr + first_token + tl.maximum(count - 1, 0))
+        length = tl.where(count > 0, last_end, 0)
+    first = 0
+    if USE_WINDOW:
+        first = tl.maximum(tl.load(lens_ptr + first_token) - window, 0)
+    return first_token, count, first, length
+
+
+@triton.jit
+def _page_rows(base_ptr, pages, slots, kv_head, stride_p, stride_s, stride_h, offs_d, mask):
+    """Keys or values [BLOCK_N, DIM_PAD] of one kv head at each position's (page, slot)."""
+    ptrs = base_ptr + pages[:, None] * stride_p + slots[:, None] * stride_s + kv_head * stride_h + offs_d[None, :]
+    return tl.load(ptrs, mask=mask, other=0.0)
+
+
+@triton.jit
+def _scores(q, k, scale, softcap, USE_SOFTCAP, PRECISION):
+    """Scaled (and soft-capped) logits [BLOCK_Q, BLOCK_N] of the query tile against k."""
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+    if USE_SOFTCAP:
+        s = softcap * (2.0 * tl.sigmoid(2.0 * s / softcap) - 1.0)  # softcap * tanh(s / softcap)
+    return s
+
+
+@triton.jit
+def _online_softmax(s, v, m_i, l_i, acc, PRECISION):
+    """One key tile of the online softmax (float32 state): masked logits s [BLOCK_Q, BLOCK_N]
+    (-inf where unseen), values v -> the new running max, sum and output accumulator."""
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    # A row may see nothing in a tile (before its window starts): keep it at exp(-inf) = 0.
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp(s - m_safe[:, None])
+    alpha = tl.exp(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return m_new, l_i, acc
 
 
 def paged_attention_triton(
