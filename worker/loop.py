@@ -21,7 +21,6 @@ gives back any claim it does not hold (`_reconcile`). `state` says "waiting for 
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 import signal
 import time
@@ -44,6 +43,7 @@ from wicore.worker.metrics import WorkerMetrics
 from wicore.worker.redis_link import REDIS_DOWN, Backoff, PollPace
 from wicore.worker.results import caption_result, job_timings
 from wicore.worker.rq_bridge import Claimed, Finished, RQBridge, RQWorkerRecord
+from wicore.worker.status import publish_stats
 from wicore.worker.worker_config import InFlight, WorkerConfig, WorkerState, loads_to_wait_for, overtaking_loads
 
 log = logging.getLogger(__name__)
@@ -192,7 +192,7 @@ class BatchingWorker:
         stats |= PAUSES.report()  # {} unless `wicore worker` installed it
         self.metrics.engine_snapshot(stats)
         self.metrics.in_hand(self.engine.num_unfinished(), len(self._loading()))
-        self.connection.set(keys.stats(self.name), json.dumps(stats), ex=max(60, int(self.config.liveness_ttl_s * 4)))
+        publish_stats(self.connection, self.name, stats, self.config.liveness_ttl_s)
         self._published_jobs = self.jobs_done
 
     def _idle(self) -> bool:

@@ -83,6 +83,11 @@ def worker_rows(connection: Redis) -> list[dict[str, Any]]:
     return rows
 
 
+def publish_stats(connection: Redis, worker: str, stats: dict[str, Any], liveness_ttl_s: float) -> None:
+    """The worker's counters for `wicore status`, kept a few liveness periods past its last word."""
+    connection.set(keys.stats(worker), json.dumps(stats), ex=max(60, int(liveness_ttl_s * 4)))
+
+
 def published_stats(connection: Redis, worker: str) -> dict[str, Any]:
     """The worker's published JSON object; anything else (nothing is trusted from Redis) is {}."""
     try:
