@@ -8,6 +8,7 @@ import json
 import logging
 import pickletools
 import re
+import threading
 import time
 import zlib
 
@@ -253,8 +254,6 @@ def test_poison_jobs_fail_alone_at_once_and_their_batch_mates_run(redis_conn, en
 def test_worker_reports_waiting_for_redis_and_carries_on_when_it_is_back(tmp_path):
     """In-process: Redis (AOF) is shut down under a running worker; its state says "waiting for
     Redis" until the server is back, then it takes the next job."""
-    import threading
-
     from tests.helpers import wait_until
     from wicore.embedded import EmbeddedRedis, free_port
     from wicore.engines.null import NullEngine
@@ -280,14 +279,22 @@ def test_worker_reports_waiting_for_redis_and_carries_on_when_it_is_back(tmp_pat
         seen.append(worker.state.value)
         producer.submit(png_bytes(2), "after")
 
-    helper = threading.Thread(target=outage)
-    helper.start()
     try:
-        assert worker.run() == 2
+        assert run_beside(worker, outage) == 2
     finally:
-        helper.join(timeout=120)
         server.stop()
     assert seen == ["waiting for Redis", "ready"]
+
+
+def run_beside(worker: BatchingWorker, client) -> int:
+    """`worker.run()` here (its signal handlers need the main thread) while `client` runs in
+    another thread; the jobs the worker ended."""
+    helper = threading.Thread(target=client)
+    helper.start()
+    try:
+        return worker.run()
+    finally:
+        helper.join(timeout=120)
 
 
 def redis_status(server, job_id: str):
@@ -341,8 +348,6 @@ def test_a_large_claim_reaches_the_engine_in_handover_groups(redis_conn):
 def test_a_worker_that_goes_idle_publishes_the_counters_of_its_last_jobs(redis_conn):
     """`wicore status` reads the published stats: they show the jobs just done once the worker
     waits for more, not only at its next maintenance (an hour away here)."""
-    import threading
-
     from tests.helpers import wait_until
     from wicore.engines.null import NullEngine
     from wicore.worker.status import published_stats
@@ -362,10 +367,5 @@ def test_a_worker_that_goes_idle_publishes_the_counters_of_its_last_jobs(redis_c
         finally:
             producer.submit(png_bytes(9), "the fifth ends the run")
 
-    helper = threading.Thread(target=client)
-    helper.start()
-    try:
-        assert worker.run() == 5
-    finally:
-        helper.join(timeout=60)
+    assert run_beside(worker, client) == 5
     assert seen == [0]
