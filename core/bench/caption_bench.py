@@ -105,13 +105,9 @@ def run_product(
     params = GenerationParams(max_new_tokens=bench.new_tokens, ignore_eos=True)
     with EmbeddedRedis() as server, busy_sampler(bench.device) as busy:
         command = worker_command(bench, server.url, model_dir, timed[0].parent, gpus)
-        env = {**os.environ, "WICORE_LOG_LEVEL": "INFO"}
         stacks = log.with_name("worker-stacks.json")
-        stacks.unlink(missing_ok=True)
-        if bench.sample_stacks:
-            env["WICORE_SAMPLE_STACKS"] = str(stacks)
         with open(log, "wb") as sink:
-            worker = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, env=env)
+            worker = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, env=worker_env(bench, stacks))
         try:
             connection = Redis.from_url(server.url)
             started = time.perf_counter()
@@ -151,6 +147,16 @@ def run_product(
         "tokens": tokens,
         "host_stacks": json.loads(stacks.read_text()) if stacks.exists() else None,
     }
+
+
+def worker_env(bench: CaptionBench, stacks: Path) -> dict[str, str]:
+    """The worker's environment: INFO logs, and with `sample_stacks` its loop thread's report
+    written to `stacks` (a previous run's removed first)."""
+    stacks.unlink(missing_ok=True)
+    env = {**os.environ, "WICORE_LOG_LEVEL": "INFO"}
+    if bench.sample_stacks:
+        env["WICORE_SAMPLE_STACKS"] = str(stacks)
+    return env
 
 
 def run_peers(bench: CaptionBench, model_dir: Path, paths: list[Path]) -> dict:
