@@ -43,11 +43,20 @@ def test_parity_counts_identical_sequences():
     assert report == {"compared": 2, "identical": 1, "share": 0.5, "first_divergence_steps": [1]}
 
 
+def test_parity_gives_the_margin_where_each_differing_sequence_turned():
+    margins = {"a": [3.0, 2.0, 1.0], "b": [4.0, 0.01, 5.0]}
+    report = parity({"a": [1, 2, 3], "b": [1, 5, 3]}, {"a": [1, 2, 3], "b": [1, 2, 3]}, margins)
+    assert report["margins_at_divergence"] == [0.01], "b turned at step 1, where HF's lead was 0.01"
+    assert report["median_margin"] == 3.0, "the median of all six compared steps"
+
+
 def test_gpu_slug():
     assert gpu_slug("NVIDIA H100 80GB HBM3") == "h100" and gpu_slug("NVIDIA H200") == "h200"
 
 
-def test_bench_runs_end_to_end_on_cpu(tmp_path, tiny_model_dir):
+def test_bench_runs_end_to_end_on_cpu(tmp_path, tiny_model_dir, capsys):
+    from wicore.bench.report import print_caption_report
+
     bench = CaptionBench(
         workdir=tmp_path, images=6, new_tokens=4, batch_size=4, engine="reference", hf_batches=(2,),
         hf_images=4, hf_single_images=2, warmup_images=2, device="cpu", model_dir=tiny_model_dir,
@@ -57,6 +66,14 @@ def test_bench_runs_end_to_end_on_cpu(tmp_path, tiny_model_dir):
     assert set(report["hf_images_per_s"]) == {"1", "2"}
     # the reference engine in fp32 against HF generate on the same model: identical tokens
     assert report["parity_vs_hf_best_batch"]["share"] == 1.0
+    assert report["parity_vs_hf_best_batch"]["margins_at_divergence"] == []
+    assert report["parity_vs_hf_best_batch"]["median_margin"] > 0, "HF's top-1 leads its top-2 at a typical step"
+    assert report["hf_batches_vs_hf_best_batch"]["1"]["share"] == 1.0, "HF batch 1 against HF batch 2"
+    start = report["start_timeline"]
+    assert start["jobs"] == 6 and start["queued_s"][0] <= start["queued_s"][1] <= start["queued_s"][2]
+    assert len(start["preprocess_s"]) == 3
+    print_caption_report(report)
+    assert "HF batch 1 vs HF best batch" in capsys.readouterr().out
     assert report["gpu_busy_fraction"] is None and report["gpu_busy_error"].startswith("no GPU"), "CPU: no figure"
     assert report["gpu_busy_by_second"] == [], "CPU: no profile either"
     paths = write_caption_report(report, tmp_path / "results")
@@ -77,6 +94,8 @@ def test_bench_without_the_hf_peer_on_the_fast_engine_with_decode_processes(tmp_
     assert report["command"] == "wicore bench caption --preset gemma3-4b --images 6 --no-hf --decode-processes 2"
     assert report["hf_images_per_s"] is None and report["parity_vs_hf_best_batch"] is None
     assert '"decode_processes": 2' in (tmp_path / "worker.log").read_text(), "the worker was told"
+    queued, first_token = report["start_timeline"]["queued_s"], report["start_timeline"]["first_token_s"]
+    assert 0 <= queued[0] <= first_token[0] and first_token[2] > 0, "the fast engine stamps each job's first token"
     print_caption_report(report)
     assert "not run (--no-hf)" in capsys.readouterr().out
     assert write_caption_report(report, tmp_path / "results")[1].stat().st_size > 0

@@ -22,6 +22,7 @@ from wicore.bench.roofline import Ceilings, image_work, measure_ceilings, roofli
 from wicore.schemas import DEFAULT_PROMPT
 
 MODEL_ID = "gemma3-4b"
+START_JOBS = 32  # the first jobs submitted, whose timings show how the pipeline fills (`start_timeline`)
 
 
 @dataclass
@@ -146,6 +147,24 @@ def run_product(
         "engine_stats_by_worker": stats,
         "tokens": tokens,
         "host_stacks": json.loads(stacks.read_text()) if stacks.exists() else None,
+        "start_timeline": start_timeline([outcomes[i].result for i in ids[:START_JOBS]]),
+    }
+
+
+def start_timeline(results: list) -> dict:
+    """How the pipeline fills: for the jobs submitted first, submitted -> taken by the worker,
+    their image load, and submitted -> first token, each as [min, median, max] seconds."""
+    timings = [r.timings for r in results if r is not None]
+
+    def spread(values: list[float | None]) -> list[float] | None:
+        known = sorted(v for v in values if v is not None)
+        return [round(known[0], 3), round(known[len(known) // 2], 3), round(known[-1], 3)] if known else None
+
+    return {
+        "jobs": len(timings),
+        "queued_s": spread([t.queued_s for t in timings]),
+        "preprocess_s": spread([t.preprocess_s for t in timings]),
+        "first_token_s": spread([t.first_token_s for t in timings]),
     }
 
 
@@ -184,8 +203,7 @@ def run_peers(bench: CaptionBench, model_dir: Path, paths: list[Path]) -> dict:
         )
     peak = torch.cuda.max_memory_allocated() if cuda else None
     best = max((b for b in runs if b > 1), key=lambda b: runs[b].images_per_s)
-    best_tokens = {str(p): t for p, t in zip(timed, runs[best].tokens)}
-    single_tokens = {str(p): t for p, t in zip(timed, runs[1].tokens)}
+    tokens = {b: {str(p): t for p, t in zip(timed, r.tokens)} for b, r in runs.items()}
     del model
     if cuda:
         torch.cuda.empty_cache()
@@ -195,19 +213,31 @@ def run_peers(bench: CaptionBench, model_dir: Path, paths: list[Path]) -> dict:
         "best_images_per_s": runs[best].images_per_s,
         "batch1_images_per_s": runs[1].images_per_s,
         "peak_gpu_bytes": peak,
-        "best_tokens": best_tokens,
-        "single_tokens": single_tokens,
+        "best_tokens": tokens[best],
+        "single_tokens": tokens[1],
+        "tokens_by_batch": tokens,
+        "best_margins": {str(p): m for p, m in zip(timed, runs[best].margins)},
     }
 
 
-def parity(ours: dict[str, list[int]], theirs: dict[str, list[int]]) -> dict:
-    """Share of sequences whose tokens are identical, and where the others first differ."""
+def parity(
+    ours: dict[str, list[int]], theirs: dict[str, list[int]], margins: dict[str, list[float]] | None = None
+) -> dict:
+    """Share of sequences whose tokens are identical, and where the others first differ. With
+    `theirs`' per-step logit margins (top-1 - top-2): the margin where each differing sequence
+    turned, beside the median margin of all compared steps, so a turn on a near tie (rounding)
+    reads apart from one on a clear lead (a bug)."""
     common = [k for k in theirs if k in ours]
     same = [k for k in common if ours[k] == theirs[k]]
-    first_diff = [next(i for i, (a, b) in enumerate(zip(ours[k], theirs[k])) if a != b) for k in common
-                  if k not in same and len(ours[k]) == len(theirs[k])]  # fmt: skip
-    return {"compared": len(common), "identical": len(same), "share": len(same) / max(1, len(common)),
-            "first_divergence_steps": sorted(first_diff)}  # fmt: skip
+    turns = {k: next(i for i, (a, b) in enumerate(zip(ours[k], theirs[k])) if a != b) for k in common
+             if k not in same and len(ours[k]) == len(theirs[k])}  # fmt: skip
+    report = {"compared": len(common), "identical": len(same), "share": len(same) / max(1, len(common)),
+              "first_divergence_steps": sorted(turns.values())}  # fmt: skip
+    if margins is not None:
+        report["margins_at_divergence"] = sorted(round(margins[k][i], 4) for k, i in turns.items() if k in margins)
+        steps = sorted(m for k in common if k in margins for m in margins[k])
+        report["median_margin"] = round(steps[len(steps) // 2], 4) if steps else None
+    return report
 
 
 @dataclass
@@ -276,6 +306,7 @@ def caption_report(bench: CaptionBench, runs: CaptionRuns) -> dict:
         "error_count": product["error_count"],
         "engine_stats": product["engine_stats"],
         "host_stacks": product["host_stacks"],  # None without --sample-stacks
+        "start_timeline": product["start_timeline"],  # the first jobs' way through the pipeline
     }
 
 
@@ -294,7 +325,7 @@ def peer_report(product: dict, peers: dict | None) -> dict:
     if peers is None:
         keys = ("hf_best_images_per_s", "hf_best_batch", "hf_batch1_images_per_s", "hf_images_per_s",
                 "speedup_vs_hf_best", "speedup_vs_hf_batch1", "hf_peak_gpu_bytes", "parity_vs_hf_best_batch",
-                "parity_vs_hf_batch1", "hf_batch1_vs_hf_best_batch")  # fmt: skip
+                "parity_vs_hf_batch1", "hf_batch1_vs_hf_best_batch", "hf_batches_vs_hf_best_batch")  # fmt: skip
         return dict.fromkeys(keys)
     return {
         "hf_best_images_per_s": peers["best_images_per_s"],
@@ -304,7 +335,13 @@ def peer_report(product: dict, peers: dict | None) -> dict:
         "speedup_vs_hf_best": product["images_per_s"] / peers["best_images_per_s"],
         "speedup_vs_hf_batch1": product["images_per_s"] / peers["batch1_images_per_s"],
         "hf_peak_gpu_bytes": peers["peak_gpu_bytes"],
-        "parity_vs_hf_best_batch": parity(product["tokens"], peers["best_tokens"]),
+        "parity_vs_hf_best_batch": parity(product["tokens"], peers["best_tokens"], peers["best_margins"]),
         "parity_vs_hf_batch1": parity(product["tokens"], peers["single_tokens"]),
         "hf_batch1_vs_hf_best_batch": parity(peers["single_tokens"], peers["best_tokens"]),
+        # HF against itself: how often its own batch sizes (other cuBLAS tilings) agree
+        "hf_batches_vs_hf_best_batch": {
+            str(b): parity(tokens, peers["best_tokens"], peers["best_margins"])
+            for b, tokens in peers["tokens_by_batch"].items()
+            if b != peers["best_batch"]
+        },  # fmt: skip
     }

@@ -1,5 +1,7 @@
 """The peer: Hugging Face `generate` on the same model, images and token counts, at a static
-batch size. Returns images/s and the generated ids (for the parity report)."""
+batch size. Returns images/s, the generated ids (for the parity report) and, at every step, how
+far the chosen token's logit led the runner-up's (a sequence that another kernel's rounding can
+turn has a small lead where it turns)."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 from PIL import Image
+from transformers import LogitsProcessorList
 
 
 @dataclass
@@ -16,10 +19,28 @@ class PeerRun:
     images: int
     seconds: float
     tokens: list[list[int]] = field(default_factory=list)
+    margins: list[list[float]] = field(default_factory=list)  # per sequence and step: top-1 - top-2 logit
 
     @property
     def images_per_s(self) -> float:
         return self.images / self.seconds
+
+
+class MarginRecorder:
+    """A logits processor that leaves the scores as they are and keeps, on the device, the
+    lead of each row's best logit over its second (read back once the timed loop is over).
+    Passed to `generate` it runs after the built-in processors, so a masked EOS is not counted."""
+
+    def __init__(self) -> None:
+        self.steps: list[torch.Tensor] = []  # [batch] float32 each
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        top = scores.float().topk(2, dim=-1).values
+        self.steps.append(top[:, 0] - top[:, 1])
+        return scores
+
+    def rows(self) -> list[list[float]]:
+        return torch.stack(self.steps, dim=1).tolist() if self.steps else []
 
 
 def sync() -> None:
@@ -37,6 +58,7 @@ def run_generate(
     chat = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": prompt}]}]
     text = processor.apply_chat_template(chat, add_generation_prompt=True)
     run = PeerRun(batch_size, len(images), 0.0)
+    recorders = []
     sync()
     start = time.perf_counter()
     for begin in range(0, len(images), batch_size):
@@ -46,10 +68,13 @@ def run_generate(
             add_special_tokens=False,
         ).to(model.device)  # fmt: skip
         inputs["pixel_values"] = inputs["pixel_values"].to(model.dtype)
+        recorders.append(MarginRecorder())
         out = model.generate(
-            **inputs, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, eos_token_id=eos_ids
-        )
+            **inputs, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, eos_token_id=eos_ids,
+            logits_processor=LogitsProcessorList([recorders[-1]]),
+        )  # fmt: skip
         run.tokens += out[:, inputs["input_ids"].shape[1] :].tolist()
     sync()
     run.seconds = time.perf_counter() - start
+    run.margins = [row for recorder in recorders for row in recorder.rows()]
     return run

@@ -163,7 +163,7 @@ def _peer_rows(report: dict) -> list[tuple[str, str]]:
             f"{report['speedup_vs_hf_best']:.2f}x / {report['speedup_vs_hf_batch1']:.1f}x",
         ),
         ("tokens equal to HF best batch", _share(report["parity_vs_hf_best_batch"])),
-        ("HF batch 1 vs HF best batch", _share(report["hf_batch1_vs_hf_best_batch"])),
+        *((f"HF batch {b} vs HF best batch", _share(p)) for b, p in report["hf_batches_vs_hf_best_batch"].items()),
     ]
 
 
@@ -172,7 +172,13 @@ def _gib(value) -> str:
 
 
 def _share(p: dict) -> str:
-    return f"{p['identical']}/{p['compared']} ({100 * p['share']:.0f}%)"
+    """Identical sequences, and with margins HF's lead where the others turned (a near tie
+    there is rounding)."""
+    text = f"{p['identical']}/{p['compared']} ({100 * p['share']:.1f}%)"
+    if p.get("margins_at_divergence"):
+        turns = ", ".join(f"{m:.3g}" for m in p["margins_at_divergence"][:4])
+        text += f"; HF's lead where they turn: {turns} (median step {p['median_margin']:.3g})"
+    return text
 
 
 def print_table(title: str, rows: list[tuple[str, str]]) -> None:
