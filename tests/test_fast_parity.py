@@ -56,6 +56,10 @@ def test_mixed_batch_matches_reference(fast, expected):
     assert stats["kv_pages_used"] == 0 and stats["max_decode_batch"] == 4
     launches = stats["vision_batch_sizes"]  # images -> launches: every image encoded counts once
     assert sum(size * n for size, n in launches.items()) == stats["images"] > 0 and max(launches) <= 8
+    trace = stats["start_trace"]  # this run's start from idle: [phase, start ms, end ms] per launch
+    assert trace[0][0] == "vision" and {"prefill", "decode"} <= {phase for phase, _, _ in trace}
+    assert all(0 <= start <= end for _, start, end in trace) and 40 < len(trace) <= 48, "the first (up to 48) launches"
+    assert [start for _, start, _ in trace] == sorted(start for _, start, _ in trace)
 
 
 @pytest.mark.parametrize("size", [1, 2, 3, 4])

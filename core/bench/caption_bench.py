@@ -153,7 +153,8 @@ def run_product(
 
 def start_timeline(results: list) -> dict:
     """How the pipeline fills: for the jobs submitted first, submitted -> taken by the worker,
-    their image load, and submitted -> first token, each as [min, median, max] seconds."""
+    their image load, submitted -> in the engine (with the result's write), and submitted ->
+    first token, each as [min, median, max] seconds."""
     timings = [r.timings for r in results if r is not None]
 
     def spread(values: list[float | None]) -> list[float] | None:
@@ -164,6 +165,7 @@ def start_timeline(results: list) -> dict:
         "jobs": len(timings),
         "queued_s": spread([t.queued_s for t in timings]),
         "preprocess_s": spread([t.preprocess_s for t in timings]),
+        "to_engine_s": spread([t.total_s - t.engine_s for t in timings]),
         "first_token_s": spread([t.first_token_s for t in timings]),
     }
 

@@ -81,35 +81,58 @@ class Readbacks:
         return len(self._queue)
 
 
+TRACE_LAUNCHES = 48  # launches of a start from idle that `PhaseClock.trace` keeps
+
+
 @dataclass
 class PhaseClock:
-    """Seconds per phase: CUDA events on the GPU (summed once they complete), wall time on CPU."""
+    """Seconds per phase: CUDA events on the GPU (summed once they complete), wall time on CPU.
+
+    From `begin_trace` (the engine calls it when work arrives at an idle engine) the next
+    `TRACE_LAUNCHES` launches are also kept as [phase, start ms, end ms] since that call, on the
+    device's clock: where the device idles while a run fills its pipeline."""
 
     cuda: bool
     seconds: dict[str, float] = field(default_factory=lambda: {"vision": 0.0, "prefill": 0.0, "decode": 0.0})
-    pending: list[tuple[str, object, object]] = field(default_factory=list)
+    pending: list[tuple[str, object, object, bool]] = field(default_factory=list)  # (phase, start, end, traced)
+    trace: list[tuple[str, float, float]] = field(default_factory=list)
+    _origin: object = None
+    _trace_left: int = 0
 
-    def start(self, stream=None):
+    def _now(self, stream=None):
         if not self.cuda:
             return time.perf_counter()
         event = torch.cuda.Event(enable_timing=True)
         event.record(stream)
         return event
 
+    def _ms(self, start, end) -> float:
+        return start.elapsed_time(end) if self.cuda else (end - start) * 1000.0
+
+    def begin_trace(self) -> None:
+        """Trace the launches from now on (an idle device runs the origin event at once)."""
+        self._origin, self._trace_left, self.trace = self._now(), TRACE_LAUNCHES, []
+
+    def start(self, stream=None):
+        return self._now(stream)
+
     def stop(self, phase: str, mark, stream=None) -> None:
+        traced = self._trace_left > 0
+        self._trace_left -= traced
+        self.pending.append((phase, mark, self._now(stream), traced))
         if not self.cuda:
-            self.seconds[phase] += time.perf_counter() - mark
-            return
-        end = torch.cuda.Event(enable_timing=True)
-        end.record(stream)
-        self.pending.append((phase, mark, end))
+            self.collect()
 
     def collect(self) -> dict[str, float]:
         still = []
-        for phase, start, end in self.pending:
-            if end.query():
-                self.seconds[phase] += start.elapsed_time(end) / 1000.0
-            else:
-                still.append((phase, start, end))
+        for phase, start, end, traced in self.pending:
+            if self.cuda and not end.query():
+                still.append((phase, start, end, traced))
+                continue
+            self.seconds[phase] += self._ms(start, end) / 1000.0
+            if traced:
+                self.trace.append(
+                    (phase, round(self._ms(self._origin, start), 2), round(self._ms(self._origin, end), 2))
+                )
         self.pending = still
         return dict(self.seconds)

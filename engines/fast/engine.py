@@ -153,6 +153,8 @@ class FastEngine(Engine):
     # -- the interface ----------------------------------------------------------------------
 
     def add(self, requests: list[EngineRequest]) -> list[Completion]:
+        if requests and not self.planner.num_unfinished:
+            self.runner.clock.begin_trace()  # how this start fills the device (stats: start_trace)
         self.requests_seen += len(requests)
         rejected, seqs = [], []
         for request in requests:

@@ -66,6 +66,8 @@ class EngineStats:
             "vision_s": seconds.get("vision", 0.0),
             "prefill_s": seconds.get("prefill", 0.0),
             "decode_s": seconds.get("decode", 0.0),
+            # The latest start from idle: [phase, start ms, end ms] of its first launches (`PhaseClock`).
+            "start_trace": sorted(runner.clock.trace, key=lambda launch: launch[1]) if runner is not None else [],
             "steps": self.steps,
             "images": self.images,
             "prefill_batches": self.prefill_batches,
