@@ -7,7 +7,10 @@ switch points and one waiting in C (a device sync, a socket) at that call.
 
 The report (JSON): `samples`, `interval_s`, and two tables of fractions of the samples:
 `innermost` (the innermost `depth` frames, as `function (file:line) < caller < ...`) and
-`inclusive` (each function anywhere on the stack: the share of time under it).
+`inclusive` (each function anywhere on the stack: the share of time under it). The last
+`RECENT_SAMPLES` samples are kept with their wall time too (`recent`), so a reader can ask what
+the thread did in one stretch of its run (`innermost_between`), e.g. while a benchmark's device
+idled at its start.
 """
 
 from __future__ import annotations
@@ -16,11 +19,12 @@ import json
 import sys
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from pathlib import Path
 from types import FrameType
 
 TOP = 40  # rows kept in each table
+RECENT_SAMPLES = 60_000  # ~2 minutes at the default interval
 
 
 def _where(frame: FrameType) -> str:
@@ -35,6 +39,7 @@ class StackSampler:
         self.innermost: Counter[str] = Counter()
         self.inclusive: Counter[str] = Counter()
         self.samples = 0
+        self.recent: deque[tuple[float, str]] = deque(maxlen=RECENT_SAMPLES)  # (wall time, innermost)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="stack-sampler", daemon=True)
 
@@ -61,22 +66,40 @@ class StackSampler:
             functions.add(f"{code.co_name} ({Path(code.co_filename).name})")
             frame = frame.f_back
         self.samples += 1
-        self.innermost[" < ".join(chain)] += 1
+        innermost = " < ".join(chain)
+        self.innermost[innermost] += 1
+        self.recent.append((time.time(), innermost))
         self.inclusive.update(functions)
 
     def report(self) -> dict:
-        def table(counts: Counter[str]) -> list[list]:
-            return [[where, round(n / self.samples, 4)] for where, n in counts.most_common(TOP)]
-
         if not self.samples:
-            return {"samples": 0, "interval_s": self.interval_s, "innermost": [], "inclusive": []}
+            return {"samples": 0, "interval_s": self.interval_s, "innermost": [], "inclusive": [], "recent": {}}
+        places = list(dict.fromkeys(where for _, where in self.recent))
+        index = {where: i for i, where in enumerate(places)}
         return {
             "samples": self.samples,
             "interval_s": self.interval_s,
-            "innermost": table(self.innermost),
-            "inclusive": table(self.inclusive),
+            "innermost": _table(self.innermost, self.samples),
+            "inclusive": _table(self.inclusive, self.samples),
+            # the last samples as [wall time, row of `places`]: `innermost_between` reads them
+            "recent": {"places": places, "samples": [[round(t, 4), index[w]] for t, w in self.recent]},
         }
 
     def write(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps({"written_at": time.time(), **self.report()}, indent=1))
+
+
+def _table(counts: Counter[str], samples: int) -> list[list]:
+    """The `TOP` commonest rows as fractions of `samples`."""
+    return [[where, round(n / samples, 4)] for where, n in counts.most_common(TOP)]
+
+
+def innermost_between(report: dict, start: float, end: float) -> dict:
+    """The `innermost` table of a written report's recent samples taken in [start, end] (wall
+    time), with how many there were."""
+    recent = report.get("recent") or {}
+    places = recent.get("places", [])
+    counts = Counter(places[i] for t, i in recent.get("samples", []) if start <= t <= end)
+    samples = sum(counts.values())
+    return {"samples": samples, "innermost": _table(counts, samples) if samples else []}

@@ -87,11 +87,17 @@ def test_bench_without_the_hf_peer_on_the_fast_engine_with_decode_processes(tmp_
 
     bench = CaptionBench(
         workdir=tmp_path, images=6, new_tokens=4, batch_size=4, engine="fast", warmup_images=2, device="cpu",
-        model_dir=tiny_model_dir, hf_peers=False, decode_processes=2,
+        model_dir=tiny_model_dir, hf_peers=False, decode_processes=2, sample_stacks=True,
     )  # fmt: skip
     report = run_caption_bench(bench, ceilings=Ceilings(1e12, 1e11, 1e10))
     assert report["error_count"] == 0 and report["images_per_s"] > 0
-    assert report["command"] == "wicore bench caption --preset gemma3-4b --images 6 --no-hf --decode-processes 2"
+    assert (
+        report["command"]
+        == "wicore bench caption --preset gemma3-4b --images 6 --no-hf --decode-processes 2 --sample-stacks"
+    )
+    stacks = report["host_stacks"]  # the loop thread sampled: the whole run, and the timed window's start apart
+    assert stacks["samples"] > stacks["start"]["samples"] > 0 and "recent" not in stacks
+    assert 0 < sum(share for _, share in stacks["start"]["innermost"]) <= 1.01, "shares of the window's samples"
     assert report["hf_images_per_s"] is None and report["parity_vs_hf_best_batch"] is None
     assert '"decode_processes": 2' in (tmp_path / "worker.log").read_text(), "the worker was told"
     queued, first_token = report["start_timeline"]["queued_s"], report["start_timeline"]["first_token_s"]

@@ -23,6 +23,7 @@ from wicore.schemas import DEFAULT_PROMPT
 
 MODEL_ID = "gemma3-4b"
 START_JOBS = 32  # the first jobs submitted, whose timings show how the pipeline fills (`start_timeline`)
+START_WINDOW_S = 2.0  # the timed window's first seconds, apart in the sampled loop thread's report
 
 
 @dataclass
@@ -146,9 +147,22 @@ def run_product(
         "engine_stats": stats[names[0]],
         "engine_stats_by_worker": stats,
         "tokens": tokens,
-        "host_stacks": json.loads(stacks.read_text()) if stacks.exists() else None,
+        "host_stacks": host_stacks(stacks, start_wall),
         "start_timeline": start_timeline([outcomes[i].result for i in ids[:START_JOBS]]),
     }
+
+
+def host_stacks(path: Path, start_wall: float) -> dict | None:
+    """The loop thread's report (`--sample-stacks`), with the first `START_WINDOW_S` of the
+    timed window apart (`start`: while the pipeline fills) in place of its raw recent samples."""
+    from wicore.stack_sampler import innermost_between
+
+    if not path.exists():
+        return None
+    report = json.loads(path.read_text())
+    report["start"] = innermost_between(report, start_wall, start_wall + START_WINDOW_S)
+    report.pop("recent", None)
+    return report
 
 
 def start_timeline(results: list) -> dict:
