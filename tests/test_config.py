@@ -202,6 +202,7 @@ def test_the_worker_logs_its_resolved_config_once_without_the_password(tmp_path,
     config = json.loads(lines[0].split("config: ", 1)[1])
     assert config["settings"]["redis_url"].startswith("redis://:***@")
     assert config["settings"]["api_keys"] == ["***"]
+    assert config["worker"]["decode_processes"] == 0, "on CPU images decode in threads by default"
     engine = config["engine"]
     assert (engine["name"], engine["vision_batch_size"], engine["compile_text"], engine["cuda_graphs"]) == (
         "fast",

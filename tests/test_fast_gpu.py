@@ -4,6 +4,7 @@ planning) against the reference engine on the GPU. Skipped without CUDA."""
 from __future__ import annotations
 
 import gc
+import os
 
 import pytest
 import torch
@@ -104,3 +105,16 @@ def test_a_high_lane_request_overtakes_bulk_with_its_vision_on_the_main_stream(t
     assert [c.id for c in ended][0] == "h"
     reference = ReferenceEngine(EngineConfig(str(tiny_model_dir), device="cuda", max_batch_size=8))
     assert mismatches(ended, reference.generate([*bulk, high])) == []
+
+
+def test_a_worker_serving_it_on_the_gpu_decodes_images_in_processes_by_default(tiny_model_dir):
+    from wicore.config import Settings
+    from wicore.worker.factory import decode_processes
+
+    options = FastOptions(cuda_graphs=False, num_kv_blocks=256)
+    engine = FastEngine(EngineConfig(str(tiny_model_dir), device="cuda", max_batch_size=4, options=options))
+    try:
+        assert decode_processes(Settings(), engine) == min(8, (os.cpu_count() or 2) // 2) > 0
+        assert decode_processes(Settings(decode_processes=0), engine) == 0, "threads when asked"
+    finally:
+        engine.close()

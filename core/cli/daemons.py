@@ -37,7 +37,10 @@ HighLaneSlotsOption = typer.Option(
 )
 AllowRootOption = typer.Option(None, help="Folder path-referenced images may come from (repeatable).")
 DecodeProcessesOption = typer.Option(
-    None, min=0, help="Processes decoding and resizing images; 0: threads [default: 0].", show_default=False
+    None,
+    min=0,
+    help="Processes decoding and resizing images; 0: threads [default: on a GPU one per two cores, at most 8; else 0].",
+    show_default=False,
 )
 MetricsPortOption = typer.Option(None, help="Serve Prometheus /metrics on this port.", show_default=False)
 GpusOption = typer.Option(
