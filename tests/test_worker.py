@@ -331,18 +331,18 @@ def test_jobs_claimed_together_reach_the_engine_together(redis_conn):
 
 
 def test_a_large_claim_reaches_the_engine_in_handover_groups(redis_conn):
-    """A claim of 40 goes to the engine as its groups load: the first 32 alone (its last 8 images
-    are the slowest to decode) or all 40 once, never a group split."""
+    """A claim of two groups goes to the engine as they load: the first alone (the second's
+    images are the slowest to decode) or both at once, never a group split."""
     from wicore.worker.loop import HANDOVER_JOBS
 
     producer = Producer(redis_conn, model=MODEL)
-    sizes = [(16, 16)] * HANDOVER_JOBS + [(1500, 1500)] * 8
+    sizes = [(16, 16)] * HANDOVER_JOBS + [(1500, 1500)] * HANDOVER_JOBS
     ids = producer.submit_many([Submission(png_bytes(i, size), "x") for i, size in enumerate(sizes)])
     engine = recording_engine(64)
     policy = BatchPolicy(max_batch_size=64, max_queue_delay_s=0.0)
     BatchingWorker(redis_conn, engine, WorkerConfig(MODEL, policy=policy, burst=True)).run()
     assert all(o.result is not None for o in outcomes(producer, ids).values())
-    assert engine.adds in ([HANDOVER_JOBS, 8], [40])
+    assert engine.adds in ([HANDOVER_JOBS, HANDOVER_JOBS], [2 * HANDOVER_JOBS])
 
 
 def test_a_worker_that_goes_idle_publishes_the_counters_of_its_last_jobs(redis_conn):

@@ -49,7 +49,7 @@ from wicore.worker.worker_config import InFlight, WorkerConfig, WorkerState, loa
 log = logging.getLogger(__name__)
 
 CANCELS_PER_TAKE = 1024  # cancel requests read per loop iteration (the rest wait for the next)
-HANDOVER_JOBS = 32  # a claim reaches the engine in groups this size: it starts while the rest decode
+HANDOVER_JOBS = 8  # a claim reaches the engine in groups this size (a vision batch): it starts while the rest decode
 REDIS_TIMEOUT_TICK_S = 0.1  # how finely Redis (hz 10, its default) ends BLPOP timeouts
 
 

@@ -326,12 +326,17 @@ def caption_report(bench: CaptionBench, runs: CaptionRuns) -> dict:
     }
 
 
-def bench_command(bench: CaptionBench) -> str:
-    """The command line that runs this benchmark again (engine options are in the report)."""
+def bench_command(bench: CaptionBench, dtype: str | None = None) -> str:
+    """The command line that runs this benchmark again."""
     words = ["wicore bench caption --preset gemma3-4b", f"--images {bench.images}"]
-    words += [] if bench.hf_peers else ["--no-hf"]
+    words += [f"--dtype {dtype}"] if dtype else []
+    if bench.hf_peers:
+        words += [f"--hf-batches {','.join(str(b) for b in bench.hf_batches)}", f"--hf-images {bench.hf_images}"]
+    else:
+        words.append("--no-hf")
     words += [] if bench.decode_processes is None else [f"--decode-processes {bench.decode_processes}"]
     words += ["--sample-stacks"] if bench.sample_stacks else []
+    words += [f"--engine-option {key}={value}" for key, value in bench.engine_options.items()]
     return " ".join(words)
 
 

@@ -14,7 +14,15 @@ from dataclasses import replace
 
 import numpy as np
 
-from wicore.bench.caption_bench import CaptionBench, CaptionRuns, caption_report, caption_runs, parity, run_product
+from wicore.bench.caption_bench import (
+    CaptionBench,
+    CaptionRuns,
+    bench_command,
+    caption_report,
+    caption_runs,
+    parity,
+    run_product,
+)
 
 DEMOCAP_IMAGES, DEMOCAP_SEED = 1000, 1000  # the model card's evaluation set (main renderer)
 BF16_KEYS = (
@@ -39,8 +47,7 @@ def run_fp8_bench(bench: CaptionBench) -> dict:
 def fp8_report(bench: CaptionBench, bf16_runs: CaptionRuns, fp8_runs: CaptionRuns, democap: dict) -> dict:
     bf16 = caption_report(bench, bf16_runs)
     report = caption_report(fp8_variant(bench), fp8_runs)
-    hf = ",".join(str(b) for b in bench.hf_batches)
-    report["command"] = f"wicore bench caption --preset gemma3-4b --dtype fp8 --images {bench.images} --hf-batches {hf}"
+    report["command"] = bench_command(bench, dtype="fp8")
     report["bf16"] = {key: bf16[key] for key in BF16_KEYS} | phases(bf16)
     report["fp8_phases"] = phases(report)
     report["fp8_speedup_vs_bf16"] = report["images_per_s"] / bf16["images_per_s"]
