@@ -88,8 +88,8 @@ class Settings(BaseSettings):
     max_image_bytes: int = Field(defaults.MAX_IMAGE_BYTES, ge=1)  # an image's encoded size; 32 MiB
     max_image_pixels: int = Field(defaults.MAX_IMAGE_PIXELS, ge=1)  # width x height of an image; 50 M
     # Processes a worker reads, decodes and resizes images in, off the GIL of the thread that launches
-    # kernels (engines that take resized images: fast); 0: threads. Default: on a GPU one per two cores (at most
-    # 8), else 0 (`worker/factory.py decode_processes`).
+    # kernels (engines that take resized images: fast); 0: threads. Default: on a GPU one per two cores of the
+    # worker's share of the host, at most 8 (`defaults.gpu_decode_processes`), else 0.
     decode_processes: int | None = Field(None, ge=0, le=256)
     liveness_ttl_s: float = Field(defaults.LIVENESS_TTL_S, gt=0)  # a silent worker is dead after this; 15 s
     result_ttl_s: int = Field(defaults.RESULT_TTL_S, ge=1)  # results live this long; one day

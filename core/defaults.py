@@ -11,3 +11,10 @@ LIVENESS_TTL_S = 15.0  # a worker silent this long is dead; its jobs are requeue
 RESULT_TTL_S = 86_400  # a finished job's result (and its dedup mark) lives this long
 RETRIES = 2  # re-runs of a job after a transient failure or a dead worker
 NOTIFY_TTL_S = 3_600  # a producer's notification list lives this long after its last push (it may be gone)
+MAX_DECODE_PROCESSES = 8  # a GPU worker's image decode processes by default, at most
+
+
+def gpu_decode_processes(cores: int, workers: int = 1) -> int:
+    """A GPU worker's decode processes by default when `workers` GPU workers share a host of
+    `cores` cores: one per two cores of its share, at least 1, at most `MAX_DECODE_PROCESSES`."""
+    return max(1, min(MAX_DECODE_PROCESSES, cores // (2 * workers)))

@@ -109,12 +109,13 @@ def test_a_high_lane_request_overtakes_bulk_with_its_vision_on_the_main_stream(t
 
 def test_a_worker_serving_it_on_the_gpu_decodes_images_in_processes_by_default(tiny_model_dir):
     from wicore.config import Settings
+    from wicore.defaults import gpu_decode_processes
     from wicore.worker.factory import decode_processes
 
     options = FastOptions(cuda_graphs=False, num_kv_blocks=256)
     engine = FastEngine(EngineConfig(str(tiny_model_dir), device="cuda", max_batch_size=4, options=options))
     try:
-        assert decode_processes(Settings(), engine) == min(8, (os.cpu_count() or 2) // 2) > 0
+        assert decode_processes(Settings(), engine) == gpu_decode_processes(os.cpu_count() or 2) > 0
         assert decode_processes(Settings(decode_processes=0), engine) == 0, "threads when asked"
     finally:
         engine.close()

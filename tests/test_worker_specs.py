@@ -7,6 +7,7 @@ import pytest
 from wicore.cli.common import engine_options
 from wicore.cli.worker_specs import WorkerSpec, gpu_specs, parse_gpus, plan_workers, visible_device
 from wicore.config import Settings, read_settings_file, write_settings_file
+from wicore.defaults import gpu_decode_processes
 from wicore.errors import ConfigError
 
 
@@ -55,6 +56,15 @@ def test_a_worker_per_gpu_is_pinned_to_it_by_its_environment():
         ("box-gpu1", "gpu1", ("--device", "cuda"), {"CUDA_VISIBLE_DEVICES": "5"}),
         ("box-gpu3", "gpu3", ("--device", "cuda"), {"CUDA_VISIBLE_DEVICES": "7"}),
     ]
+    shared = gpu_specs("box", [0, 1], None, decode_processes=4)
+    assert [s.args for s in shared] == [("--device", "cuda", "--decode-processes", "4")] * 2
+
+
+@pytest.mark.parametrize(
+    "cores, workers, processes", [(16, 1, 8), (16, 2, 4), (128, 8, 8), (64, 1, 8), (12, 4, 1), (4, 8, 1), (1, 1, 1)]
+)
+def test_gpu_workers_share_the_hosts_cores_for_decode_processes(cores, workers, processes):
+    assert gpu_decode_processes(cores, workers) == processes
 
 
 def test_workers_on_cpu_are_numbered_and_take_nothing_extra():

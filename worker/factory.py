@@ -11,6 +11,7 @@ from pathlib import Path
 from redis import Redis
 
 from wicore.config import Settings
+from wicore.defaults import gpu_decode_processes
 from wicore.engines import Engine, EngineConfig, create_engine
 from wicore.engines.fast.options import FastOptions
 from wicore.errors import ConfigError
@@ -105,14 +106,16 @@ def attach_shared_caches(settings: Settings, connection: Redis, engine: Engine, 
 
 
 def decode_processes(settings: Settings, engine: Engine) -> int:
-    """Processes that read, decode and resize images: as set, else on a GPU for an engine that
-    takes resized images one per two cores, at most 8 (on an H200 the device idled 0.23 s of a bulk
-    run's start against 0.73 s with the work in threads, whose GIL the launching thread shares:
-    48.2 against 46.6 images/s; docs/performance.md), else none (threads)."""
+    """Processes that read, decode and resize images, for an engine that takes them resized: as
+    set, else on a GPU one per two cores (`defaults.gpu_decode_processes`; `wicore worker --gpus`
+    gives each worker its share of the host), else none: threads. On an H200 the device idled
+    0.23 s of a bulk run's start against 0.73 s with the work in threads, whose GIL the launching
+    thread shares (48.2 against 46.6 images/s; docs/performance.md)."""
+    if engine.pixel_spec() is None:
+        return 0  # the engine resizes: images decode in threads
     if settings.decode_processes is not None:
         return settings.decode_processes
-    on_gpu = engine.describe().get("cuda") is True
-    return min(8, (os.cpu_count() or 2) // 2) if on_gpu and engine.pixel_spec() is not None else 0
+    return gpu_decode_processes(os.cpu_count() or 2) if engine.describe().get("cuda") is True else 0
 
 
 def build_worker(

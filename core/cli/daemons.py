@@ -39,7 +39,8 @@ AllowRootOption = typer.Option(None, help="Folder path-referenced images may com
 DecodeProcessesOption = typer.Option(
     None,
     min=0,
-    help="Processes decoding and resizing images; 0: threads [default: on a GPU one per two cores, at most 8; else 0].",
+    help="Processes decoding and resizing images; 0: threads. Default: on a GPU one per two cores of the "
+    "worker's share of the host, at most 8; else 0.",
     show_default=False,
 )
 MetricsPortOption = typer.Option(None, help="Serve Prometheus /metrics on this port.", show_default=False)

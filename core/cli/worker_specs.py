@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from wicore.config import Settings
+from wicore.defaults import gpu_decode_processes
 from wicore.errors import ConfigError
 
 COUNT_TIMEOUT_S = 120.0  # a first `import torch` on a cold disk is slow
@@ -72,14 +73,18 @@ def visible_device(index: int, parent: str | None) -> str:
     return entries[index] if index < len(entries) else str(index)
 
 
-def gpu_specs(base: str, gpus: list[int], parent_visible: str | None) -> list[WorkerSpec]:
-    """One worker per GPU, named BASE-gpuI, that sees GPU I alone, as its cuda:0."""
-    return [gpu_spec(base, i, visible_device(i, parent_visible)) for i in gpus]
+def gpu_specs(
+    base: str, gpus: list[int], parent_visible: str | None, decode_processes: int | None = None
+) -> list[WorkerSpec]:
+    """One worker per GPU, named BASE-gpuI, that sees GPU I alone, as its cuda:0; with
+    `decode_processes`, that many image decode processes each."""
+    decode = () if decode_processes is None else ("--decode-processes", str(decode_processes))
+    return [gpu_spec(base, i, visible_device(i, parent_visible), decode) for i in gpus]
 
 
-def gpu_spec(base: str, index: int, visible: str) -> WorkerSpec:
+def gpu_spec(base: str, index: int, visible: str, extra: tuple[str, ...] = ()) -> WorkerSpec:
     env = (("CUDA_VISIBLE_DEVICES", visible),)
-    return WorkerSpec(f"{base}-gpu{index}", f"gpu{index}", ("--device", "cuda"), env)
+    return WorkerSpec(f"{base}-gpu{index}", f"gpu{index}", ("--device", "cuda", *extra), env)
 
 
 def cpu_specs(base: str, count: int) -> list[WorkerSpec]:
@@ -95,7 +100,9 @@ def plan_workers(base: str, settings: Settings, *, gpus: str | None, workers: in
     if settings.device not in ("auto", "cuda"):
         raise ConfigError(f"--gpus pins each worker to its GPU; leave out --device {settings.device}")
     chosen = parse_gpus(gpus, cuda_device_count())
-    return own_caches(gpu_specs(base, chosen, os.environ.get("CUDA_VISIBLE_DEVICES")), settings)
+    # the workers share the host's cores: each decodes images in its share unless told
+    share = gpu_decode_processes(os.cpu_count() or 2, len(chosen)) if settings.decode_processes is None else None
+    return own_caches(gpu_specs(base, chosen, os.environ.get("CUDA_VISIBLE_DEVICES"), share), settings)
 
 
 def own_caches(specs: list[WorkerSpec], settings: Settings) -> list[WorkerSpec]:
