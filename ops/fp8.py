@@ -64,27 +64,85 @@ def dequantize(weight: FP8Weight) -> torch.Tensor:
 
 
 def fp8_linear(
-    x: torch.Tensor, weight: FP8Weight, bias: torch.Tensor | None = None, fast_accum: bool = True
+    x: torch.Tensor,
+    weight: FP8Weight,
+    bias: torch.Tensor | None = None,
+    fast_accum: bool = True,
+    bias_in_epilogue: bool = False,
 ) -> torch.Tensor:
     """x [..., K] -> [..., N] in x's dtype: x quantized per token (per tensor for a tensorwise
-    weight), one scaled matmul, bias added after it. `fast_accum`: Hopper's faster FP8
-    accumulation (fewer promotions to float32), as inference libraries use."""
+    weight), one scaled matmul, the bias added after it or in its epilogue (`scaled_mm`).
+    `fast_accum`: Hopper's faster FP8 accumulation (fewer promotions to float32), as inference
+    libraries use."""
     rows = x.reshape(-1, x.shape[-1])
     x_q, x_scale = quantize(rows, rowwise=weight.scale.dim() > 0)
-    out = scaled_mm(x_q, x_scale, weight, bias, x.dtype, fast_accum)
+    out = scaled_mm(x_q, x_scale, weight, bias, x.dtype, fast_accum, bias_in_epilogue)
     return out.reshape(*x.shape[:-1], weight.data.shape[0])
 
 
 def scaled_mm(
-    x_q: torch.Tensor, x_scale: torch.Tensor, weight: FP8Weight, bias: torch.Tensor | None, out_dtype, fast_accum: bool
+    x_q: torch.Tensor,
+    x_scale: torch.Tensor,
+    weight: FP8Weight,
+    bias: torch.Tensor | None,
+    out_dtype,
+    fast_accum: bool,
+    bias_in_epilogue: bool = False,
 ) -> torch.Tensor:
     """The matmul alone: quantized x [M, K] and its scale ([M, 1] or []) -> [M, N] in out_dtype.
-    The bias is added after it, not in its epilogue: cuBLASLt has no rowwise-scaled algorithm with
-    a bias for some shapes (H200: 7 x 10240 -> 2560), and inductor fuses the add when compiled."""
+    By default the bias is added after it: cuBLASLt has no rowwise-scaled algorithm with a bias
+    for some shapes (H200: 7 x 10240 -> 2560), and inductor fuses the add into what follows.
+    `bias_in_epilogue` for row counts where it has one (the vision tower's, multiples of an
+    image's patches): the output then needs no pass of its own before a consumer that reads it
+    as strided views (the fused q/k/v into attention: 0.11 ms of 3.3 a layer for 8 images)."""
+    epilogue = bias if bias_in_epilogue else None
     out = torch._scaled_mm(
-        x_q, weight.data.t(), scale_a=x_scale, scale_b=weight.scale, out_dtype=out_dtype, use_fast_accum=fast_accum
+        x_q,
+        weight.data.t(),
+        scale_a=x_scale,
+        scale_b=weight.scale,
+        bias=None if epilogue is None else epilogue.to(out_dtype),
+        out_dtype=out_dtype,
+        use_fast_accum=fast_accum,
     )
-    return out if bias is None else out + bias.to(out_dtype)
+    return out if bias is None or bias_in_epilogue else out + bias.to(out_dtype)
+
+
+def bias_gelu_quantize(h: torch.Tensor, bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """h [..., N] (a GEMM's output, its bias not yet added) -> (e4m3 of GELU-tanh(h + bias) [M, N],
+    float32 scale per row [M, 1]): the next FP8 GEMM's input. On CUDA one Triton pass
+    (ops/fp8_triton.py; `load_cuda_kernels` first), elsewhere this chain in plain torch; both
+    round the sum and the GELU to h's dtype before taking the amax."""
+    rows = h.reshape(-1, h.shape[-1])
+    if rows.is_cuda:
+        return torch.ops.wicore.gelu_quantize(rows, bias, False)
+    summed = rows if bias is None else rows + bias.to(rows.dtype)
+    return quantize(F.gelu(summed, approximate="tanh"))
+
+
+def gelu_mul_quantize(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """gate_up [M, 2N] (a fused gate/up projection's output) -> (e4m3 of GELU-tanh(gate) * up
+    [M, N], float32 scale per row [M, 1]), as `bias_gelu_quantize`: one pass on CUDA."""
+    if gate_up.is_cuda:
+        return torch.ops.wicore.gelu_quantize(gate_up, None, True)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return quantize(F.gelu(gate, approximate="tanh") * up)
+
+
+def gated_gelu_linear(gate_up: torch.Tensor, weight: torch.Tensor | FP8Weight, approximate: str) -> torch.Tensor:
+    """down(GELU(gate) * up) for a fused gate/up output [M, 2N]: with a rowwise FP8Weight and the
+    tanh GELU, the product is quantized in the pass that computes it (`gelu_mul_quantize`)."""
+    if isinstance(weight, FP8Weight) and weight.scale.dim() > 0 and approximate == "tanh":
+        x_q, x_scale = gelu_mul_quantize(gate_up)
+        return scaled_mm(x_q, x_scale, weight, None, gate_up.dtype, fast_accum=True)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return linear(F.gelu(gate, approximate=approximate) * up, weight)
+
+
+def load_cuda_kernels() -> None:
+    """Register the CUDA ops `bias_gelu_quantize` calls (imports triton): once, before any CUDA
+    tensor reaches it, outside code that torch.compile traces."""
+    import wicore.ops.fp8_triton  # noqa: F401
 
 
 def fp8_linear_reference(x: torch.Tensor, weight: FP8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -17,7 +17,7 @@ from tests.fast_requests import one_torch_thread  # noqa: F401 (fixture)
 from wicore.engines.base import EngineConfig
 from wicore.engines.fast import FastEngine
 from wicore.engines.fast.model import fp8
-from wicore.engines.fast.model.vision_tower import VisionTower
+from wicore.engines.fast.model.vision_tower import SiglipLayer, VisionTower
 from wicore.engines.fast.model.weights import load_gemma3
 from wicore.engines.fast.model_runner import ModelRunner
 from wicore.engines.fast.options import FastOptions
@@ -27,7 +27,7 @@ from wicore.errors import ConfigError
 from wicore.models import DEMOCAP_DIR
 from wicore.models.democap import evaluate
 from wicore.ops.attention import pack_layout
-from wicore.ops.fp8 import FP8Weight
+from wicore.ops.fp8 import FP8Weight, fp8_linear
 
 CPU = torch.device("cpu")
 FP8 = FastOptions(gemm_dtype="fp8")
@@ -50,6 +50,7 @@ def test_every_dense_layer_is_quantized_and_the_rest_stays(bf16, quantized):
     assert report.quantized == 4 * layers and report.skipped == []  # vision: qkv, out, fc1, fc2; text: 4 fused
     attention = parts.encoder.vision_tower.layers[0].self_attn
     assert isinstance(attention.qkv_proj, fp8.FP8Linear) and not hasattr(attention, "q_proj")
+    assert isinstance(parts.encoder.vision_tower.layers[0].mlp, fp8.FP8GeluMLP)  # GELU-tanh: fused
     assert attention.qkv_proj.weight.dtype == torch.float8_e4m3fn and attention.qkv_proj.bias.dtype == torch.bfloat16
     layer = parts.decoder.layers[0]
     assert all(isinstance(getattr(layer, name), FP8Weight) for name in ("qkv_weight", "o_weight", "down_weight"))
@@ -92,6 +93,23 @@ def prefill_logits(parts, ids: torch.Tensor, image_at: int, pixels: torch.Tensor
             image_rows=image, image_groups=groups, last=torch.arange(n), layout=pack_layout([n], "cpu"),
             image_embeds=embeds,
         ).float()  # fmt: skip
+
+
+def test_the_fused_mlp_computes_what_the_unfused_layers_do():
+    """FP8GeluMLP (fc1's bias and the GELU in fc2's input quantization) against the same chain
+    written with fp8_linear over its weights: bit for bit on the CPU, where both run torch."""
+    torch.manual_seed(0)
+    config = SiglipVisionConfig(hidden_size=64, intermediate_size=176, num_attention_heads=4)
+    layer = SiglipLayer(config).to(torch.bfloat16).eval()
+    with torch.no_grad():
+        fp8.quantize_vision_layer(layer, fp8.FP8Report(), "fused")
+    mlp = layer.mlp
+    assert isinstance(mlp, fp8.FP8GeluMLP)
+    fc1, fc2 = FP8Weight(mlp.fc1.weight, mlp.fc1.scale), FP8Weight(mlp.fc2.weight, mlp.fc2.scale)
+    x = torch.randn(3, 10, 64).to(torch.bfloat16)
+    with torch.inference_mode():
+        hidden = F.gelu(fp8_linear(x, fc1, mlp.fc1.bias), approximate="tanh")
+        assert torch.equal(mlp(x), fp8_linear(hidden, fc2, mlp.fc2.bias, bias_in_epilogue=True))
 
 
 def test_fp8_logits_stay_close_to_bf16(bf16, quantized):

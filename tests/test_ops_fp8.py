@@ -12,11 +12,15 @@ from wicore.ops.fp8 import (
     E4M3,
     E4M3_MAX,
     FP8Weight,
+    bias_gelu_quantize,
     dequantize,
     fits,
     fp8_linear,
     fp8_linear_reference,
+    gated_gelu_linear,
+    gelu_mul_quantize,
     linear,
+    load_cuda_kernels,
     quantize,
     quantize_weight,
     unsupported_reason,
@@ -96,6 +100,19 @@ def test_linear_dispatches_on_the_weight_type():
     assert torch.equal(linear(x, quantized), fp8_linear(x, quantized))
 
 
+def test_the_gated_mlp_quantizes_what_the_unfused_chain_does():
+    """gated_gelu_linear's FP8 path (the product quantized in one function) against linear() of
+    the product: bit for bit on the CPU; bf16 and tensorwise weights take the plain chain."""
+    gate_up = tensors(9, 2 * 96, seed=4)
+    rowwise, tensorwise = quantize_weight(tensors(32, 96, seed=5) * 0.1), quantize_weight(tensors(32, 96) * 0.1, False)
+    gate, up = gate_up.chunk(2, dim=-1)
+    product = F.gelu(gate, approximate="tanh") * up
+    assert torch.equal(gated_gelu_linear(gate_up, rowwise, "tanh"), linear(product, rowwise))
+    assert torch.equal(gated_gelu_linear(gate_up, tensorwise, "tanh"), linear(product, tensorwise))
+    exact = F.gelu(gate, approximate="none") * up
+    assert torch.equal(gated_gelu_linear(gate_up, rowwise, "none"), linear(exact, rowwise))
+
+
 def test_alignment_and_device_support():
     assert fits(4096, 2560) and fits(1152, 4304) and not fits(916, 64) and not fits(64, 72)
     assert "cpu" in unsupported_reason(torch.device("cpu"))
@@ -147,3 +164,63 @@ def test_cuda_graph_capture_and_compile():
     static.copy_(x * 2)
     graph.replay()
     torch.testing.assert_close(out, fp8_linear(x * 2, weight, bias))
+
+
+@pytest.mark.gpu
+@CUDA
+def test_cuda_bias_gelu_quantize_equals_the_torch_chain():
+    """The one-pass Triton kernel against the chain it replaces, run by torch on the same device:
+    the same per-row scales, and e4m3 codes that differ by at most one step where the hardware's
+    tanh approximation rounds a GELU value to the other bf16 neighbour (~0.15% of them)."""
+    load_cuda_kernels()
+
+    def chain(h, bias):
+        summed = h if bias is None else h + bias
+        return quantize(F.gelu(summed, approximate="tanh").reshape(-1, h.shape[-1]))
+
+    for rows, width, with_bias in [
+        (4096, 4304, True),
+        (333, 10240, False),
+        (5, 72, True),
+        (3, 64, False),
+        (0, 4304, True),
+    ]:
+        h = tensors(rows, width, device="cuda") * 3
+        h[1::7] = 0  # whole rows of zeros (graph padding): the floor scale, no NaNs
+        bias = tensors(width, seed=1, device="cuda") if with_bias else None
+        got_q, got_scale = bias_gelu_quantize(h, bias)
+        want_q, want_scale = chain(h, bias)
+        assert got_q.dtype == E4M3 and got_q.shape == (rows, width) and got_scale.shape == (rows, 1)
+        torch.testing.assert_close(got_scale, want_scale, rtol=1e-6, atol=0)
+        codes = got_q.view(torch.uint8).int() - want_q.view(torch.uint8).int()
+        assert codes.abs().max().item() <= 1 if rows else True
+        assert (codes != 0).float().mean().item() < 0.01 if rows else True
+    for rows, width in [(384, 10240), (7, 4304)]:  # gated: GELU(gate) * up of a fused [M, 2N] gate/up output
+        gate_up = tensors(rows, 2 * width, seed=3, device="cuda") * 2
+        got_q, got_scale = gelu_mul_quantize(gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
+        want_q, want_scale = quantize(F.gelu(gate, approximate="tanh") * up)
+        torch.testing.assert_close(got_scale, want_scale, rtol=1e-6, atol=0)
+        codes = got_q.view(torch.uint8).int() - want_q.view(torch.uint8).int()
+        assert codes.abs().max().item() <= 1 and (codes != 0).float().mean().item() < 0.01
+    strided = tensors(64, 8704, device="cuda")[:, :4304]  # a row stride past the width: read as a view
+    torch.testing.assert_close(bias_gelu_quantize(strided)[1], chain(strided, None)[1], rtol=1e-6, atol=0)
+
+
+@pytest.mark.gpu
+@CUDA
+def test_cuda_bias_gelu_quantize_compiles_and_replays_in_a_graph():
+    load_cuda_kernels()
+    h, bias = tensors(256, 4304, device="cuda"), tensors(4304, seed=1, device="cuda")
+    eager = bias_gelu_quantize(h, bias)
+    compiled = torch.compile(bias_gelu_quantize, fullgraph=True)(h, bias)
+    assert all(torch.equal(a.view(torch.uint8) if a.dtype == E4M3 else a, b.view(torch.uint8) if b.dtype == E4M3 else b)
+               for a, b in zip(compiled, eager))  # fmt: skip
+    static = h.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = bias_gelu_quantize(static, bias)
+    static.copy_(h * 2)
+    graph.replay()
+    want = bias_gelu_quantize(h * 2, bias)
+    assert torch.equal(out[0].view(torch.uint8), want[0].view(torch.uint8)) and torch.equal(out[1], want[1])

@@ -3,7 +3,9 @@ quantized once, after loading, to e4m3 with a float32 scale per output channel (
 and the originals freed.
 
 Quantized: the vision tower's q/k/v (fused into one GEMM), out projection, fc1 and fc2; the
-decoder's fused q/k/v, o, fused gate/up and down projections. Kept in the model dtype: the patch
+decoder's fused q/k/v, o, fused gate/up and down projections. The GELU before fc2 and before
+the decoder's down projection is computed in the pass that quantizes that GEMM's input
+(ops/fp8_triton.py on CUDA). Kept in the model dtype: the patch
 embedding, the position and token embeddings (so the tied lm_head), every norm, the projector
 and attention itself. A weight whose dims are not multiples of 16 (`_scaled_mm`'s alignment)
 stays as it is and is named in the report.
@@ -21,7 +23,16 @@ from wicore.engines.fast.model.text_decoder import DENSE_WEIGHTS, DecoderLayer, 
 from wicore.engines.fast.model.vision_tower import SiglipLayer, VisionTower
 from wicore.engines.fast.model.weights import Gemma3Parts
 from wicore.errors import ConfigError
-from wicore.ops.fp8 import FP8Weight, fits, fp8_linear, quantize_weight, unsupported_reason
+from wicore.ops.fp8 import (
+    FP8Weight,
+    bias_gelu_quantize,
+    fits,
+    fp8_linear,
+    load_cuda_kernels,
+    quantize_weight,
+    scaled_mm,
+    unsupported_reason,
+)
 
 DECODER_PROJECTIONS = {
     "self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"),
@@ -31,7 +42,8 @@ DECODER_PROJECTIONS = {
 
 class FP8Linear(nn.Module):
     """nn.Linear's forward over an e4m3 weight: buffers `weight` [N, K] e4m3, `scale` float32
-    [1, N], `bias` [N] in the model dtype (or None)."""
+    [1, N], `bias` [N] in the model dtype (or None), added in the scaled matmul's epilogue (the
+    vision tower's row counts, multiples of an image's patches, have such kernels)."""
 
     def __init__(self, weight: FP8Weight, bias: torch.Tensor | None):
         super().__init__()
@@ -40,7 +52,27 @@ class FP8Linear(nn.Module):
         self.register_buffer("bias", bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return fp8_linear(x, FP8Weight(self.weight, self.scale), self.bias)
+        return fp8_linear(x, FP8Weight(self.weight, self.scale), self.bias, bias_in_epilogue=True)
+
+
+class FP8GeluMLP(nn.Module):
+    """SigLIP's MLP, fc2(GELU-tanh(fc1(x))), over rowwise e4m3 weights, with fc1's bias and the
+    GELU done in the pass that quantizes fc2's input (`bias_gelu_quantize`): the [tokens,
+    intermediate] activations are read once, as the GEMM wrote them, and written once in e4m3."""
+
+    def __init__(self, fc1: FP8Weight, fc1_bias: torch.Tensor | None, fc2: FP8Weight, fc2_bias: torch.Tensor | None):
+        super().__init__()
+        self.fc1 = FP8Linear(fc1, fc1_bias)
+        self.fc2 = FP8Linear(fc2, fc2_bias)
+        if fc1.data.is_cuda:
+            load_cuda_kernels()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fc1, fc2 = self.fc1, self.fc2
+        h = fp8_linear(x.reshape(-1, x.shape[-1]), FP8Weight(fc1.weight, fc1.scale))  # its bias goes to the GELU
+        a_q, a_scale = bias_gelu_quantize(h, fc1.bias)
+        out = scaled_mm(a_q, a_scale, FP8Weight(fc2.weight, fc2.scale), fc2.bias, x.dtype, True, bias_in_epilogue=True)
+        return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
 @dataclass
@@ -97,8 +129,15 @@ def quantize_vision_layer(layer: SiglipLayer, report: FP8Report, where: str, row
     measures both; the engine runs rowwise)."""
     _swap(layer.self_attn, ("q_proj", "k_proj", "v_proj"), "qkv_proj", report, where, rowwise)
     _swap(layer.self_attn, ("out_proj",), "out_proj", report, where, rowwise)
-    _swap(layer.mlp, ("fc1",), "fc1", report, where, rowwise)
-    _swap(layer.mlp, ("fc2",), "fc2", report, where, rowwise)
+    mlp = layer.mlp
+    if rowwise and mlp.approximate == "tanh" and fits(*mlp.fc1.weight.shape) and fits(*mlp.fc2.weight.shape):
+        fc1, fc2 = (quantize_weight(linear.weight, rowwise) for linear in (mlp.fc1, mlp.fc2))
+        biases = (None if linear.bias is None else linear.bias.detach() for linear in (mlp.fc1, mlp.fc2))
+        layer.mlp = FP8GeluMLP(fc1, next(biases), fc2, next(biases))
+        report.quantized += 2
+        return
+    _swap(mlp, ("fc1",), "fc1", report, where, rowwise)
+    _swap(mlp, ("fc2",), "fc2", report, where, rowwise)
 
 
 def _swap(owner: nn.Module, names: tuple[str, ...], into: str, report: FP8Report, where: str, rowwise: bool) -> None:
@@ -126,6 +165,8 @@ def quantize_decoder(decoder: TextDecoder, report: FP8Report) -> None:
 
 
 def quantize_decoder_layer(layer: DecoderLayer, report: FP8Report, rowwise: bool = True) -> None:
+    if layer.down_weight.is_cuda:
+        load_cuda_kernels()  # the MLP quantizes GELU(gate) * up in one pass (ops.fp8.gated_gelu_linear)
     for name in DENSE_WEIGHTS:
         weight = getattr(layer, name)
         if fits(*weight.shape):

@@ -15,12 +15,11 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from wicore.engines.fast.model.layers import GatedMLP, GemmaRMSNorm, gelu_approximation
 from wicore.errors import ConfigError
-from wicore.ops.fp8 import FP8Weight, linear
+from wicore.ops.fp8 import FP8Weight, gated_gelu_linear, linear
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 DENSE_WEIGHTS = ("qkv_weight", "o_weight", "gate_up_weight", "down_weight")  # a layer's GEMM weights, after fusing
@@ -87,8 +86,7 @@ def attention_outputs(x, attn, o_w, post_attn_w, pre_ffn_w, gate_up_w, down_w, p
     n = x.shape[0]
     x = x + rms_norm(linear(attn.reshape(n, -1), o_w), post_attn_w, eps)
     h = rms_norm(x, pre_ffn_w, eps)
-    gate, up = linear(h, gate_up_w).chunk(2, dim=-1)
-    h = linear(F.gelu(gate, approximate=gelu) * up, down_w)
+    h = gated_gelu_linear(linear(h, gate_up_w), down_w, gelu)
     return x + rms_norm(h, post_ffn_w, eps)
 
 

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from wicore.engines.fast.model.layers import GemmaRMSNorm, activation
+from wicore.engines.fast.model.layers import GemmaRMSNorm, activation, gelu_approximation
 
 
 class SiglipAttention(nn.Module):
@@ -49,6 +49,7 @@ class SiglipMLP(nn.Module):
         self.fc1 = nn.Linear(hidden, intermediate)
         self.fc2 = nn.Linear(intermediate, hidden)
         self.act = activation(act)
+        self.approximate = gelu_approximation(act)  # F.gelu's: "tanh" lets FP8 fuse it (model/fp8.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(self.act(self.fc1(x)))

@@ -1,0 +1,118 @@
+"""One-pass activation quantization on CUDA (imported lazily: only CUDA needs triton).
+
+The input of an FP8 GEMM that follows a GELU, quantized per row in the pass that computes it:
+- SigLIP's MLP: fc1's output h [M, N] (bias not yet added) -> e4m3 of GELU-tanh(h + bias);
+- Gemma's gated MLP: the fused gate/up output [M, 2N] -> e4m3 of GELU-tanh(gate) * up [M, N];
+each with a float32 scale per row [M, 1]. Inductor compiles these chains as looped reductions
+over rows this long (4,304 and 10,240: past its persistent-reduction size), which read every
+row twice and ran at ~0.7-1 TB/s on an H200. Here a program holds its whole row in registers (a
+power-of-two head and a short tail, so few lanes idle): the row is read once and written once
+as e4m3, ~3 TB/s. A custom op, so `torch.compile` and CUDA graphs call the kernel as it is.
+
+Rounding follows the eager chain in bf16 (`quantize(F.gelu(h + bias, approximate="tanh"))`,
+`quantize(F.gelu(gate, approximate="tanh") * up)`): the sum, the GELU and the product are
+rounded to h's dtype before the amax, as eager (and inductor with `emulate_precision_casts`)
+round them. The tanh is the hardware's approximation (libdevice's tanhf left the kernel
+compute-bound at half the speed), so a GELU value within ~2^-11 of a bf16 rounding boundary can
+round the other way: ~0.15% of the e4m3 codes differ from eager's by one step.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from wicore.ops.fp8 import AMAX_FLOOR, E4M3, E4M3_MAX
+
+SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)  # a constexpr: jit code reads no other globals
+
+
+@triton.jit
+def _gelu_tanh(x):
+    """GELU, tanh form, in float32, with tanh.approx.f32 (max relative error ~2^-11)."""
+    inner = SQRT_2_OVER_PI * (x + 0.044715 * (x * x * x))
+    tanh = tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [inner], dtype=tl.float32, is_pure=True, pack=1)
+    return 0.5 * x * (1.0 + tanh)
+
+
+@triton.jit
+def _activation(h_row, bias_ptr, cols, inside, n_cols, HAS_BIAS: tl.constexpr, GATED: tl.constexpr):
+    """At `cols` of one row, in float32, each step rounded to h's dtype: GELU(h + bias), or
+    GELU(gate) * up with gate = h[cols], up = h[n_cols + cols]. Padding columns give 0."""
+    h = tl.load(h_row + cols, mask=inside, other=0.0)
+    x = h.to(tl.float32)
+    if HAS_BIAS:
+        x = (x + tl.load(bias_ptr + cols, mask=inside, other=0.0).to(tl.float32)).to(h.dtype).to(tl.float32)
+    y = _gelu_tanh(x).to(h.dtype).to(tl.float32)
+    if GATED:
+        up = tl.load(h_row + n_cols + cols, mask=inside, other=0.0).to(tl.float32)
+        y = (y * up).to(h.dtype).to(tl.float32)
+    return y
+
+
+@triton.jit
+def _gelu_quantize_kernel(
+    h_ptr,  # [M, N] (or [M, 2N] gated), row stride stride_h, unit column stride
+    bias_ptr,  # [N] (unused without HAS_BIAS)
+    q_ptr,  # [M, N] e4m3, contiguous
+    scale_ptr,  # [M] float32
+    n_cols,  # N
+    stride_h,
+    amax_floor,
+    fp8_max,
+    HAS_BIAS: tl.constexpr,
+    GATED: tl.constexpr,
+    HEAD: tl.constexpr,  # the largest power of two <= N
+    TAIL: tl.constexpr,  # the rest, rounded up to a power of two (0: none); 4,304 = 4,096 + 208 of 256
+):
+    row = tl.program_id(0).to(tl.int64)
+    h_row, q_row = h_ptr + row * stride_h, q_ptr + row * n_cols
+    head = tl.arange(0, HEAD)
+    y_head = _activation(h_row, bias_ptr, head, head < n_cols, n_cols, HAS_BIAS, GATED)
+    amax = tl.max(tl.abs(y_head), axis=0)
+    if TAIL > 0:
+        tail = HEAD + tl.arange(0, TAIL)
+        y_tail = _activation(h_row, bias_ptr, tail, tail < n_cols, n_cols, HAS_BIAS, GATED)
+        amax = tl.maximum(amax, tl.max(tl.abs(y_tail), axis=0))
+    scale = tl.maximum(amax, amax_floor) / fp8_max
+    q_head = tl.minimum(tl.maximum(y_head / scale, -fp8_max), fp8_max)
+    tl.store(q_row + head, q_head.to(q_ptr.dtype.element_ty), mask=head < n_cols)
+    if TAIL > 0:
+        q_tail = tl.minimum(tl.maximum(y_tail / scale, -fp8_max), fp8_max)
+        tl.store(q_row + tail, q_tail.to(q_ptr.dtype.element_ty), mask=tail < n_cols)
+    tl.store(scale_ptr + row, scale)
+
+
+@torch.library.custom_op("wicore::gelu_quantize", mutates_args=())
+def gelu_quantize(h: torch.Tensor, bias: torch.Tensor | None, gated: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """h [M, N] (+ bias [N]) or, gated, [M, 2N] -> (e4m3 [M, N], float32 scale [M, 1])."""
+    if h.stride(-1) != 1:
+        h = h.contiguous()
+    m, n = h.shape[0], h.shape[1] // 2 if gated else h.shape[1]
+    q = torch.empty((m, n), dtype=E4M3, device=h.device)
+    scale = torch.empty((m, 1), dtype=torch.float32, device=h.device)
+    if m and n:
+        head = 1 << (n.bit_length() - 1)
+        _gelu_quantize_kernel[(m,)](
+            h,
+            h if bias is None else bias,
+            q,
+            scale,
+            n,
+            h.stride(0),
+            AMAX_FLOOR,
+            E4M3_MAX,
+            HAS_BIAS=bias is not None,
+            GATED=gated,
+            HEAD=head,
+            TAIL=0 if head == n else triton.next_power_of_2(n - head),
+            num_warps=max(1, min(8, head // 256)),
+        )
+    return q, scale
+
+
+@gelu_quantize.register_fake
+def _(h: torch.Tensor, bias: torch.Tensor | None, gated: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    n = h.shape[1] // 2 if gated else h.shape[1]
+    return h.new_empty((h.shape[0], n), dtype=E4M3), h.new_empty((h.shape[0], 1), dtype=torch.float32)
