@@ -63,6 +63,8 @@ def test_explicit_values():
     assert resolve({"torch_threads": 4}, cuda=True).torch_threads == 4
     assert not resolve({"cuda_graphs": False}, cuda=True).cuda_graphs
     assert resolve(cuda=True).vision_compile_mode == "max-autotune-no-cudagraphs"
+    assert resolve({"gemm_dtype": "fp8"}, cuda=True).vision_compile_mode == "max-autotune-cublas"
+    assert resolve({"gemm_dtype": "fp8", "vision_compile_mode": "default"}, cuda=True).vision_compile_mode == "default"
     assert resolve({"vision_compile_mode": "default"}, cuda=True).vision_compile_mode == "default"
 
 

@@ -27,6 +27,7 @@ from wicore.engines.fast.attention_backends import PagedAttention, PrefillAttent
 from wicore.engines.fast.device_handles import PhaseClock, Readback
 from wicore.engines.fast.graph_runner import GraphRunner
 from wicore.engines.fast.model.weights import Gemma3Parts
+from wicore.engines.fast.options import CUBLAS_AUTOTUNE
 from wicore.engines.fast.prefill_batch import (
     ENDS,
     IDS,
@@ -103,12 +104,18 @@ class ModelRunner:
     def compile_vision(self, batch: int, mode: str = "default") -> None:
         """Inductor for full vision batches (fuses the tower's norms, GELUs and residual adds;
         ~15% faster than eager on an H200 after ~30 s of compiling). `mode`: torch.compile's
-        ("max-autotune-no-cudagraphs" also tunes the GEMMs: minutes more at start-up)."""
+        ("max-autotune-no-cudagraphs" also benchmarks Triton templates for every GEMM: minutes
+        more at start-up), or CUBLAS_AUTOTUNE (FastOptions.vision_compile_mode says what)."""
         import torch._inductor.config as inductor
 
         if hasattr(inductor, "emulate_precision_casts"):
             inductor.emulate_precision_casts = True
-        self.encode_full = (batch, torch.compile(self.parts.encoder, dynamic=False, mode=mode))
+        if mode == CUBLAS_AUTOTUNE:
+            options = {"max_autotune": True, "coordinate_descent_tuning": True, "max_autotune_gemm_backends": "ATEN"}
+            compiled = torch.compile(self.parts.encoder, dynamic=False, options=options)
+        else:
+            compiled = torch.compile(self.parts.encoder, dynamic=False, mode=mode)
+        self.encode_full = (batch, compiled)
 
     def compile_text(self) -> None:
         self.parts.decoder.fns.compile()

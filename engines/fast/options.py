@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from wicore.errors import ConfigError
 
+CUBLAS_AUTOTUNE = "max-autotune-cublas"  # vision_compile_mode: max-autotune's fusion tuning, cuBLAS GEMMs
 DEFAULT_MAX_MODEL_LEN = 8192  # caps the per-sequence block table width (the model allows 131k)
 DEFAULT_MAX_PREFILL_TOKENS = 16384
 DEFAULT_HOST_CACHE_BYTES = 4 * 2**30  # pinned host tier on CUDA
@@ -76,12 +77,15 @@ class FastOptions(BaseModel):
         description="Inductor for the vision tower's full batches. Default: on CUDA only, where the fused kernels "
         "pay for the ~1 minute of compiling at start-up.",
     )
-    vision_compile_mode: Literal["default", "max-autotune-no-cudagraphs"] = Field(
-        "max-autotune-no-cudagraphs",
+    vision_compile_mode: Literal["default", "max-autotune-no-cudagraphs", "max-autotune-cublas"] | None = Field(
+        None,
         description="torch.compile mode of the vision tower (with compile_vision). max-autotune-no-cudagraphs "
-        "benchmarks Triton kernels for the tower's GEMMs at start-up: bulk captioning on an H200 ran 6% faster, for "
-        "~1.5 min more of the first start on a machine (inductor caches the choices for the next). default: the "
-        "quicker start. Default: max-autotune-no-cudagraphs.",
+        "tunes the fused norm and GELU kernels and benchmarks Triton templates for the tower's GEMMs at start-up: "
+        "bulk captioning on an H200 ran 6% faster, for ~1.5 min more of the first start on a machine (inductor "
+        "caches the choices for the next). max-autotune-cublas: the same tuning with the GEMMs left to cuBLAS, "
+        "which max-autotune picked for every FP8 GEMM of the tower after ~5 min of benchmarking templates. "
+        "default: the quickest start. Default: max-autotune-cublas with gemm_dtype=fp8, else "
+        "max-autotune-no-cudagraphs.",
     )
     compile_text: bool | None = Field(
         None, description="Inductor for the decoder layers' dense parts. Default: on CUDA only (as compile_vision)."
@@ -205,7 +209,9 @@ class FastOptions(BaseModel):
             vision_batch_size=_default(self.vision_batch_size, 8),
             vision_batches_queued=self.vision_batches_queued,
             compile_vision=_default(self.compile_vision, cuda),
-            vision_compile_mode=self.vision_compile_mode,
+            vision_compile_mode=_default(
+                self.vision_compile_mode, CUBLAS_AUTOTUNE if self.gemm_dtype == "fp8" else "max-autotune-no-cudagraphs"
+            ),
             compile_text=_default(self.compile_text, cuda),
             overlap_vision=self.overlap_vision,
             vision_cache_bytes=self._vision_cache(cuda) if cache else 0,
