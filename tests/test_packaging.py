@@ -11,7 +11,10 @@ from collections.abc import Iterable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-TRITON_ONLY = {"wicore.ops.attention.paged_triton"}  # imports triton at the top: skipped where it is missing
+TRITON_ONLY = {
+    "wicore.ops.attention.paged_triton",
+    "wicore.ops.fp8_triton",
+}  # import triton at the top: skipped where it is missing
 
 
 def setuptools_config() -> dict:
