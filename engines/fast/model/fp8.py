@@ -126,7 +126,8 @@ def quantize_vision(tower: VisionTower, report: FP8Report) -> None:
 
 def quantize_vision_layer(layer: SiglipLayer, report: FP8Report, where: str, rowwise: bool = True) -> None:
     """rowwise=False: one scale per weight and per activation tensor (`wicore bench fp8-layers`
-    measures both; the engine runs rowwise)."""
+    measures both; the engine runs rowwise). Rowwise, with a tanh GELU, the MLP becomes an
+    FP8GeluMLP; otherwise fc1 and fc2 become FP8Linears around the plain GELU."""
     _swap(layer.self_attn, ("q_proj", "k_proj", "v_proj"), "qkv_proj", report, where, rowwise)
     _swap(layer.self_attn, ("out_proj",), "out_proj", report, where, rowwise)
     mlp = layer.mlp
