@@ -7,7 +7,10 @@ Two scalings, picked by the weight's scale shape:
 - tensorwise: one scale each (shape []); cuBLASLt.
 Activation scales come from the data on the device (amax, no `.item()`), so the functions run
 inside CUDA graphs and compile with inductor, which fuses the quantization into the kernel
-that produces the activations (a norm, a GELU).
+that produces the activations (a norm). After a GELU, rows are wide (4,304 in SigLIP's MLP,
+10,240 in Gemma's), where inductor's fused kernel reads each row twice and ran at ~0.7 TB/s:
+`bias_gelu_quantize` and `gelu_mul_quantize` do that step in one Triton pass on CUDA
+(ops/fp8_triton.py) and in plain torch elsewhere.
 
 `_scaled_mm` wants mat1 [M, K] row-major, mat2 [K, N] column-major (a row-major [N, K] weight,
 transposed: no copy), K and N multiples of 16, and a bias in the output dtype. The same call
@@ -140,8 +143,8 @@ def gated_gelu_linear(gate_up: torch.Tensor, weight: torch.Tensor | FP8Weight, a
 
 
 def load_cuda_kernels() -> None:
-    """Register the CUDA ops `bias_gelu_quantize` calls (imports triton): once, before any CUDA
-    tensor reaches it, outside code that torch.compile traces."""
+    """Register the CUDA op that `bias_gelu_quantize` and `gelu_mul_quantize` call (imports
+    triton): once, before a CUDA tensor reaches them, outside code that torch.compile traces."""
     import wicore.ops.fp8_triton  # noqa: F401
 
 
