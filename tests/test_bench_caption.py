@@ -47,7 +47,7 @@ def test_parity_gives_the_margin_where_each_differing_sequence_turned():
     margins = {"a": [3.0, 2.0, 1.0], "b": [4.0, 0.01, 5.0]}
     report = parity({"a": [1, 2, 3], "b": [1, 5, 3]}, {"a": [1, 2, 3], "b": [1, 2, 3]}, margins)
     assert report["margins_at_divergence"] == [0.01], "b turned at step 1, where HF's lead was 0.01"
-    assert report["median_margin"] == 3.0, "the median of all six compared steps"
+    assert report["median_margin"] == 2.5, "the median of all six compared steps: (2 + 3) / 2"
 
 
 def test_gpu_slug():

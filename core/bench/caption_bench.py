@@ -173,7 +173,7 @@ def start_timeline(results: list) -> dict:
 
     def spread(values: list[float | None]) -> list[float] | None:
         known = sorted(v for v in values if v is not None)
-        return [round(known[0], 3), round(known[len(known) // 2], 3), round(known[-1], 3)] if known else None
+        return [round(known[0], 3), round(percentile(known, 50), 3), round(known[-1], 3)] if known else None
 
     return {
         "jobs": len(timings),
@@ -250,7 +250,7 @@ def parity(
     if margins is not None:
         report["margins_at_divergence"] = sorted(round(margins[k][i], 4) for k, i in turns.items() if k in margins)
         steps = sorted(m for k in common if k in margins for m in margins[k])
-        report["median_margin"] = round(steps[len(steps) // 2], 4) if steps else None
+        report["median_margin"] = round(percentile(steps, 50), 4) if steps else None
     return report
 
 
