@@ -51,27 +51,30 @@ class FP8Linear(nn.Module):
         self.register_buffer("scale", weight.scale)
         self.register_buffer("bias", bias)
 
+    @property
+    def fp8(self) -> FP8Weight:
+        return FP8Weight(self.weight, self.scale)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return fp8_linear(x, FP8Weight(self.weight, self.scale), self.bias, bias_in_epilogue=True)
+        return fp8_linear(x, self.fp8, self.bias, bias_in_epilogue=True)
 
 
 class FP8GeluMLP(nn.Module):
-    """SigLIP's MLP, fc2(GELU-tanh(fc1(x))), over rowwise e4m3 weights, with fc1's bias and the
+    """SigLIP's MLP, fc2(GELU-tanh(fc1(x))), over two rowwise FP8Linears, with fc1's bias and the
     GELU done in the pass that quantizes fc2's input (`bias_gelu_quantize`): the [tokens,
     intermediate] activations are read once, as the GEMM wrote them, and written once in e4m3."""
 
-    def __init__(self, fc1: FP8Weight, fc1_bias: torch.Tensor | None, fc2: FP8Weight, fc2_bias: torch.Tensor | None):
+    def __init__(self, fc1: FP8Linear, fc2: FP8Linear):
         super().__init__()
-        self.fc1 = FP8Linear(fc1, fc1_bias)
-        self.fc2 = FP8Linear(fc2, fc2_bias)
-        if fc1.data.is_cuda:
+        self.fc1, self.fc2 = fc1, fc2
+        if fc1.weight.is_cuda:
             load_cuda_kernels()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         fc1, fc2 = self.fc1, self.fc2
-        h = fp8_linear(x.reshape(-1, x.shape[-1]), FP8Weight(fc1.weight, fc1.scale))  # its bias goes to the GELU
+        h = fp8_linear(x.reshape(-1, x.shape[-1]), fc1.fp8)  # its bias goes to the GELU
         a_q, a_scale = bias_gelu_quantize(h, fc1.bias)
-        out = scaled_mm(a_q, a_scale, FP8Weight(fc2.weight, fc2.scale), fc2.bias, x.dtype, True, bias_in_epilogue=True)
+        out = scaled_mm(a_q, a_scale, fc2.fp8, fc2.bias, x.dtype, True, bias_in_epilogue=True)
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
@@ -131,14 +134,10 @@ def quantize_vision_layer(layer: SiglipLayer, report: FP8Report, where: str, row
     _swap(layer.self_attn, ("q_proj", "k_proj", "v_proj"), "qkv_proj", report, where, rowwise)
     _swap(layer.self_attn, ("out_proj",), "out_proj", report, where, rowwise)
     mlp = layer.mlp
-    if rowwise and mlp.approximate == "tanh" and fits(*mlp.fc1.weight.shape) and fits(*mlp.fc2.weight.shape):
-        fc1, fc2 = (quantize_weight(linear.weight, rowwise) for linear in (mlp.fc1, mlp.fc2))
-        biases = (None if linear.bias is None else linear.bias.detach() for linear in (mlp.fc1, mlp.fc2))
-        layer.mlp = FP8GeluMLP(fc1, next(biases), fc2, next(biases))
-        report.quantized += 2
-        return
     _swap(mlp, ("fc1",), "fc1", report, where, rowwise)
     _swap(mlp, ("fc2",), "fc2", report, where, rowwise)
+    if rowwise and mlp.approximate == "tanh" and isinstance(mlp.fc1, FP8Linear) and isinstance(mlp.fc2, FP8Linear):
+        layer.mlp = FP8GeluMLP(mlp.fc1, mlp.fc2)
 
 
 def _swap(owner: nn.Module, names: tuple[str, ...], into: str, report: FP8Report, where: str, rowwise: bool) -> None:
