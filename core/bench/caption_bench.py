@@ -249,7 +249,7 @@ def parity(
               "first_divergence_steps": sorted(turns.values())}  # fmt: skip
     if margins is not None:
         report["margins_at_divergence"] = sorted(round(margins[k][i], 4) for k, i in turns.items() if k in margins)
-        steps = sorted(m for k in common if k in margins for m in margins[k])
+        steps = [m for k in common if k in margins for m in margins[k]]
         report["median_margin"] = round(percentile(steps, 50), 4) if steps else None
     return report
 
