@@ -6,7 +6,6 @@ from __future__ import annotations
 import gc
 import os
 
-import numpy as np
 import pytest
 import torch
 
@@ -45,28 +44,6 @@ def test_cuda_greedy_matches_reference(tiny_model_dir, expected, options):
     if options.get("cuda_graphs", True):
         assert stats["graph_replays"] > 0
     assert stats["kv_pages_used"] == 0 and stats["vision_s"] > 0
-
-
-def test_full_vision_batches_replay_one_graph_each_with_its_own_embeddings(tiny_model_dir):
-    """Batches of 2 images, two queued on the side stream at once: every replay's embeddings are
-    the tower's for its own images (bit for bit), and the tokens equal launching the tower."""
-    tokens, requests = {}, [request(f"v{i}", variant=30 + i, max_new_tokens=10) for i in range(7)]
-    for graph in (True, False):
-        options = FastOptions(num_kv_blocks=4096, vision_batch_size=2, vision_batches_queued=2, vision_graph=graph)
-        engine = FastEngine(EngineConfig(str(tiny_model_dir), device="cuda", max_batch_size=8, options=options))
-        tokens[graph] = {c.id: c.token_ids for c in engine.generate(requests)}
-        assert (engine.stats()["vision_graph_replays"] > 0) == graph
-        if graph:
-            runner, size = engine.runner, engine.runner.vision_graph.input.shape[1]
-            images = [np.random.RandomState(i).randint(0, 256, (size, size, 3), dtype=np.uint8) for i in range(4)]
-            first, _ = runner.encode_images(images[:2])
-            second, _ = runner.encode_images(images[2:])  # queued behind the first replay
-            torch.cuda.synchronize()
-            for embeds, batch in ((first, images[:2]), (second, images[2:])):
-                pixels = runner.pixel_values(torch.from_numpy(np.stack(batch)).cuda())
-                assert torch.equal(embeds, runner.encode(pixels))
-        engine.close()
-    assert tokens[True] == tokens[False]
 
 
 def test_cuda_bfloat16_runs_and_sizes_kv_from_memory(tiny_model_dir):

@@ -133,8 +133,6 @@ class FastEngine(Engine):
             runner.compile_vision(opts.vision_batch_size, opts.vision_compile_mode)
         if opts.compile_text:
             runner.compile_text()
-        if opts.vision_graph:  # before the KV budget: the graph's memory pool stays taken
-            runner.capture_vision(opts.vision_batch_size)
         num_pages = plan_pages(
             runner,
             override=opts.num_kv_blocks,

@@ -91,7 +91,6 @@ class EngineStats:
             "prefill_graph_replays": runner.prefill_graphs.replays
             if runner is not None and runner.prefill_graphs is not None
             else 0,
-            "vision_graph_replays": runner.vision_graph.replays if runner is not None and runner.vision_graph else 0,
             "kv_pages": blocks.num_pages - 1,  # the pool (without the null page): sized from memory on CUDA
             "kv_pages_used": blocks.num_used,
             "kv_pages_free": blocks.num_free,

@@ -1,6 +1,5 @@
 """CUDA graphs of one forward function at bucketed sizes (decode: batch sizes; short prefills
-over their pages: token counts), and of one function at one input shape (`FixedShapeGraph`: the
-vision tower's full batches).
+over their pages: token counts).
 
 A graph's inputs are a few int64 columns ([K, size]: table rows, positions, ...) and, for
 prefill, the input embeddings ([size, hidden]), copied into persistent buffers before a replay;
@@ -75,29 +74,3 @@ class GraphRunner:
         self.graphs[size].replay()
         self.replays += 1
         return self.outputs[size]
-
-
-class FixedShapeGraph:
-    """A CUDA graph of `forward(input) -> output` at one input shape, in a memory pool of its own
-    (so it may run beside the other graphs, on another stream). A call copies its input into the
-    graph's input buffer, replays and returns a copy of the output (the next replay overwrites
-    the graph's own), all on the current stream: calls queued one after another on one stream
-    are safe; two streams must not share one graph."""
-
-    @torch.inference_mode()
-    def __init__(self, forward: Callable, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device):
-        self.input = torch.zeros(shape, dtype=dtype, device=device)
-        forward(self.input)  # warm up: compiling, kernel selection, cuDNN plans
-        torch.cuda.synchronize()
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.output = forward(self.input)
-        torch.cuda.synchronize()
-        self.replays = 0
-
-    @torch.inference_mode()
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        self.input.copy_(x, non_blocking=True)  # from pinned memory: the host allocator keeps it until read
-        self.graph.replay()
-        self.replays += 1
-        return self.output.clone()

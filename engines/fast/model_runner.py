@@ -10,9 +10,7 @@ never waits for the previous step's tokens to reach Python; those are read back 
 Streams (CUDA): vision (uint8 image upload from pinned memory + pixel lookup table + tower +
 projector) runs on a side stream and records an event; the prefill that consumes its embeddings
 waits on that event on the main (high-priority) stream, where prefill, decode, sampling and
-readbacks run. Decode steps replay CUDA graphs per batch bucket, and full vision batches on the
-side stream one graph of the (compiled) tower: launched from Python, the tower's ~300 kernels
-cost the launching thread ~30 ms a batch of 8. Short prefill suffixes (a
+readbacks run. Decode steps replay CUDA graphs per batch bucket. Short prefill suffixes (a
 follow-up question over a cached image, the tail of an image the cached prefix splits, a short
 prompt) attend over their pages alone and replay CUDA graphs per token-count bucket: launched
 eagerly, they cost more host time than device time.
@@ -27,7 +25,7 @@ import torch
 
 from wicore.engines.fast.attention_backends import PagedAttention, PrefillAttention, layer_specs
 from wicore.engines.fast.device_handles import PhaseClock, Readback
-from wicore.engines.fast.graph_runner import FixedShapeGraph, GraphRunner
+from wicore.engines.fast.graph_runner import GraphRunner
 from wicore.engines.fast.model.weights import Gemma3Parts
 from wicore.engines.fast.options import CUBLAS_AUTOTUNE
 from wicore.engines.fast.prefill_batch import (
@@ -86,7 +84,6 @@ class ModelRunner:
         self.side_stream = torch.cuda.Stream(self.device) if self.cuda and overlap else self.main_stream
         self.clock = PhaseClock(self.cuda)
         self.encode_full = None  # optional compiled tower for full vision batches
-        self.vision_graph: FixedShapeGraph | None = None  # full batches on the side stream (`capture_vision`)
         self.decode_graphs: GraphRunner | None = None
         self.prefill_graphs: GraphRunner | None = None
         # Paged prefill: tokens per attention tile, so a tile's query heads fill 16 rows.
@@ -120,14 +117,6 @@ class ModelRunner:
             compiled = torch.compile(self.parts.encoder, dynamic=False, mode=mode)
         self.encode_full = (batch, compiled)
 
-    def capture_vision(self, batch: int) -> None:
-        """A CUDA graph of the tower (compiled, after `compile_vision`) for `batch` resized images,
-        pixel lookup table included. Only batches on the side stream replay it: an urgent batch
-        on the main stream may run beside them."""
-        size = self.parts.config.vision_config.image_size
-        forward = lambda resized: self.encode(self.pixel_values(resized))  # noqa: E731
-        self.vision_graph = FixedShapeGraph(forward, (batch, size, size, 3), torch.uint8, self.device)
-
     def compile_text(self) -> None:
         self.parts.decoder.fns.compile()
 
@@ -135,7 +124,7 @@ class ModelRunner:
         """Drop the KV cache, the graphs (and their memory pool) and the weights."""
         self.cache = None
         self.decode_graphs = self.prefill_graphs = None
-        self.encode_full = self.vision_graph = None
+        self.encode_full = None
         self.tables = None
         self.parts = None
 
@@ -180,14 +169,9 @@ class ModelRunner:
         the lookup table and the tower all run on that stream, in order."""
         staged = self._stage(images)
         stream = self.vision_stream(urgent)
-        graph = self.vision_graph
-        graphed = graph is not None and not urgent and len(images) == graph.input.shape[0]
         with torch.cuda.stream(stream) if stream is not None else nullcontext():
             mark = self.clock.start(stream)
-            if graphed:
-                embeds = graph(staged)
-            else:
-                embeds = self.encode(self.pixel_values(staged.to(self.device, non_blocking=True)))
+            embeds = self.encode(self.pixel_values(staged.to(self.device, non_blocking=True)))
             self.clock.stop("vision", mark, stream)
             event = None
             if stream is not None:

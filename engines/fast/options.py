@@ -43,12 +43,6 @@ class FastOptions(BaseModel):
     cuda_graphs: bool = Field(
         True, description="Capture decode and short prefills as CUDA graphs per size bucket (CUDA only). Default on."
     )
-    vision_graph: bool | None = Field(
-        None,
-        description="Replay the vision tower's full batches (vision_batch_size images) as one CUDA graph: launched "
-        "from Python, its ~300 kernels held the launching thread ~30 ms a batch of 8 on the 4B. Default: with "
-        "cuda_graphs.",
-    )
     graph_batch_sizes: tuple[PositiveInt, ...] | None = Field(
         None, min_length=1, description="Decode batch-size buckets. Default: 1, 2, 4, 8, then multiples of 16."
     )
@@ -209,7 +203,6 @@ class FastOptions(BaseModel):
             gpu_memory_utilization=self.gpu_memory_utilization,
             num_kv_blocks=self.num_kv_blocks,
             cuda_graphs=graphs,
-            vision_graph=graphs and _default(self.vision_graph, True),
             graph_batch_sizes=self._graph_sizes(max_batch_size) if graphs else (),
             graph_prefill_tokens=self._prefill_graph_sizes(prefill_tokens) if graphs else (),
             paged_prefill_tokens=_default(self.paged_prefill_tokens, 128 if cuda else 0),
@@ -282,7 +275,6 @@ class ResolvedFastConfig:
     gpu_memory_utilization: float
     num_kv_blocks: int | None  # None: sized from the free device memory at start
     cuda_graphs: bool  # on CUDA only
-    vision_graph: bool  # with cuda_graphs only
     graph_batch_sizes: tuple[int, ...]
     graph_prefill_tokens: tuple[int, ...]
     paged_prefill_tokens: int
