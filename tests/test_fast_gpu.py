@@ -88,6 +88,26 @@ def test_steps_never_synchronize_implicitly(tiny_model_dir):
     assert [c.error for c in out if not c.ok] == []
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_repeated_dense_prefill_shapes_replay_graphs_with_the_eager_tokens(tiny_model_dir, dtype):
+    """Bulk-like work: one prompt, images of one size, prefilled four at a time, so the dense
+    prefill's shape repeats: the second of a shape captures a graph, later ones replay it, and
+    every token equals the eager dense prefill's (the graph replays the same kernels)."""
+    bulk = [request(f"r{i}", variant=i, max_new_tokens=6, ignore_eos=True) for i in range(20)]
+    runs = {}
+    for shapes in (0, 2):
+        options = FastOptions(num_kv_blocks=4096, dense_prefill_graphs=shapes, prefix_cache=False)
+        engine = FastEngine(
+            EngineConfig(str(tiny_model_dir), device="cuda", dtype=dtype, max_batch_size=4, options=options)
+        )
+        runs[shapes] = (engine.generate(bulk), engine.stats())
+        engine.close()
+    (eager, eager_stats), (graphed, stats) = runs[0], runs[2]
+    assert eager_stats["dense_graph_replays"] == 0 and eager_stats["dense_graphs"] == 0
+    assert 1 <= stats["dense_graphs"] <= 2 and stats["dense_graph_replays"] >= 2
+    assert [c.token_ids for c in graphed] == [c.token_ids for c in eager] and all(c.ok for c in graphed)
+
+
 def test_a_high_lane_request_overtakes_bulk_with_its_vision_on_the_main_stream(tiny_model_dir):
     """Bulk requests decoding, a high-lane one of the same length added three steps later: its
     image goes through the tower on the main stream beside the side stream's, it ends first, and

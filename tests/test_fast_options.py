@@ -37,6 +37,7 @@ def test_resolved_defaults_on_cpu_and_cuda():
     assert (cpu.compile_vision, cpu.compile_text, cpu.cuda_graphs) == (False, False, False)
     assert (cuda.compile_vision, cuda.compile_text, cuda.cuda_graphs) == (True, True, True)
     assert cpu.graph_batch_sizes == cpu.graph_prefill_tokens == () and cuda.graph_batch_sizes == (1, 2, 4, 8)
+    assert (cpu.dense_prefill_graphs, cuda.dense_prefill_graphs) == (0, 4)  # graphs are CUDA's
     assert (cpu.preprocess_threads, cuda.preprocess_threads) == (0, 8)
     assert (cpu.vision_cache_bytes, cuda.vision_cache_bytes) == (64 * 2**20, 2 * 2**30)
     assert (cpu.host_cache_bytes, cuda.host_cache_bytes) == (0, 4 * 2**30)
@@ -62,6 +63,8 @@ def test_explicit_values():
     assert resolved.graph_prefill_tokens == (64, 512) and resolved.paged_prefill_tokens == 0
     assert resolve({"torch_threads": 4}, cuda=True).torch_threads == 4
     assert not resolve({"cuda_graphs": False}, cuda=True).cuda_graphs
+    assert resolve({"cuda_graphs": False}, cuda=True).dense_prefill_graphs == 0
+    assert resolve({"dense_prefill_graphs": 0}, cuda=True).dense_prefill_graphs == 0
     assert resolve(cuda=True).vision_compile_mode == "max-autotune-no-cudagraphs"
     assert resolve({"gemm_dtype": "fp8"}, cuda=True).vision_compile_mode == "max-autotune-cublas"
     assert resolve({"gemm_dtype": "fp8", "vision_compile_mode": "default"}, cuda=True).vision_compile_mode == "default"

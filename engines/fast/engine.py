@@ -145,7 +145,9 @@ class FastEngine(Engine):
         )
         runner.allocate_cache(num_pages)
         if opts.cuda_graphs:
-            runner.capture_graphs(list(opts.graph_batch_sizes), list(opts.graph_prefill_tokens))
+            runner.capture_graphs(
+                list(opts.graph_batch_sizes), list(opts.graph_prefill_tokens), opts.dense_prefill_graphs
+            )
         if opts.cuda:
             torch.cuda.synchronize()  # setup ran on the default stream; steps run on others
         return runner, BlockManager(num_pages, build_prefix_cache(opts, num_pages, layout))

@@ -1,5 +1,6 @@
-"""CUDA graphs of one forward function at bucketed sizes (decode: batch sizes; short prefills
-over their pages: token counts).
+"""CUDA graphs of one forward function: at bucketed sizes (`GraphRunner`: decode batch sizes,
+token counts of short prefills over their pages), or per exact input shape, captured once a shape
+repeats (`ShapeGraphs`: the dense prefill, whose shapes repeat in bulk work).
 
 A graph's inputs are a few int64 columns ([K, size]: table rows, positions, ...) and, for
 prefill, the input embeddings ([size, hidden]), copied into persistent buffers before a replay;
@@ -13,10 +14,14 @@ stream, so decode and prefill graphs can use the same memory.
 
 from __future__ import annotations
 
+import logging
+from collections import Counter
 from collections.abc import Callable
 
 import numpy as np
 import torch
+
+log = logging.getLogger(__name__)
 
 
 class GraphRunner:
@@ -74,3 +79,63 @@ class GraphRunner:
         self.graphs[size].replay()
         self.replays += 1
         return self.outputs[size]
+
+
+class ShapeGraphs:
+    """CUDA graphs of `forward` (a dict of device tensors -> one output tensor), one per exact
+    set of input shapes. The first call of a shape runs eagerly (None: the caller runs it),
+    which compiles and tunes its kernels; the second captures a graph, and every later one
+    copies its inputs into the graph's buffers and replays it. At most `limit` shapes get a
+    graph; others always run eagerly. The graphs share one memory pool (they replay one at a
+    time on one stream), so an output is valid until the next replay of any of them.
+
+    Capturing synchronizes the device once (torch.cuda.graph does); other threads may use CUDA
+    meanwhile (a thread-local capture)."""
+
+    def __init__(self, forward: Callable[[dict[str, torch.Tensor]], torch.Tensor], limit: int):
+        self.forward, self.limit, self.pool = forward, limit, None
+        self.seen: Counter[tuple] = Counter()
+        self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, dict[str, torch.Tensor], torch.Tensor]] = {}
+        self.replays = 0
+
+    @staticmethod
+    def key(inputs: dict[str, torch.Tensor]) -> tuple:
+        return tuple((name, tuple(t.shape), t.dtype) for name, t in sorted(inputs.items()))
+
+    @torch.inference_mode()
+    def run(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor | None:
+        """The output of a replay (valid until the next replay of any graph in the pool), or None:
+        the caller runs `forward` eagerly."""
+        key = self.key(inputs)
+        entry = self.graphs.get(key)
+        if entry is None:
+            self.seen[key] += 1
+            if self.seen[key] < 2 or len(self.graphs) >= self.limit:
+                return None
+            entry = self.graphs[key] = self._capture(inputs)
+        graph, static, output = entry
+        for name, tensor in inputs.items():
+            static[name].copy_(tensor)
+        graph.replay()
+        self.replays += 1
+        return output
+
+    def _capture(self, inputs: dict[str, torch.Tensor]):
+        static = {name: tensor.clone() for name, tensor in inputs.items()}
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()  # as torch.cuda.graph does: what is reserved after it is the pools'
+        reserved = torch.cuda.memory_reserved()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+            output = self.forward(static)
+        self.pool = graph.pool()
+        shapes = ", ".join(f"{name} {list(t.shape)}" for name, t in inputs.items())
+        grown = (torch.cuda.memory_reserved() - reserved) / 2**30
+        log.info(
+            "CUDA graph %d of at most %d captured (%s): %+.2f GiB reserved",
+            len(self.graphs) + 1,
+            self.limit,
+            shapes,
+            grown,
+        )
+        return graph, static, output

@@ -13,7 +13,10 @@ waits on that event on the main (high-priority) stream, where prefill, decode, s
 readbacks run. Decode steps replay CUDA graphs per batch bucket. Short prefill suffixes (a
 follow-up question over a cached image, the tail of an image the cached prefix splits, a short
 prompt) attend over their pages alone and replay CUDA graphs per token-count bucket: launched
-eagerly, they cost more host time than device time.
+eagerly, they cost more host time than device time. So does a dense prefill of a few thousand
+tokens (~1.5 ms of host a layer against ~0.5 of device for 8 images on an H200 in FP8): one of
+at most `DENSE_GRAPH_TOKENS` replays a graph of its exact shape once that shape repeats, as it
+does in bulk work (one prompt, one image size).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import torch
 
 from wicore.engines.fast.attention_backends import PagedAttention, PrefillAttention, layer_specs
 from wicore.engines.fast.device_handles import PhaseClock, Readback
-from wicore.engines.fast.graph_runner import GraphRunner
+from wicore.engines.fast.graph_runner import GraphRunner, ShapeGraphs
 from wicore.engines.fast.model.weights import Gemma3Parts
 from wicore.engines.fast.options import CUBLAS_AUTOTUNE
 from wicore.engines.fast.prefill_batch import (
@@ -45,10 +48,14 @@ from wicore.engines.fast.prefill_batch import (
 from wicore.engines.fast.sampler import Sampler, SamplingBatch
 from wicore.engines.fast.sequence import Sequence
 from wicore.engines.kvcache.kv_layout import KVCache, KVLayout
-from wicore.ops.attention import gemma3_prefill_masks, group_batch
+from wicore.ops.attention import PackedBatch, gemma3_prefill_masks, group_batch
 from wicore.ops.attention.prefix_prefill import gemma3_prefix_masks, group_prefix
 from wicore.ops.image_preprocess import apply_lut
 from wicore.ops.transfer import upload
+
+# Dense prefills of at most this many tokens may replay a graph: beyond it the device's work
+# outlasts the launch's host time anyway, and each graph's activations stay allocated.
+DENSE_GRAPH_TOKENS = 4096
 
 
 class ModelRunner:
@@ -86,6 +93,7 @@ class ModelRunner:
         self.encode_full = None  # optional compiled tower for full vision batches
         self.decode_graphs: GraphRunner | None = None
         self.prefill_graphs: GraphRunner | None = None
+        self.dense_graphs: ShapeGraphs | None = None
         # Paged prefill: tokens per attention tile, so a tile's query heads fill 16 rows.
         self.paged_suffix = paged_suffix
         self.paged_prefilled = 0  # sequences prefilled over their pages alone
@@ -123,14 +131,16 @@ class ModelRunner:
     def release(self) -> None:
         """Drop the KV cache, the graphs (and their memory pool) and the weights."""
         self.cache = None
-        self.decode_graphs = self.prefill_graphs = None
+        self.decode_graphs = self.prefill_graphs = self.dense_graphs = None
         self.encode_full = None
         self.tables = None
         self.parts = None
 
-    def capture_graphs(self, decode_sizes: list[int], prefill_sizes: list[int]) -> None:
+    def capture_graphs(self, decode_sizes: list[int], prefill_sizes: list[int], dense_shapes: int = 0) -> None:
         """Decode graphs per batch bucket and paged-prefill graphs per token bucket, in one
-        memory pool (the prefill's largest first: it needs the most)."""
+        memory pool (the prefill's largest first: it needs the most); up to `dense_shapes` dense
+        prefill graphs later, as their shapes repeat, in a pool of their own (a step replays a
+        dense graph, then a paged one, and reads both outputs)."""
         pool = None
         if prefill_sizes and self.paged_suffix:
             fills = paged_fills(self.null_row, len(self.layout.groups))
@@ -146,6 +156,8 @@ class ModelRunner:
             self.device,
             pool,
         )
+        if dense_shapes:
+            self.dense_graphs = ShapeGraphs(self._dense_graph_forward, dense_shapes)
 
     def on_main_stream(self):
         """Context for everything a step runs outside the vision tower."""
@@ -235,7 +247,21 @@ class ModelRunner:
         embeds = self._image_embeds(seqs)
         if embeds is not None:
             inputs["image_embeds"] = embeds
+        if self.dense_graphs is not None and "prefix" not in inputs and len(inputs["ids"]) <= DENSE_GRAPH_TOKENS:
+            layout = inputs.pop("layout")
+            tensors = {**inputs, "gather": layout.gather, "scatter": layout.scatter, "valid": layout.valid}
+            logits = self.dense_graphs.run(tensors)
+            if logits is not None:
+                return logits
+            inputs["layout"] = layout
         return self.prefill_logits(**inputs)
+
+    def _dense_graph_forward(self, t: dict[str, torch.Tensor]) -> torch.Tensor:
+        """`prefill_logits` over the tensors `_dense_prefill` hands a graph; the padded layout's
+        longest prompt is its width (the masks need no other length)."""
+        layout = PackedBatch([t["gather"].shape[1]], t["gather"], t["scatter"], t["valid"])
+        keys = ("ids", "positions", "slots", "image_rows", "image_groups", "last")
+        return self.prefill_logits(*(t[k] for k in keys), layout, image_embeds=t.get("image_embeds"))
 
     def _paged_prefill(self, seqs: list[Sequence]) -> torch.Tensor:
         """Logits [B, vocab] of short suffixes: a graph replay when a bucket fits them."""
