@@ -108,6 +108,26 @@ def test_repeated_dense_prefill_shapes_replay_graphs_with_the_eager_tokens(tiny_
     assert [c.token_ids for c in graphed] == [c.token_ids for c in eager] and all(c.ok for c in graphed)
 
 
+def test_shape_graphs_replay_new_values_and_stay_eager_when_a_capture_fails():
+    from wicore.engines.fast.graph_runner import ShapeGraphs
+
+    x = torch.arange(4.0, device="cuda")
+    graphs = ShapeGraphs(lambda t: t["x"] * 3, limit=1)
+    assert graphs.run({"x": x}) is None, "a shape's first call runs eagerly"
+    assert torch.equal(graphs.run({"x": x}), x * 3) and torch.equal(graphs.run({"x": x + 1}), (x + 1) * 3)
+    wider = {"x": torch.ones(5, device="cuda")}
+    assert graphs.run(wider) is None and graphs.run(wider) is None, "past the limit: eager"
+    assert graphs.replays == 2 and len(graphs.graphs) == 1
+
+    def syncs(t):  # reads a value on the host: a graph cannot capture that
+        return t["x"] * (2 if t["x"].sum().item() > 0 else 1)
+
+    failing = ShapeGraphs(syncs, limit=4)
+    assert failing.run({"x": x}) is None and failing.run({"x": x}) is None
+    assert failing.limit == 0 and not failing.graphs
+    assert torch.equal(syncs({"x": x}), x * 2), "the device still works after the failed capture"
+
+
 def test_a_high_lane_request_overtakes_bulk_with_its_vision_on_the_main_stream(tiny_model_dir):
     """Bulk requests decoding, a high-lane one of the same length added three steps later: its
     image goes through the tower on the main stream beside the side stream's, it ends first, and

@@ -90,7 +90,8 @@ class ShapeGraphs:
     time on one stream), so an output is valid until the next replay of any of them.
 
     Capturing synchronizes the device once (torch.cuda.graph does); other threads may use CUDA
-    meanwhile (a thread-local capture)."""
+    meanwhile (a thread-local capture). A capture that fails (out of memory, an operation a
+    graph cannot hold) is logged and ends the captures: the graphs made so far still replay."""
 
     def __init__(self, forward: Callable[[dict[str, torch.Tensor]], torch.Tensor], limit: int):
         self.forward, self.limit, self.pool = forward, limit, None
@@ -112,7 +113,13 @@ class ShapeGraphs:
             self.seen[key] += 1
             if self.seen[key] < 2 or len(self.graphs) >= self.limit:
                 return None
-            entry = self.graphs[key] = self._capture(inputs)
+            try:
+                entry = self._capture(inputs)
+            except Exception as error:  # out of memory, an op that cannot be captured: stay eager
+                self.limit = len(self.graphs)
+                log.warning("CUDA graph capture failed, new shapes run eagerly: %s", str(error).splitlines()[0])
+                return None
+            self.graphs[key] = entry
         graph, static, output = entry
         for name, tensor in inputs.items():
             static[name].copy_(tensor)
