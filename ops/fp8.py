@@ -10,7 +10,8 @@ inside CUDA graphs and compile with inductor, which fuses the quantization into 
 that produces the activations (a norm). After a GELU, rows are wide (4,304 in SigLIP's MLP,
 10,240 in Gemma's), where inductor's fused kernel reads each row twice and ran at ~0.7 TB/s:
 `bias_gelu_quantize` and `gelu_mul_quantize` do that step in one Triton pass on CUDA
-(ops/fp8_triton.py) and in plain torch elsewhere.
+(ops/fp8_triton.py) and in plain torch elsewhere, as `add_layer_norm_quantize` does for the
+vision tower's LayerNorms with the residual add before them (~1.2 TB/s inductor-fused).
 
 `_scaled_mm` wants mat1 [M, K] row-major, mat2 [K, N] column-major (a row-major [N, K] weight,
 transposed: no copy), K and N multiples of 16, and a bias in the output dtype. The same call
@@ -142,9 +143,29 @@ def gated_gelu_linear(gate_up: torch.Tensor, weight: torch.Tensor | FP8Weight, a
     return linear(F.gelu(gate, approximate=approximate) * up, weight)
 
 
+def add_layer_norm_quantize(
+    x: torch.Tensor, pending: torch.Tensor | None, norm: torch.nn.LayerNorm
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A residual stream x [..., N] and its addend not yet added (None: none) -> (x + pending,
+    e4m3 of norm(x + pending) [M, N], float32 scale per row [M, 1]): the sum and the next FP8
+    GEMM's input in one pass on CUDA (ops/fp8_triton.py), this chain in plain torch elsewhere;
+    both round the sum and the norm's output to x's dtype."""
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.is_cuda:
+        if pending is None:
+            return x, *torch.ops.wicore.layer_norm_quantize(rows, norm.weight, norm.bias, norm.eps)
+        summed, q, scale = torch.ops.wicore.add_layer_norm_quantize(
+            rows, pending.reshape(rows.shape), norm.weight, norm.bias, norm.eps
+        )
+        return summed.view(x.shape), q, scale
+    summed = x if pending is None else x + pending
+    return summed, *quantize(norm(summed).reshape(rows.shape))
+
+
 def load_cuda_kernels() -> None:
-    """Register the CUDA op that `bias_gelu_quantize` and `gelu_mul_quantize` call (imports
-    triton): once, before a CUDA tensor reaches them, outside code that torch.compile traces."""
+    """Register the CUDA ops that `bias_gelu_quantize`, `gelu_mul_quantize` and
+    `add_layer_norm_quantize` call (imports triton): once, before a CUDA tensor reaches them,
+    outside code that torch.compile traces."""
     import wicore.ops.fp8_triton  # noqa: F401
 
 

@@ -112,6 +112,27 @@ def test_the_fused_mlp_computes_what_the_unfused_layers_do():
         assert torch.equal(mlp(x), fp8_linear(hidden, fc2, mlp.fc2.bias, bias_in_epilogue=True))
 
 
+def test_the_fused_norms_compute_what_the_unfused_layers_do():
+    """FP8SiglipLayer (each norm in the pass that quantizes the next GEMM's input, the residual add
+    before it, the MLP's output left for the next layer) against the SigLIP layers over the same
+    FP8 modules: bit for bit on the CPU, one layer and a tower of three."""
+    torch.manual_seed(0)
+    config = SiglipVisionConfig(
+        hidden_size=64, intermediate_size=176, num_hidden_layers=3, num_attention_heads=4, image_size=32, patch_size=8
+    )
+    fused, unfused = (VisionTower(config).to(torch.bfloat16).eval() for _ in range(2))
+    unfused.load_state_dict(fused.state_dict())
+    with torch.no_grad():
+        fp8.quantize_vision(fused, fp8.FP8Report())
+        for layer in unfused.layers:
+            assert fp8.quantize_vision_layer(layer, fp8.FP8Report(), "unfused", fuse_norms=False) is layer
+    assert all(isinstance(layer, fp8.FP8SiglipLayer) for layer in fused.layers)
+    x, pixels = torch.randn(2, 16, 64).to(torch.bfloat16), torch.randn(2, 3, 32, 32).to(torch.bfloat16)
+    with torch.inference_mode():
+        assert torch.equal(fused.layers[0](x), unfused.layers[0](x))
+        assert torch.equal(fused(pixels), unfused(pixels))
+
+
 def test_fp8_logits_stay_close_to_bf16(bf16, quantized):
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(10, 500, (40,), generator=generator)

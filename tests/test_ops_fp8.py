@@ -12,6 +12,7 @@ from wicore.ops.fp8 import (
     E4M3,
     E4M3_MAX,
     FP8Weight,
+    add_layer_norm_quantize,
     bias_gelu_quantize,
     dequantize,
     fits,
@@ -224,3 +225,60 @@ def test_cuda_bias_gelu_quantize_compiles_and_replays_in_a_graph():
     graph.replay()
     want = bias_gelu_quantize(h * 2, bias)
     assert torch.equal(out[0].view(torch.uint8), want[0].view(torch.uint8)) and torch.equal(out[1], want[1])
+
+
+@pytest.mark.gpu
+@CUDA
+def test_cuda_add_layer_norm_quantize_equals_the_torch_chain():
+    """The one-pass residual add + LayerNorm + quantization against the chain it replaces, run
+    by torch on the same device: the sum bit for bit, the same row scales, e4m3 codes at most one
+    step apart where the norm's output rounds to the other bf16 neighbour (two-pass statistics
+    against torch's Welford)."""
+    load_cuda_kernels()
+    for rows, width, pending in [
+        (4096, 1152, True),
+        (333, 1152, False),
+        (5, 72, True),
+        (3, 64, False),
+        (0, 1152, True),
+    ]:
+        x = tensors(rows, width, device="cuda") * 3
+        delta = tensors(rows, width, seed=2, device="cuda") if pending else None
+        norm = torch.nn.LayerNorm(width, eps=1e-6, device="cuda", dtype=torch.bfloat16)
+        with torch.no_grad():
+            norm.weight.copy_(tensors(width, seed=3) * 0.5 + 1)
+            norm.bias.copy_(tensors(width, seed=4) * 0.1)
+        x[1::7] = 0.5  # constant rows (their sum too): normed to the bias, no NaNs
+        if pending:
+            delta[1::7] = 0
+        with torch.inference_mode():
+            got_sum, got_q, got_scale = add_layer_norm_quantize(x, delta, norm)
+            want_sum = x if delta is None else x + delta
+            want_q, want_scale = quantize(norm(want_sum))
+        assert torch.equal(got_sum, want_sum) and got_q.dtype == E4M3 and got_scale.shape == (rows, 1)
+        torch.testing.assert_close(got_scale, want_scale, rtol=1e-6, atol=0)
+        codes = got_q.view(torch.uint8).int() - want_q.view(torch.uint8).int()
+        assert codes.abs().max().item() <= 1 and (codes != 0).float().mean().item() < 0.001 if rows else True
+
+
+@pytest.mark.gpu
+@CUDA
+def test_cuda_add_layer_norm_quantize_compiles_and_replays_in_a_graph():
+    load_cuda_kernels()
+    x, delta = tensors(2, 256, 1152, device="cuda"), tensors(2, 256, 1152, seed=1, device="cuda")
+    norm = torch.nn.LayerNorm(1152, device="cuda", dtype=torch.bfloat16)
+
+    def same(a, b):
+        return all(torch.equal(*(t.view(torch.uint8) if t.dtype == E4M3 else t for t in pair)) for pair in zip(a, b))
+
+    with torch.inference_mode():
+        eager = add_layer_norm_quantize(x, delta, norm)
+        assert eager[0].shape == x.shape and eager[1].shape == (512, 1152)
+        assert same(torch.compile(add_layer_norm_quantize, fullgraph=True)(x, delta, norm), eager)
+        static = x.clone()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = add_layer_norm_quantize(static, delta, norm)
+        static.copy_(x * 2)
+        graph.replay()
+        assert same(out, add_layer_norm_quantize(x * 2, delta, norm))

@@ -5,7 +5,8 @@ and the originals freed.
 Quantized: the vision tower's q/k/v (fused into one GEMM), out projection, fc1 and fc2; the
 decoder's fused q/k/v, o, fused gate/up and down projections. The GELU before fc2 and before
 the decoder's down projection is computed in the pass that quantizes that GEMM's input
-(ops/fp8_triton.py on CUDA). Kept in the model dtype: the patch
+(ops/fp8_triton.py on CUDA), and so are the tower's LayerNorms, each with the residual add
+before it (FP8SiglipLayer). Kept in the model dtype: the patch
 embedding, the position and token embeddings (so the tied lm_head), every norm, the projector
 and attention itself. A weight whose dims are not multiples of 16 (`_scaled_mm`'s alignment)
 stays as it is and is named in the report.
@@ -25,6 +26,7 @@ from wicore.engines.fast.model.weights import Gemma3Parts
 from wicore.errors import ConfigError
 from wicore.ops.fp8 import (
     FP8Weight,
+    add_layer_norm_quantize,
     bias_gelu_quantize,
     fits,
     fp8_linear,
@@ -33,6 +35,7 @@ from wicore.ops.fp8 import (
     scaled_mm,
     unsupported_reason,
 )
+from wicore.ops.fp8 import quantize as quantize_rows
 
 DECODER_PROJECTIONS = {
     "self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"),
@@ -71,11 +74,41 @@ class FP8GeluMLP(nn.Module):
             load_cuda_kernels()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.forward_quantized(*quantize_rows(x.reshape(-1, x.shape[-1])), x.shape, x.dtype)
+
+    def forward_quantized(self, x_q: torch.Tensor, x_scale: torch.Tensor, shape: torch.Size, dtype) -> torch.Tensor:
+        """The MLP of an input already quantized per row (e4m3 [M, K], scale [M, 1]) whose
+        shape was `shape` [..., K]: [..., K] out, in `dtype`."""
         fc1, fc2 = self.fc1, self.fc2
-        h = fp8_linear(x.reshape(-1, x.shape[-1]), fc1.fp8)  # its bias goes to the GELU
+        h = scaled_mm(x_q, x_scale, fc1.fp8, None, dtype, True)  # its bias goes to the GELU
         a_q, a_scale = bias_gelu_quantize(h, fc1.bias)
-        out = scaled_mm(a_q, a_scale, fc2.fp8, fc2.bias, x.dtype, True, bias_in_epilogue=True)
-        return out.reshape(*x.shape[:-1], out.shape[-1])
+        out = scaled_mm(a_q, a_scale, fc2.fp8, fc2.bias, dtype, True, bias_in_epilogue=True)
+        return out.reshape(*shape[:-1], out.shape[-1])
+
+
+class FP8SiglipLayer(nn.Module):
+    """A SigLIP layer over rowwise FP8 GEMMs (fused q/k/v, an FP8GeluMLP) whose LayerNorms are
+    computed in the pass that quantizes the next GEMM's input, with the residual add before
+    each (`add_layer_norm_quantize`): the attention output is added in the second norm's pass,
+    and the MLP's output is left pending for the next layer's first norm (`forward_residual`).
+    The same arithmetic as the SigLIP layer over the same FP8 modules."""
+
+    def __init__(self, layer: SiglipLayer):
+        super().__init__()
+        self.layer_norm1, self.self_attn = layer.layer_norm1, layer.self_attn
+        self.layer_norm2, self.mlp = layer.layer_norm2, layer.mlp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x, pending = self.forward_residual(x, None)
+        return x + pending
+
+    def forward_residual(self, x: torch.Tensor, pending: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        attention, qkv_proj = self.self_attn, self.self_attn.qkv_proj
+        x, x_q, x_scale = add_layer_norm_quantize(x, pending, self.layer_norm1)
+        qkv = scaled_mm(x_q, x_scale, qkv_proj.fp8, qkv_proj.bias, x.dtype, True, bias_in_epilogue=True)
+        h = attention.attend(*qkv.view(*x.shape[:-1], qkv.shape[-1]).chunk(3, dim=-1))
+        x, h_q, h_scale = add_layer_norm_quantize(x, h, self.layer_norm2)
+        return x, self.mlp.forward_quantized(h_q, h_scale, x.shape, x.dtype)
 
 
 @dataclass
@@ -124,13 +157,17 @@ def quantize(parts: Gemma3Parts) -> FP8Report:
 
 def quantize_vision(tower: VisionTower, report: FP8Report) -> None:
     for index, layer in enumerate(tower.layers):
-        quantize_vision_layer(layer, report, f"vision.{index}")
+        tower.layers[index] = quantize_vision_layer(layer, report, f"vision.{index}")
 
 
-def quantize_vision_layer(layer: SiglipLayer, report: FP8Report, where: str, rowwise: bool = True) -> None:
-    """rowwise=False: one scale per weight and per activation tensor (`wicore bench fp8-layers`
+def quantize_vision_layer(
+    layer: SiglipLayer, report: FP8Report, where: str, rowwise: bool = True, fuse_norms: bool = True
+) -> nn.Module:
+    """The layer to use in place of `layer`, whose dense modules are swapped in place.
+    rowwise=False: one scale per weight and per activation tensor (`wicore bench fp8-layers`
     measures both; the engine runs rowwise). Rowwise, with a tanh GELU, the MLP becomes an
-    FP8GeluMLP; otherwise fc1 and fc2 become FP8Linears around the plain GELU."""
+    FP8GeluMLP (otherwise fc1 and fc2 become FP8Linears around the plain GELU), and with fused
+    q/k/v too the layer becomes an FP8SiglipLayer (`fuse_norms`; the bench measures without)."""
     _swap(layer.self_attn, ("q_proj", "k_proj", "v_proj"), "qkv_proj", report, where, rowwise)
     _swap(layer.self_attn, ("out_proj",), "out_proj", report, where, rowwise)
     mlp = layer.mlp
@@ -138,6 +175,9 @@ def quantize_vision_layer(layer: SiglipLayer, report: FP8Report, where: str, row
     _swap(mlp, ("fc2",), "fc2", report, where, rowwise)
     if rowwise and mlp.approximate == "tanh" and isinstance(mlp.fc1, FP8Linear) and isinstance(mlp.fc2, FP8Linear):
         layer.mlp = FP8GeluMLP(mlp.fc1, mlp.fc2)
+        if fuse_norms and isinstance(layer.self_attn.qkv_proj, FP8Linear):
+            return FP8SiglipLayer(layer)
+    return layer
 
 
 def _swap(owner: nn.Module, names: tuple[str, ...], into: str, report: FP8Report, where: str, rowwise: bool) -> None:

@@ -30,9 +30,13 @@ class SiglipAttention(nn.Module):
         self.qkv_proj: nn.Module | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, length, hidden = x.shape
+        return self.attend(*self._project(x))
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Projected q, k, v [N, L, hidden] -> the block's output [N, L, hidden]."""
+        batch, length, hidden = q.shape
         shape = (batch, length, self.heads, self.head_dim)
-        q, k, v = (t.view(shape).transpose(1, 2) for t in self._project(x))
+        q, k, v = (t.view(shape).transpose(1, 2) for t in (q, k, v))
         out = F.scaled_dot_product_attention(q, k, v, scale=self.scale)  # [N, H, L, Dh]
         return self.out_proj(out.transpose(1, 2).reshape(batch, length, hidden))
 
@@ -68,6 +72,14 @@ class SiglipLayer(nn.Module):
         x = x + self.self_attn(self.layer_norm1(x))
         return x + self.mlp(self.layer_norm2(x))
 
+    def forward_residual(
+        self, x: torch.Tensor, pending: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The layer over a residual stream x whose last addend, `pending`, is not yet added
+        (None: none): the new stream and its own pending addend. Here nothing is deferred; the
+        FP8 layer (model/fp8.py) adds `pending` in the pass of its first norm."""
+        return self(x if pending is None else x + pending), None
+
 
 class VisionTower(nn.Module):
     """SigLIP without its pooling head (Gemma-3 sets vision_use_head=False)."""
@@ -84,9 +96,10 @@ class VisionTower(nn.Module):
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
         x = self.patch_embedding(pixels.to(self.patch_embedding.weight.dtype))  # [N, Dv, S/p, S/p]
         x = x.flatten(2).transpose(1, 2) + self.position_embedding.weight  # [N, P, Dv]
+        pending = None
         for layer in self.layers:
-            x = layer(x)
-        return self.post_layernorm(x)
+            x, pending = layer.forward_residual(x, pending)
+        return self.post_layernorm(x if pending is None else x + pending)
 
 
 class Projector(nn.Module):
