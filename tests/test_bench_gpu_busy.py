@@ -1,4 +1,4 @@
-"""The GPU busy fraction of the caption benchmark: the window arithmetic over NVML's samples (any
+"""The GPU busy fraction of the caption and cache benchmarks: the window arithmetic over NVML's samples (any
 machine), and NVML itself on a GPU."""
 
 from __future__ import annotations
@@ -17,6 +17,19 @@ def test_each_sample_covers_the_time_since_the_one_before_weighted_by_its_overla
     assert busy_fraction(samples, 0, 200) == pytest.approx(0.75)
     assert busy_fraction(samples, 50, 150) == pytest.approx(0.75), "half of (0, 100] at 100%, half of (100, 200] at 50%"
     assert busy_fraction(list(reversed(samples)), 100, 200) == pytest.approx(0.5), "order does not matter"
+
+
+def test_the_cache_bench_reports_each_runs_share_and_its_median_runs():
+    from wicore.bench.cache_bench import add_busy
+
+    sampler = GpuBusySampler(None)
+    sampler.samples = [Sample(0, 0.0), Sample(1_000_000, 100.0), Sample(2_000_000, 50.0), Sample(3_000_000, 90.0)]
+    run = {"seconds_runs": [1.3, 0.9, 1.1], "windows": [(0.0, 1.0), (1.0, 2.0), (2.0, 3.0)]}
+    add_busy(run, sampler)
+    assert run["gpu_busy_fraction_runs"] == [1.0, 0.5, 0.9] and "windows" not in run
+    assert run["gpu_busy_fraction"] == pytest.approx(0.9), "the run of the median time (1.1 s) is the third"
+    idle = add_busy({"seconds_runs": [1.0], "windows": [(5.0, 6.0)]}, sampler)
+    assert idle["gpu_busy_fraction"] is None and idle["gpu_busy_fraction_runs"] == [None]
 
 
 def test_no_sample_inside_the_window_is_no_figure():

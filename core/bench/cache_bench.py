@@ -14,6 +14,10 @@
   decode would differ, so these are greedy repeats with distinct ids), cached vs off. Key
   `dup30_speedup`.
 - The eviction-policy simulation (CPU). Key `policy_hit_rates`.
+
+Each timed config also reports the device's busy share of each run (`gpu_busy_fraction_runs`,
+NVML, core/bench/gpu_busy.py) and of its median run (`gpu_busy_fraction`): whether a config is
+bound by device work or leaves the device idle.
 """
 
 from __future__ import annotations
@@ -27,7 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from wicore.bench.bench_images import make_images
-from wicore.bench.caption_bench import device_name
+from wicore.bench.caption_bench import busy_sampler, device_name
+from wicore.bench.gpu_busy import GpuBusySampler
 from wicore.engines.base import EngineConfig, EngineRequest
 from wicore.engines.fast.options import FastOptions
 from wicore.ops.image_decode import decode_image
@@ -120,10 +125,12 @@ def run_config(name: str, model_dir: Path, bench: CacheBench, request_sets, warm
     cache starts cold on each); reports the median run. Counters cover all runs."""
     engine = make_engine(model_dir, bench, cache, **options)
     engine.generate(warm)  # compile, graphs and kernels warm; its images are not in `request_sets`
-    samples = []
+    samples, windows = [], []
     for requests in request_sets:
+        began = time.time()
         seconds, stats = timed_generate(engine, requests)
         samples.append(round(seconds, 3))
+        windows.append((began, began + seconds))
     release(engine)
     count, seconds = len(request_sets[0]), statistics.median(samples)
     print(f"{name}: {count / seconds:.1f} requests/s (median of {samples} s)", flush=True)
@@ -131,7 +138,17 @@ def run_config(name: str, model_dir: Path, bench: CacheBench, request_sets, warm
             "vision_cache", "cache", "kv_blocks_demoted", "kv_blocks_dropped", "kv_restores_queued",
             "kv_pages", "kv_pages_free", "kv_pages_cached", "mean_decode_batch")  # fmt: skip
     return {"name": name, "seconds": seconds, "seconds_runs": samples, "requests_per_s": count / seconds,
-            **{k: stats[k] for k in keep if k in stats}}  # fmt: skip
+            "windows": windows, **{k: stats[k] for k in keep if k in stats}}  # fmt: skip
+
+
+def add_busy(run: dict, busy: GpuBusySampler) -> dict:
+    """Replace a config's timed windows (time.time() pairs) with the device's busy share of each
+    run and of its median run (None where NVML gave no sample)."""
+    fractions = [busy.fraction(*window) for window in run.pop("windows")]
+    median_run = sorted(range(len(fractions)), key=lambda i: run["seconds_runs"][i])[len(fractions) // 2]
+    run["gpu_busy_fraction_runs"] = [None if f is None else round(f, 3) for f in fractions]
+    run["gpu_busy_fraction"] = fractions[median_run]
+    return run
 
 
 def run_cache_bench(bench: CacheBench) -> dict:
@@ -152,22 +169,27 @@ def run_cache_bench(bench: CacheBench) -> dict:
     disk = bench.workdir / "kv-disk"
     shutil.rmtree(disk, ignore_errors=True)
     split = {"prefix_split_images": True}  # a follow-up shares the image's blocks, not just the ones before it
-    runs = [
-        run_config("off", model_dir, bench, vqa, warm, cache=False),
-        run_config("gpu", model_dir, bench, vqa, warm, cache=True, host_cache_bytes=0, **split),
-        run_config("gpu+cpu+disk (small GPU pool)", model_dir, bench, vqa, warm, cache=True,
-                   num_kv_blocks=bench.small_gpu_pages, host_cache_bytes=bench.host_cache_bytes,
-                   disk_cache_dir=str(disk), disk_cache_bytes=bench.disk_cache_bytes, **split),
-    ]  # fmt: skip
-    restore = measure_restore_bandwidths(model_dir, bench)
-    dups = [dup_requests(paths[vqa_images : vqa_images + bench.dup_images], bench.dup_images, 64)]
-    dup_off = run_config("dup30 off", model_dir, bench, dups, warm, cache=False)
-    dup_on = run_config("dup30 cached", model_dir, bench, dups, warm, cache=True)
+    with busy_sampler(bench.device) as busy:
+        runs = [
+            run_config("off", model_dir, bench, vqa, warm, cache=False),
+            run_config("gpu", model_dir, bench, vqa, warm, cache=True, host_cache_bytes=0, **split),
+            run_config("gpu+cpu+disk (small GPU pool)", model_dir, bench, vqa, warm, cache=True,
+                       num_kv_blocks=bench.small_gpu_pages, host_cache_bytes=bench.host_cache_bytes,
+                       disk_cache_dir=str(disk), disk_cache_bytes=bench.disk_cache_bytes, **split),
+        ]  # fmt: skip
+        restore = measure_restore_bandwidths(model_dir, bench)
+        dups = [dup_requests(paths[vqa_images : vqa_images + bench.dup_images], bench.dup_images, 64)]
+        dup_off = run_config("dup30 off", model_dir, bench, dups, warm, cache=False)
+        dup_on = run_config("dup30 cached", model_dir, bench, dups, warm, cache=True)
+    for run in (*runs, dup_off, dup_on):
+        add_busy(run, busy)
+    print("GPU busy (median runs): " + ", ".join(f"{r['name']} {_share(r['gpu_busy_fraction'])}" for r in runs))
     off = runs[0]["requests_per_s"]
     return {
         "gpu": device_name(bench.device),
         "command": "wicore bench cache",
         "ceilings": ceilings.as_dict(),
+        "gpu_busy_error": busy.error,
         "vqa": runs,
         "vqa_speedup": max(r["requests_per_s"] for r in runs[1:]) / off,
         "vqa_speedup_by_config": {r["name"]: r["requests_per_s"] / off for r in runs},
@@ -180,6 +202,10 @@ def run_cache_bench(bench: CacheBench) -> dict:
         "dup30_speedup": dup_on["requests_per_s"] / dup_off["requests_per_s"],
         **policy_results(simulate(standard_specs())),
     }
+
+
+def _share(fraction: float | None) -> str:
+    return "n/a" if fraction is None else f"{fraction:.3f}"
 
 
 def policy_results(results) -> dict:
