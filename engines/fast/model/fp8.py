@@ -77,8 +77,8 @@ class FP8GeluMLP(nn.Module):
         return self.forward_quantized(*quantize_rows(x.reshape(-1, x.shape[-1])), x.shape, x.dtype)
 
     def forward_quantized(self, x_q: torch.Tensor, x_scale: torch.Tensor, shape: torch.Size, dtype) -> torch.Tensor:
-        """The MLP of an input already quantized per row (e4m3 [M, K], scale [M, 1]) whose
-        shape was `shape` [..., K]: [..., K] out, in `dtype`."""
+        """The MLP of an input already quantized per row (e4m3 [M, hidden], scale [M, 1]) whose
+        shape was `shape` [..., hidden]: [..., hidden] out, in `dtype`."""
         fc1, fc2 = self.fc1, self.fc2
         h = scaled_mm(x_q, x_scale, fc1.fp8, None, dtype, True)  # its bias goes to the GELU
         a_q, a_scale = bias_gelu_quantize(h, fc1.bias)
