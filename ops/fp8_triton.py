@@ -59,6 +59,13 @@ def _activation(h_row, bias_ptr, cols, inside, n_cols, HAS_BIAS: tl.constexpr, G
 
 
 @triton.jit
+def _store_e4m3(q_row, y, cols, inside, scale, fp8_max):
+    """y / scale at `cols` of one row, saturated to e4m3's range, stored in q_row's dtype."""
+    q = tl.minimum(tl.maximum(y / scale, -fp8_max), fp8_max)
+    tl.store(q_row + cols, q.to(q_row.dtype.element_ty), mask=inside)
+
+
+@triton.jit
 def _gelu_quantize_kernel(
     h_ptr,  # [M, N] (or [M, 2N] gated), row stride stride_h, unit column stride
     bias_ptr,  # [N] (unused without HAS_BIAS)
@@ -83,11 +90,9 @@ def _gelu_quantize_kernel(
         y_tail = _activation(h_row, bias_ptr, tail, tail < n_cols, n_cols, HAS_BIAS, GATED)
         amax = tl.maximum(amax, tl.max(tl.abs(y_tail), axis=0))
     scale = tl.maximum(amax, amax_floor) / fp8_max
-    q_head = tl.minimum(tl.maximum(y_head / scale, -fp8_max), fp8_max)
-    tl.store(q_row + head, q_head.to(q_ptr.dtype.element_ty), mask=head < n_cols)
+    _store_e4m3(q_row, y_head, head, head < n_cols, scale, fp8_max)
     if TAIL > 0:
-        q_tail = tl.minimum(tl.maximum(y_tail / scale, -fp8_max), fp8_max)
-        tl.store(q_row + tail, q_tail.to(q_ptr.dtype.element_ty), mask=tail < n_cols)
+        _store_e4m3(q_row, y_tail, tail, tail < n_cols, scale, fp8_max)
     tl.store(scale_ptr + row, scale)
 
 
@@ -97,10 +102,8 @@ def gelu_quantize(h: torch.Tensor, bias: torch.Tensor | None, gated: bool) -> tu
     if h.stride(-1) != 1:
         h = h.contiguous()
     m, n = h.shape[0], h.shape[1] // 2 if gated else h.shape[1]
-    q = torch.empty((m, n), dtype=E4M3, device=h.device)
-    scale = torch.empty((m, 1), dtype=torch.float32, device=h.device)
+    q, scale = _quantized_rows(m, n, h.device)
     if m and n:
-        head = 1 << (n.bit_length() - 1)
         _gelu_quantize_kernel[(m,)](
             h,
             h if bias is None else bias,
@@ -112,11 +115,25 @@ def gelu_quantize(h: torch.Tensor, bias: torch.Tensor | None, gated: bool) -> tu
             E4M3_MAX,
             HAS_BIAS=bias is not None,
             GATED=gated,
-            HEAD=head,
-            TAIL=0 if head == n else triton.next_power_of_2(n - head),
-            num_warps=max(1, min(8, head // 256)),
+            **_row_split(n),
         )
     return q, scale
+
+
+def _quantized_rows(m: int, n: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Empty outputs of a row quantization: e4m3 [M, N] and float32 scales [M, 1]."""
+    return torch.empty((m, n), dtype=E4M3, device=device), torch.empty((m, 1), dtype=torch.float32, device=device)
+
+
+def _row_split(n: int) -> dict[str, int]:
+    """A row of n held in registers: the largest power of two <= n, the rest rounded up to a power
+    of two (0: none), and warps for the head (256 columns each, 1 to 8)."""
+    head = 1 << (n.bit_length() - 1)
+    return {
+        "HEAD": head,
+        "TAIL": 0 if head == n else triton.next_power_of_2(n - head),
+        "num_warps": max(1, min(8, head // 256)),
+    }
 
 
 @gelu_quantize.register_fake
@@ -185,20 +202,16 @@ def _add_layer_norm_quantize_kernel(
         y_tail = _normed(d_tail, rstd, weight_ptr, bias_ptr, tail, in_tail, dtype)
         amax = tl.maximum(amax, tl.max(tl.abs(y_tail), axis=0))
     scale = tl.maximum(amax, amax_floor) / fp8_max
-    q_head = tl.minimum(tl.maximum(y_head / scale, -fp8_max), fp8_max)
-    tl.store(q_row + head, q_head.to(q_ptr.dtype.element_ty), mask=in_head)
+    _store_e4m3(q_row, y_head, head, in_head, scale, fp8_max)
     if TAIL > 0:
-        q_tail = tl.minimum(tl.maximum(y_tail / scale, -fp8_max), fp8_max)
-        tl.store(q_row + tail, q_tail.to(q_ptr.dtype.element_ty), mask=in_tail)
+        _store_e4m3(q_row, y_tail, tail, in_tail, scale, fp8_max)
     tl.store(scale_ptr + tl.program_id(0), scale)
 
 
 def _launch_layer_norm_quantize(x, pending, summed, weight, bias, eps):
     m, n = x.shape
-    q = torch.empty((m, n), dtype=E4M3, device=x.device)
-    scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
+    q, scale = _quantized_rows(m, n, x.device)
     if m and n:
-        head = 1 << (n.bit_length() - 1)
         _add_layer_norm_quantize_kernel[(m,)](
             x,
             x if pending is None else pending,
@@ -212,9 +225,7 @@ def _launch_layer_norm_quantize(x, pending, summed, weight, bias, eps):
             AMAX_FLOOR,
             E4M3_MAX,
             HAS_PENDING=pending is not None,
-            HEAD=head,
-            TAIL=0 if head == n else triton.next_power_of_2(n - head),
-            num_warps=max(1, min(8, head // 256)),
+            **_row_split(n),
         )
     return q, scale
 
