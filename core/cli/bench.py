@@ -251,7 +251,8 @@ def cache_bench(
     out: Path = typer.Option(Path("bench/results"), help="Folder for the JSON and the plots."),
     as_json: bool = typer.Option(False, "--json", help="End with one JSON line."),
 ) -> None:
-    """Tier caches on the GPU: VQA speedup, CPU-tier restore bandwidth, duplicates, policies."""
+    """Tier caches on the GPU: VQA speedup, CPU-tier restore bandwidth, duplicates, policies; the device's busy share
+    of each timed run."""
     from wicore.bench.cache_bench import CacheBench, run_cache_bench
     from wicore.bench.cache_report import write_cache_report
 
