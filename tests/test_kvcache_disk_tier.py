@@ -36,6 +36,37 @@ def test_round_trip_survives_reopen(tmp_path):
         assert (tier.stats.hits, tier.stats.misses) == (1, 1)
 
 
+def test_threads_reading_and_writing_keep_the_index_the_files_and_the_cap(tmp_path):
+    """Files are read and written outside the tier's lock (AsyncDiskTier's reader threads beside
+    its writer): four threads putting and getting 8 keys' worth of blocks over a cap of 5, with
+    evictions all along, never get another key's tensor, and the index ends equal to the folder."""
+    import random
+    from concurrent.futures import ThreadPoolExecutor
+
+    cap = 5 * entry_size()
+    tier = DiskTier(tmp_path, cap)
+
+    def work(seed):
+        rng, seen = random.Random(seed), 0
+        for _ in range(400):
+            i = rng.randrange(8)
+            if rng.random() < 0.5:
+                tier.put(KEYS[i], tensor(i))
+            elif (got := tier.get(KEYS[i])) is not None:
+                assert torch.equal(got, tensor(i))
+                seen += 1
+        return seen
+
+    with ThreadPoolExecutor(4) as pool:
+        assert sum(pool.map(work, range(4))) > 0
+    files = list(tmp_path.rglob("*.blk"))
+    assert tier.total_bytes == sum(f.stat().st_size for f in files) <= cap
+    assert len(tier) == len(files) and tier.stats.corrupt == 0 and not temp_files(tmp_path)
+    tier.close()
+    with DiskTier(tmp_path, cap, verify_on_open=True) as again:
+        assert len(again) == len(files) and again.stats.corrupt == 0
+
+
 def test_cap_is_enforced_by_policy(tmp_path):
     cap = 3 * entry_size()
     with DiskTier(tmp_path, cap) as tier:

@@ -2,11 +2,13 @@
 
 Writes (blocks demoted from the host tier) queue on a writer thread, at most `max_pending`
 at once (more are dropped and counted: the disk cannot keep up, and memory must stay bounded).
-Reads run on a reader thread: `read_prefix` returns a Future of the leading blocks found. The
-tier itself is not thread-safe, so every call into it holds a lock; a read waits for at most the
-one write in progress, never for the write queue. `might_have` is a lock-free hint for the
-engine thread (a dict lookup, atomic under the GIL): a stale answer costs a wasted read or a
-missed hit, never a wrong block (reads check key, checksum, shape and dtype).
+Reads run on `readers` threads: `read_prefix` returns a Future of the leading blocks found, one
+sequence's prefix per task. The tier reads and writes its files outside its own lock, so reads
+run beside the write in progress and beside each other: one thread read ~0.46 GB/s of 2.2 MB
+blocks on an H200 machine's disk (a file read and a sha256 a block), four ~0.76 GB/s, and a
+sequence waiting for its blocks waits for that. `might_have` is a lock-free hint for the engine
+thread (a dict lookup, atomic under the GIL): a stale answer costs a wasted read or a missed
+hit, never a wrong block (reads check key, checksum, shape and dtype).
 """
 
 from __future__ import annotations
@@ -26,16 +28,18 @@ from wicore.engines.kvcache.disk_tier import DiskTier
 log = logging.getLogger(__name__)
 
 
+READERS = 4  # read threads: 1.6x one thread's rate from a cold page cache (above)
+
+
 class AsyncDiskTier:
-    def __init__(self, tier: DiskTier, max_pending: int = 64):
+    def __init__(self, tier: DiskTier, max_pending: int = 64, readers: int = READERS):
         self.tier = tier
         self.max_pending = max_pending
         self.dropped = 0  # writes refused because `max_pending` were queued
-        self._lock = threading.Lock()
         self._pending = 0
         self._count_lock = threading.Lock()
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="wicore-disk-write")
-        self._reader = ThreadPoolExecutor(1, thread_name_prefix="wicore-disk-read")
+        self._reader = ThreadPoolExecutor(readers, thread_name_prefix="wicore-disk-read")
 
     def might_have(self, key: BlockHash) -> bool:
         return key in self.tier
@@ -80,8 +84,7 @@ class AsyncDiskTier:
         try:
             if ready is not None:
                 ready.synchronize()  # this thread waits for the copy, never the engine's
-            with self._lock:
-                self.tier.put(key, tensor, cost)
+            self.tier.put(key, tensor, cost)
         except Exception:  # a thread's failure would vanish into its Future: log it
             log.exception("disk tier: writing block %s failed", key.hex()[:16])
         finally:
@@ -91,8 +94,7 @@ class AsyncDiskTier:
     def _read_prefix(self, keys: list[BlockHash], shape, dtype, pin: bool) -> dict[BlockHash, torch.Tensor]:
         found: dict[BlockHash, torch.Tensor] = {}
         for key in keys:
-            with self._lock:
-                tensor = self.tier.get(key)
+            tensor = self.tier.get(key)
             if tensor is None:
                 break
             if tuple(tensor.shape) != shape or tensor.dtype != dtype:

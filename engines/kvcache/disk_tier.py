@@ -7,6 +7,11 @@ indexed (oldest modification first, for the policy); checksums are verified on r
 with `verify_on_open`). A damaged or vanished file is a miss and is dropped, never an error.
 One process owns a folder at a time (an flock on `<root>/.lock`), so cleaning up temp files on
 open cannot delete another writer's.
+
+Thread-safe: the index (sizes, policy, byte count, stats) changes under a lock, and the files are
+read, encoded and written outside it, so reads on several threads run beside a write and its
+fsyncs (`AsyncDiskTier`). A write reserves its bytes before it starts, so the cap holds while it
+is in flight; a read of a file that an eviction unlinks meanwhile is a plain miss.
 """
 
 from __future__ import annotations
@@ -14,6 +19,8 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
+import threading
+import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,7 +62,8 @@ class DiskTier:
         self.policy: EvictionPolicy[BlockHash] = policy if policy is not None else LRU()
         self.stats = TierStats()
         self._sizes: dict[BlockHash, int] = {}
-        self.total_bytes = 0
+        self.total_bytes = 0  # indexed entries and the writes in flight
+        self._lock = threading.Lock()
         self.root.mkdir(parents=True, exist_ok=True)
         self._lock_fd = _lock(self.root / LOCK_NAME)
         self._open(verify_on_open)
@@ -73,35 +81,48 @@ class DiskTier:
     def put(self, key: BlockHash, tensor: torch.Tensor, cost: float = 1.0) -> bool:
         """Store `tensor` under `key`, evicting by policy to stay under the cap. False when it
         cannot be stored (bigger than the cap, or the disk refused); never raises for that."""
-        if key in self._sizes:
-            self.policy.touch(key)
-            return True
-        with self.stats.timed():
-            blob = codec.encode(tensor, meta={"key": key.hex()})
+        with self._lock:
+            if key in self._sizes:
+                self.policy.touch(key)
+                return True
+        started = time.perf_counter()
+        blob = codec.encode(tensor, meta={"key": key.hex()})
+        with self._lock:
             if len(blob) > self.max_bytes or not self._make_room(len(blob)):
                 return False
-            if not self._write(self.path(key), blob):
-                return False
-            self._add(key, len(blob), cost)
-            self.stats.bytes_in += len(blob)
-        return True
+            self.total_bytes += len(blob)  # reserved while the file is written
+        written = self._write(self.path(key), blob)
+        with self._lock:
+            self.total_bytes -= len(blob)
+            if written and key not in self._sizes:
+                self._add(key, len(blob), cost)
+                self.stats.bytes_in += len(blob)
+            self.stats.seconds += time.perf_counter() - started
+        return written
 
     def get(self, key: BlockHash) -> torch.Tensor | None:
         """The tensor under `key` (on the CPU), or None: absent, damaged or vanished."""
-        if key not in self._sizes:
-            self.stats.misses += 1
-            return None
-        with self.stats.timed():
-            tensor = self._read(key)
-        if tensor is None:
-            self.stats.misses += 1
-            return None
-        self.policy.touch(key)
-        self.stats.record(hits=1, misses=0, bytes_out=self._sizes[key])
+        with self._lock:
+            if key not in self._sizes:
+                self.stats.misses += 1
+                return None
+        started = time.perf_counter()
+        tensor, damage = self._load(key, self.path(key))
+        with self._lock:
+            self.stats.seconds += time.perf_counter() - started
+            if tensor is None:
+                self._forget(key, damage)
+                self.stats.misses += 1
+                return None
+            if key in self._sizes:
+                self.policy.touch(key)
+            self.stats.record(hits=1, misses=0, bytes_out=self._sizes.get(key, tensor.nbytes))
         return tensor
 
     def delete(self, key: BlockHash) -> None:
-        self._drop(key)
+        with self._lock:
+            if key in self._sizes:
+                self._drop(key)
 
     def close(self) -> None:
         if self._lock_fd is not None:
@@ -119,8 +140,11 @@ class DiskTier:
     def _open(self, verify: bool) -> None:
         found = sorted(self._scan(), key=lambda f: f.mtime)  # oldest first: LRU order
         for entry in found:
-            if verify and self._load(entry.key, entry.path) is None:
-                continue
+            if verify:
+                tensor, damage = self._load(entry.key, entry.path)
+                if tensor is None:
+                    self._note_damage(entry.path, damage)
+                    continue
             self._add(entry.key, entry.size, 1.0)
         self._make_room(0)  # the cap may have shrunk since the last run
 
@@ -137,26 +161,31 @@ class DiskTier:
                     found.append(_Found(key, path, stat.st_size, stat.st_mtime))
         return found
 
-    def _read(self, key: BlockHash) -> torch.Tensor | None:
-        tensor = self._load(key, self.path(key))
-        if tensor is None:
-            self._drop(key)
-        return tensor
-
-    def _load(self, key: BlockHash, path: Path) -> torch.Tensor | None:
-        """Decode and check one file; a damaged one is deleted."""
+    def _load(self, key: BlockHash, path: Path) -> tuple[torch.Tensor | None, str | None]:
+        """Read, decode and check one file (no lock held): (tensor, None), or (None, why it is
+        damaged), or (None, None) when it is gone (evicted or deleted behind our back)."""
         try:
             decoded = codec.decode(path.read_bytes())
             if decoded.meta.get("key") != key.hex():
                 raise codec.CorruptBlob("the header names another key")
-            return decoded.tensor
+            return decoded.tensor, None
         except FileNotFoundError:
-            return None  # deleted behind our back: a plain miss
+            return None, None
         except (OSError, codec.CorruptBlob) as e:
-            log.warning("disk tier: dropping damaged %s: %s", path, e)
-            self.stats.corrupt += 1
-            path.unlink(missing_ok=True)
-            return None
+            return None, str(e)
+
+    def _forget(self, key: BlockHash, damage: str | None) -> None:
+        """After a failed read (lock held): a damaged file is logged, counted and deleted; either
+        way a key still indexed leaves the index."""
+        if damage is not None:
+            self._note_damage(self.path(key), damage)
+        if key in self._sizes:
+            self._drop(key)
+
+    def _note_damage(self, path: Path, damage: str) -> None:
+        log.warning("disk tier: dropping damaged %s: %s", path, damage)
+        self.stats.corrupt += 1
+        path.unlink(missing_ok=True)
 
     def _write(self, path: Path, blob: bytes) -> bool:
         path.parent.mkdir(exist_ok=True)
