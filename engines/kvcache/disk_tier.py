@@ -143,7 +143,8 @@ class DiskTier:
             if verify:
                 tensor, damage = self._load(entry.key, entry.path)
                 if tensor is None:
-                    self._note_damage(entry.path, damage)
+                    if damage is not None:
+                        self._note_damage(entry.path, damage)
                     continue
             self._add(entry.key, entry.size, 1.0)
         self._make_room(0)  # the cap may have shrunk since the last run
