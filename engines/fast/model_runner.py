@@ -248,16 +248,20 @@ class ModelRunner:
         if embeds is not None:
             inputs["image_embeds"] = embeds
         if self.dense_graphs is not None and "prefix" not in inputs and len(inputs["ids"]) <= DENSE_GRAPH_TOKENS:
-            layout = inputs.pop("layout")
-            tensors = {**inputs, "gather": layout.gather, "scatter": layout.scatter, "valid": layout.valid}
-            logits = self.dense_graphs.run(tensors)
+            logits = self.dense_graphs.run(self._dense_graph_inputs(inputs))
             if logits is not None:
                 return logits
-            inputs["layout"] = layout
         return self.prefill_logits(**inputs)
 
+    @staticmethod
+    def _dense_graph_inputs(inputs: dict) -> dict[str, torch.Tensor]:
+        """`prefill_logits`' inputs as a graph takes them: tensors only, the layout's own spread out."""
+        layout = inputs["layout"]
+        tensors = {name: value for name, value in inputs.items() if name != "layout"}
+        return tensors | {"gather": layout.gather, "scatter": layout.scatter, "valid": layout.valid}
+
     def _dense_graph_forward(self, t: dict[str, torch.Tensor]) -> torch.Tensor:
-        """`prefill_logits` over the tensors `_dense_prefill` hands a graph; the padded layout's
+        """`prefill_logits` over `_dense_graph_inputs`' tensors; the padded layout's
         longest prompt is its width (the masks need no other length)."""
         layout = PackedBatch([t["gather"].shape[1]], t["gather"], t["scatter"], t["valid"])
         keys = ("ids", "positions", "slots", "image_rows", "image_groups", "last")
