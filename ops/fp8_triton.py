@@ -102,7 +102,7 @@ def gelu_quantize(h: torch.Tensor, bias: torch.Tensor | None, gated: bool) -> tu
     if h.stride(-1) != 1:
         h = h.contiguous()
     m, n = h.shape[0], h.shape[1] // 2 if gated else h.shape[1]
-    q, scale = _quantized_rows(m, n, h.device)
+    q, scale = empty_quantized_rows(m, n, h.device)
     if m and n:
         _gelu_quantize_kernel[(m,)](
             h,
@@ -120,7 +120,7 @@ def gelu_quantize(h: torch.Tensor, bias: torch.Tensor | None, gated: bool) -> tu
     return q, scale
 
 
-def _quantized_rows(m: int, n: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+def empty_quantized_rows(m: int, n: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """Empty outputs of a row quantization: e4m3 [M, N] and float32 scales [M, 1]."""
     return torch.empty((m, n), dtype=E4M3, device=device), torch.empty((m, 1), dtype=torch.float32, device=device)
 
@@ -210,7 +210,7 @@ def _add_layer_norm_quantize_kernel(
 
 def _launch_layer_norm_quantize(x, pending, summed, weight, bias, eps):
     m, n = x.shape
-    q, scale = _quantized_rows(m, n, x.device)
+    q, scale = empty_quantized_rows(m, n, x.device)
     if m and n:
         _add_layer_norm_quantize_kernel[(m,)](
             x,

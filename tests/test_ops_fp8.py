@@ -44,6 +44,12 @@ def assert_within_rounding(original: torch.Tensor, quantized: torch.Tensor, scal
     assert (error <= bound * 1.0001 + 1e-30).all()
 
 
+def bitwise_equal(got: tuple[torch.Tensor, ...], want: tuple[torch.Tensor, ...]) -> bool:
+    """Outputs (e4m3 codes, scales, sums) equal bit for bit, pair by pair (e4m3 compared as bytes)."""
+    as_bits = [t.view(torch.uint8) if t.dtype == E4M3 else t for t in (*got, *want)]
+    return len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(as_bits[: len(got)], as_bits[len(got) :]))
+
+
 def assert_codes_close(got: torch.Tensor, want: torch.Tensor, differing: float) -> None:
     """e4m3 tensors whose codes differ by at most one step, in under `differing` of them."""
     if got.numel():
@@ -219,16 +225,14 @@ def test_cuda_bias_gelu_quantize_compiles_and_replays_in_a_graph():
     h, bias = tensors(256, 4304, device="cuda"), tensors(4304, seed=1, device="cuda")
     eager = bias_gelu_quantize(h, bias)
     compiled = torch.compile(bias_gelu_quantize, fullgraph=True)(h, bias)
-    assert all(torch.equal(a.view(torch.uint8) if a.dtype == E4M3 else a, b.view(torch.uint8) if b.dtype == E4M3 else b)
-               for a, b in zip(compiled, eager))  # fmt: skip
+    assert bitwise_equal(compiled, eager)
     static = h.clone()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = bias_gelu_quantize(static, bias)
     static.copy_(h * 2)
     graph.replay()
-    want = bias_gelu_quantize(h * 2, bias)
-    assert torch.equal(out[0].view(torch.uint8), want[0].view(torch.uint8)) and torch.equal(out[1], want[1])
+    assert bitwise_equal(out, bias_gelu_quantize(h * 2, bias))
 
 
 @pytest.mark.gpu
@@ -270,18 +274,14 @@ def test_cuda_add_layer_norm_quantize_compiles_and_replays_in_a_graph():
     load_cuda_kernels()
     x, delta = tensors(2, 256, 1152, device="cuda"), tensors(2, 256, 1152, seed=1, device="cuda")
     norm = torch.nn.LayerNorm(1152, device="cuda", dtype=torch.bfloat16)
-
-    def same(a, b):
-        return all(torch.equal(*(t.view(torch.uint8) if t.dtype == E4M3 else t for t in pair)) for pair in zip(a, b))
-
     with torch.inference_mode():
         eager = add_layer_norm_quantize(x, delta, norm)
         assert eager[0].shape == x.shape and eager[1].shape == (512, 1152)
-        assert same(torch.compile(add_layer_norm_quantize, fullgraph=True)(x, delta, norm), eager)
+        assert bitwise_equal(torch.compile(add_layer_norm_quantize, fullgraph=True)(x, delta, norm), eager)
         static = x.clone()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             out = add_layer_norm_quantize(static, delta, norm)
         static.copy_(x * 2)
         graph.replay()
-        assert same(out, add_layer_norm_quantize(x * 2, delta, norm))
+        assert bitwise_equal(out, add_layer_norm_quantize(x * 2, delta, norm))

@@ -11,10 +11,11 @@ from collections.abc import Iterable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-TRITON_ONLY = {
+GPU_ONLY = {
     "wicore.ops.attention.paged_triton",
     "wicore.ops.fp8_triton",
-}  # import triton at the top: skipped where it is missing
+    "wicore.ops.fp8_attention_cuda",
+}  # import triton (or cudnn, the fp8 extra's) at the top: skipped where it is missing
 
 
 def setuptools_config() -> dict:
@@ -101,11 +102,11 @@ def test_engines_and_ops_import_neither_redis_nor_rq():
         "wicore.ops.attention.paged",
         "wicore.ops.image_decode",
     } <= set(modules)
-    pulled, skipped = first_importers(modules, {"redis", "rq"}, optional={"triton"})
+    pulled, skipped = first_importers(modules, {"redis", "rq"}, optional={"triton", "cudnn"})
     assert pulled == {}, (
         f"engines/ and ops/ must not import Redis or RQ (module: what it loaded first, maybe through another): {pulled}"
     )
-    assert set(skipped) <= TRITON_ONLY
+    assert set(skipped) <= GPU_ONLY
 
 
 def test_the_wheel_ships_the_default_model(tmp_path):

@@ -1,0 +1,101 @@
+"""The vision tower's attention in FP8 (e4m3) on Hopper: cuDNN's fused FP8 forward, from the fused
+q/k/v GEMM's output to the out projection's rowwise e4m3 input.
+
+    qkv [M = batch * length, 3 * heads * head_dim] (bf16, as the GEMM wrote it)
+      -> q, k, v in e4m3, one scale each (amax / 448), heads zero-padded to `padded_head_dim`
+      -> cuDNN SDPA in FP8 (softmax probabilities in e4m3 at scale 448; O in e4m3 at 448 / max|v|,
+         |O| <= max|v| since each row of O averages rows of v)
+      -> O requantized per row: (e4m3 [M, heads * head_dim], float32 scale [M, 1]).
+
+Why padded: cuDNN's FP8 forward on Hopper takes head dims that are multiples of 16, and SigLIP's
+is 72. Zero columns of q and k add nothing to q.k and zero columns of v give zero columns of O,
+which are dropped. Padded to 128, not 80: its kernels' tiles are 128 wide, and on an H200 (8
+images of 4,096 tokens, 16 heads) 80 ran in 1.33 ms and 128 in 1.10, against 1.56 for bf16 SDPA at
+72 (docs/performance.md, "The tower's attention in FP8").
+
+What it costs: the output's error against float32 attention was ~5.6% of its mean magnitude on
+random-weight activations and ~11% on peaked attention (bf16 SDPA with the same rowwise
+requantization: ~2.3%); the benchmark reports what that does to tokens and to the demo captioner.
+
+On CUDA the chain is one custom op (ops/fp8_attention_cuda.py: Triton passes around cuDNN, through
+the `nvidia-cudnn-frontend` package, the `fp8` extra); elsewhere `fp8_attention_reference`, the
+same quantization steps in plain torch around float32 attention (probabilities not quantized).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from wicore.ops.fp8 import AMAX_FLOOR, E4M3, E4M3_MAX
+from wicore.ops.fp8 import quantize as quantize_rows
+
+FP8_MULTIPLE = 16  # cuDNN's FP8 forward: head dims that are multiples of 16, up to 256
+PAD_TO = 128  # a head dim that is not padded to 128 when it is shorter (the kernels' tile width)
+MIN_CAPABILITY = (9, 0)  # cuDNN's FP8 attention forward: Hopper and newer
+
+
+def padded_head_dim(head_dim: int) -> int:
+    """The head dim cuDNN runs: head_dim when it is a multiple of 16, else 128 (or the next
+    multiple of 16 past 128)."""
+    if head_dim % FP8_MULTIPLE == 0:
+        return head_dim
+    return max(PAD_TO, -(-head_dim // FP8_MULTIPLE) * FP8_MULTIPLE)
+
+
+def unsupported_reason(device: torch.device) -> str | None:
+    """Why `device` cannot run the FP8 attention (None: it can)."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return "it needs a CUDA device"
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) < MIN_CAPABILITY:
+        return f"{torch.cuda.get_device_name(device)} is compute capability {major}.{minor} (cuDNN's FP8 attention needs 9.0+)"
+    try:
+        import cudnn  # noqa: F401  (nvidia-cudnn-frontend)
+    except ImportError:
+        return "the nvidia-cudnn-frontend package is not installed (pip install 'wicore[fp8]')"
+    return None
+
+
+def load_cuda_kernels() -> None:
+    """Register `torch.ops.wicore.fp8_attention` (imports triton and cudnn): once, before a CUDA
+    tensor reaches `fp8_attention`, outside code that torch.compile traces."""
+    import wicore.ops.fp8_attention_cuda  # noqa: F401
+
+
+def prepare(device: torch.device, batches: list[int], heads: int, length: int, head_dim: int) -> float:
+    """Build cuDNN's plans for these batch sizes before the first batches arrive (CUDA; after
+    `load_cuda_kernels`); returns the seconds spent."""
+    from wicore.ops.fp8_attention_cuda import prepare as build
+
+    return build(device, batches, heads, length, head_dim)
+
+
+def fp8_attention(qkv: torch.Tensor, batch: int, heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """qkv [batch * length, 3 * heads * head_dim] -> the out projection's input per row (e4m3
+    [batch * length, heads * head_dim], float32 scale [batch * length, 1])."""
+    if qkv.is_cuda:
+        return torch.ops.wicore.fp8_attention(qkv, batch, heads, head_dim)
+    return fp8_attention_reference(qkv, batch, heads, head_dim)
+
+
+def tensor_quantize(x: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
+    """x in e4m3 at one scale, so that `amax` lands on 448, as float32 values of x (quantized and
+    dequantized)."""
+    scale = E4M3_MAX / amax.clamp(min=AMAX_FLOOR)
+    return (x.float() * scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3).float() / scale
+
+
+def fp8_attention_reference(
+    qkv: torch.Tensor, batch: int, heads: int, head_dim: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`fp8_attention` in plain torch: q, k and v rounded to e4m3 at one scale each, attention in
+    float32, O rounded to e4m3 at 448 / max|v|, then quantized per row."""
+    rows = qkv.shape[0]
+    length = rows // batch
+    parts = qkv.view(rows, 3, heads * head_dim).float()
+    q, k, v = (tensor_quantize(parts[:, i], parts[:, i].abs().amax()) for i in range(3))
+    q, k, v = (t.view(batch, length, heads, head_dim).transpose(1, 2) for t in (q, k, v))
+    out = F.scaled_dot_product_attention(q, k, v, scale=head_dim**-0.5)
+    out = tensor_quantize(out, parts[:, 2].abs().amax())
+    return quantize_rows(out.transpose(1, 2).reshape(rows, heads * head_dim))
