@@ -44,6 +44,7 @@ def test_the_report_has_the_bf16_keys_both_modes_and_a_plot(tmp_path, tiny_model
     product = {**runs.product, "tokens": changed, "images_per_s": 2 * runs.product["images_per_s"]}
     democap = democap_accuracy("cpu", images=8, fp8_anywhere=True)
     assert democap["fp8_linears"] == 24 and democap["bf16_linears"] == 0 and democap["fp8_skipped"] == []
+    assert democap["fp8_attention_layers"] == 0
     assert democap["fp8"] >= democap["bf16"] - 0.25 > 0.5
 
     report = fp8_report(bench, runs, replace(runs, product=product), democap)
@@ -68,3 +69,12 @@ def test_bench_dtype_flag_is_checked_before_anything_runs(tmp_path):
         run = wicore("bench", "caption", *args, "--workdir", str(tmp_path), check=False)
         assert run.returncode == 2 and run.stderr.startswith("error: --dtype"), run.stderr
     assert not any(tmp_path.iterdir()), "nothing made, nothing run"
+
+
+def test_the_demo_captioner_runs_the_fp8_legs_attention():
+    """With vision_attention_dtype=fp8 the FP8 leg's demo captioner runs its tower's attention in
+    FP8 too (on the CPU through its definition) and the report names it."""
+    democap = democap_accuracy("cpu", images=8, fp8_anywhere=True, attention="fp8")
+    assert democap["fp8_vision_attention"] == "fp8" and democap["fp8_linears"] == 24
+    assert (democap["fp8_attention_layers"], democap["bf16_attention_layers"]) == (4, 0)  # its 4 vision layers
+    assert democap["fp8"] >= democap["bf16"] - 0.25 > 0.5

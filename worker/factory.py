@@ -95,10 +95,10 @@ def attach_shared_caches(settings: Settings, connection: Redis, engine: Engine, 
         return
     from wicore.worker.shared_vision_cache import RedisVisionCache
 
-    fp8 = engine_options(settings).gemm_dtype == "fp8"  # its embeddings differ from bf16's: kept apart
+    tag = engine_options(settings).numerics_tag()  # FP8 embeddings differ from bf16's: kept apart
     store = RedisVisionCache(
         connection,
-        namespace=f"{model_id}-fp8" if fp8 else model_id,
+        namespace=f"{model_id}-{tag}" if tag else model_id,
         max_bytes=settings.vision_cache_redis_bytes,
         ttl_s=settings.vision_cache_ttl_s,
     )

@@ -40,7 +40,7 @@ def fp8_variant(bench: CaptionBench) -> CaptionBench:
 def run_fp8_bench(bench: CaptionBench) -> dict:
     runs = caption_runs(bench)  # bf16 product, HF peers
     fp8 = run_product(fp8_variant(bench), runs.model_dir, runs.warm, runs.timed, bench.workdir / "worker-fp8.log")
-    accuracy = democap_accuracy(bench.device)
+    accuracy = democap_accuracy(bench.device, attention=bench.engine_options.get("vision_attention_dtype", "model"))
     return fp8_report(bench, runs, replace(runs, product=fp8), accuracy)
 
 
@@ -77,30 +77,37 @@ def token_agreement(ours: dict[str, list[int]], theirs: dict[str, list[int]]) ->
     }
 
 
-def democap_accuracy(device: str, images: int = DEMOCAP_IMAGES, fp8_anywhere: bool = False) -> dict:
+def democap_accuracy(
+    device: str, images: int = DEMOCAP_IMAGES, fp8_anywhere: bool = False, attention: str = "model"
+) -> dict:
     """The demo captioner's exact match on its evaluation set through the fast engine, bf16 and
-    FP8 GEMMs. Eager (compiling two engines of a toy model would take longer than the captions),
-    CUDA graphs on; FP8 layers counted (all of its dims are multiples of 16)."""
+    FP8 GEMMs (`attention`: the FP8 run's vision_attention_dtype). Eager (compiling two engines of
+    a toy model would take longer than the captions), CUDA graphs on; FP8 layers counted (all of
+    its dims are multiples of 16)."""
     from wicore.models.democap import evaluate
 
     samples = evaluate.main_samples(images, DEMOCAP_SEED)
-    result = {"images": images, "seed": DEMOCAP_SEED}
+    result = {"images": images, "seed": DEMOCAP_SEED, "fp8_vision_attention": attention}
     for mode, gemm_dtype in (("bf16", "model"), ("fp8", "fp8")):
-        completions, stats = _democap_run(device, gemm_dtype, samples, fp8_anywhere)
+        completions, stats = _democap_run(device, gemm_dtype, samples, fp8_anywhere, attention)
         result[mode] = evaluate.score_completions(samples, completions).accuracy
         result[f"{mode}_linears"] = stats.get("fp8_linears", 0)
+        result[f"{mode}_attention_layers"] = stats.get("fp8_attention_layers", 0)
         result[f"{mode}_skipped"] = stats.get("fp8_skipped", [])
     return result
 
 
-def _democap_run(device: str, gemm_dtype: str, samples: list, fp8_anywhere: bool) -> tuple[list, dict]:
+def _democap_run(device: str, gemm_dtype: str, samples: list, fp8_anywhere: bool, attention: str) -> tuple[list, dict]:
     from wicore.engines.base import EngineConfig
     from wicore.engines.fast import FastEngine
     from wicore.engines.fast.options import FastOptions
     from wicore.models import DEMOCAP_DIR
     from wicore.models.democap import evaluate
 
-    options = FastOptions(gemm_dtype=gemm_dtype, compile_vision=False, compile_text=False, num_kv_blocks=16384)
+    options = FastOptions(
+        gemm_dtype=gemm_dtype, vision_attention_dtype=attention, compile_vision=False, compile_text=False,
+        num_kv_blocks=16384,
+    )  # fmt: skip
     config = EngineConfig(str(DEMOCAP_DIR), device=device, dtype="bfloat16", max_batch_size=256, cache=False,
                           options=options)  # fmt: skip
     engine = FastEngine(config, fp8_anywhere=fp8_anywhere)

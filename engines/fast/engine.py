@@ -71,13 +71,18 @@ class FastEngine(Engine):
         super().__init__(config)
         device = torch.device(config.device)
         fp8 = config.options.gemm_dtype == "fp8"
+        fp8_attention = fp8 and config.options.vision_attention_dtype == "fp8"  # inside the FP8 tower only
         if fp8 and not fp8_anywhere:
             fp8_weights.check_device(device, config.dtype)  # before the slow load
+            if fp8_attention:
+                fp8_weights.check_attention_device(device)
         processor = load_processor(config.model_dir)
         self.tokenizer = processor.tokenizer
         self.eos_ids = stop_token_ids(config.model_dir, self.tokenizer)
         parts = load_gemma3(config.model_dir, device, config.dtype, config.seed)
-        self.weights = fp8_weights.quantize(parts).as_dict() if fp8 else {"weight_bytes": weight_bytes(parts)}
+        self.weights = (
+            fp8_weights.quantize(parts, fp8_attention).as_dict() if fp8 else {"weight_bytes": weight_bytes(parts)}
+        )
         self.resolved = config.options.resolve(
             cuda=device.type == "cuda",
             model_limit=parts.config.text_config.max_position_embeddings,
@@ -85,6 +90,8 @@ class FastEngine(Engine):
             cache=config.cache,
         )
         opts = self.resolved
+        if fp8_attention:
+            fp8_weights.prepare_attention(parts.encoder.vision_tower, opts.vision_batch_size)
         self.max_len = opts.max_model_len
         if opts.torch_threads is not None:
             torch.set_num_threads(opts.torch_threads)  # process-wide: a worker process runs one engine
@@ -93,7 +100,8 @@ class FastEngine(Engine):
         text = parts.config.text_config
         layout = self.runner.layout
         self.tiers = build_tiers(self.runner.cache, opts, text.num_key_value_heads, text.head_dim)
-        precision = f"{config.dtype}+fp8" if fp8 else config.dtype  # FP8 GEMMs write other K/V
+        tag = config.options.numerics_tag()  # FP8 GEMMs (and attention) write other K/V
+        precision = f"{config.dtype}+{tag}" if tag else config.dtype
         model_id = model_fingerprint(config.model_dir, precision, layout)  # salts every key
         self.keyer = PromptKeyer(model_id, opts.block_size, parts.tokens_per_image)
         self.planner = StepPlanner(

@@ -163,6 +163,15 @@ class FastOptions(BaseModel):
         "bf16's (docs/performance.md has the agreement and the demo captioner's accuracy). Default model: the "
         "model's dtype.",
     )
+    vision_attention_dtype: Literal["model", "fp8"] = Field(
+        "model",
+        description="Precision of the vision tower's attention under FP8 GEMMs (gemm_dtype=fp8; with the model's "
+        "GEMMs it is the model's too). fp8: q, k and v in e4m3 "
+        "(one scale each), cuDNN's fused FP8 attention (heads zero-padded to a multiple of 16, 128 for SigLIP's 72), "
+        "its output requantized per row for the out projection. Needs compute capability 9.0+ (Hopper) and the "
+        "nvidia-cudnn-frontend package (the fp8 extra); its error and token agreement are in docs/performance.md. "
+        "Default model: bf16 attention.",
+    )
     prefix_split_images: bool = Field(
         False,
         description="Let a cached prefix end inside an image (the rest of its soft tokens prefill from its "
@@ -187,6 +196,13 @@ class FastOptions(BaseModel):
         if self.disk_cache_dir is not None and (self.host_cache_bytes == 0 or not self.prefix_cache):
             raise ValueError("disk_cache_dir needs prefix_cache and a host tier (host_cache_bytes > 0)")
         return self
+
+    def numerics_tag(self) -> str | None:
+        """What sets this engine's numbers apart from the model dtype's ("fp8", "fp8-attention"), or
+        None: cached K/V and image embeddings are kept apart by it."""
+        if self.gemm_dtype != "fp8":
+            return None
+        return "fp8-attention" if self.vision_attention_dtype == "fp8" else "fp8"
 
     @classmethod
     def parse(cls, options: dict[str, Any]) -> FastOptions:

@@ -8,13 +8,15 @@ the decoder's down projection is computed in the pass that quantizes that GEMM's
 (ops/fp8_triton.py on CUDA), and so are the tower's LayerNorms, each with the residual add
 before it (FP8SiglipLayer). Kept in the model dtype: the patch
 embedding, the position and token embeddings (so the tied lm_head), every norm, the projector
-and attention itself. A weight whose dims are not multiples of 16 (`_scaled_mm`'s alignment)
-stays as it is and is named in the report.
+and attention itself, except the tower's with `vision_attention_dtype = "fp8"` (cuDNN's FP8
+attention, ops/fp8_attention.py). A weight whose dims are not multiples of 16 (`_scaled_mm`'s
+alignment) stays as it is and is named in the report.
 """
 
 from __future__ import annotations
 
 import gc
+import logging
 from dataclasses import dataclass, field
 
 import torch
@@ -36,6 +38,12 @@ from wicore.ops.fp8 import (
     unsupported_reason,
 )
 from wicore.ops.fp8 import quantize as quantize_rows
+from wicore.ops.fp8_attention import fp8_attention as attend_fp8
+from wicore.ops.fp8_attention import load_cuda_kernels as load_attention_kernels
+from wicore.ops.fp8_attention import prepare as prepare_fp8_attention
+from wicore.ops.fp8_attention import unsupported_reason as attention_unsupported_reason
+
+log = logging.getLogger(__name__)
 
 DECODER_PROJECTIONS = {
     "self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"),
@@ -91,12 +99,15 @@ class FP8SiglipLayer(nn.Module):
     computed in the pass that quantizes the next GEMM's input, with the residual add before
     each (`add_layer_norm_quantize`): the attention output is added in the second norm's pass,
     and the MLP's output is left pending for the next layer's first norm (`forward_residual`).
-    The same arithmetic as the SigLIP layer over the same FP8 modules."""
+    The same arithmetic as the SigLIP layer over the same FP8 modules. `fp8_attention`: the
+    attention itself in e4m3 too (ops/fp8_attention.py), its output already quantized per row
+    for the out projection."""
 
-    def __init__(self, layer: SiglipLayer):
+    def __init__(self, layer: SiglipLayer, fp8_attention: bool = False):
         super().__init__()
         self.layer_norm1, self.self_attn = layer.layer_norm1, layer.self_attn
         self.layer_norm2, self.mlp = layer.layer_norm2, layer.mlp
+        self.fp8_attention = fp8_attention
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x, pending = self.forward_residual(x, None)
@@ -106,17 +117,24 @@ class FP8SiglipLayer(nn.Module):
         attention, qkv_proj = self.self_attn, self.self_attn.qkv_proj
         x, x_q, x_scale = add_layer_norm_quantize(x, pending, self.layer_norm1)
         qkv = scaled_mm(x_q, x_scale, qkv_proj.fp8, qkv_proj.bias, x.dtype, True, bias_in_epilogue=True)
-        h = attention.attend(*qkv.view(*x.shape[:-1], qkv.shape[-1]).chunk(3, dim=-1))
+        if self.fp8_attention:
+            o_q, o_scale = attend_fp8(qkv, x.shape[0], attention.heads, attention.head_dim)
+            out_proj = attention.out_proj
+            h = scaled_mm(o_q, o_scale, out_proj.fp8, out_proj.bias, x.dtype, True, bias_in_epilogue=True).view(x.shape)
+        else:
+            h = attention.attend(*qkv.view(*x.shape[:-1], qkv.shape[-1]).chunk(3, dim=-1))
         x, h_q, h_scale = add_layer_norm_quantize(x, h, self.layer_norm2)
         return x, self.mlp.forward_quantized(h_q, h_scale, x.shape, x.dtype)
 
 
 @dataclass
 class FP8Report:
-    """What `quantize` did: GEMM weights now in e4m3, the names of those left in the model
-    dtype (dims not multiples of 16), and the bytes of every weight before and after."""
+    """What `quantize` did: GEMM weights now in e4m3, vision layers whose attention runs in e4m3,
+    the names of weights left in the model dtype (dims not multiples of 16), and the bytes of
+    every weight before and after."""
 
     quantized: int = 0
+    attention_layers: int = 0  # vision layers whose attention runs in FP8
     skipped: list[str] = field(default_factory=list)
     bytes_before: int = 0
     bytes_after: int = 0
@@ -124,6 +142,7 @@ class FP8Report:
     def as_dict(self) -> dict:
         return {
             "fp8_linears": self.quantized,
+            "fp8_attention_layers": self.attention_layers,
             "fp8_skipped": self.skipped,
             "weight_bytes_before_fp8": self.bytes_before,
             "weight_bytes": self.bytes_after,
@@ -142,11 +161,22 @@ def check_device(device: torch.device, dtype: str) -> None:
         raise ConfigError(f"FP8 GEMMs run beside bfloat16 activations, not {dtype}: use --dtype fp8 (or bfloat16)")
 
 
+def check_attention_device(device: torch.device) -> None:
+    """A one-line ConfigError unless `device` runs the tower's attention in FP8."""
+    reason = attention_unsupported_reason(device)
+    if reason is not None:
+        raise ConfigError(
+            f"FP8 vision attention (engine option vision_attention_dtype=fp8) cannot run: {reason}; "
+            "use vision_attention_dtype=model"
+        )
+
+
 @torch.no_grad()
-def quantize(parts: Gemma3Parts) -> FP8Report:
-    """Swap the dense layers of the loaded model for FP8 ones, in place, freeing the originals."""
+def quantize(parts: Gemma3Parts, fp8_attention: bool = False) -> FP8Report:
+    """Swap the dense layers of the loaded model for FP8 ones, in place, freeing the originals.
+    `fp8_attention`: the vision tower's attention in e4m3 too."""
     report = FP8Report(bytes_before=weight_bytes(parts))
-    quantize_vision(parts.encoder.vision_tower, report)
+    quantize_vision(parts.encoder.vision_tower, report, fp8_attention)
     quantize_decoder(parts.decoder, report)
     report.bytes_after = weight_bytes(parts)
     gc.collect()  # a seeded HF model that lent its tensors (config-only checkpoints) may sit in a cycle
@@ -155,19 +185,39 @@ def quantize(parts: Gemma3Parts) -> FP8Report:
     return report
 
 
-def quantize_vision(tower: VisionTower, report: FP8Report) -> None:
+def prepare_attention(tower: VisionTower, max_batch: int) -> None:
+    """Build the FP8 attention's cuDNN plans for vision batches of 1 to `max_batch` images now
+    (CUDA, layers with `fp8_attention`), not inside the first batch of each size."""
+    layer = tower.layers[0]
+    if not getattr(layer, "fp8_attention", False) or not layer.layer_norm1.weight.is_cuda:
+        return
+    attention = layer.self_attn
+    device = layer.layer_norm1.weight.device
+    seconds = prepare_fp8_attention(
+        device, list(range(1, max_batch + 1)), attention.heads, tower.num_patches, attention.head_dim
+    )
+    log.info("FP8 vision attention: cuDNN plans for batches of 1-%d images built in %.2f s", max_batch, seconds)
+
+
+def quantize_vision(tower: VisionTower, report: FP8Report, fp8_attention: bool = False) -> None:
     for index, layer in enumerate(tower.layers):
-        tower.layers[index] = quantize_vision_layer(layer, report, f"vision.{index}")
+        tower.layers[index] = quantize_vision_layer(layer, report, f"vision.{index}", fp8_attention=fp8_attention)
 
 
 def quantize_vision_layer(
-    layer: SiglipLayer, report: FP8Report, where: str, rowwise: bool = True, fuse_norms: bool = True
+    layer: SiglipLayer,
+    report: FP8Report,
+    where: str,
+    rowwise: bool = True,
+    fuse_norms: bool = True,
+    fp8_attention: bool = False,
 ) -> nn.Module:
     """The layer to use in place of `layer`, whose dense modules are swapped in place.
     rowwise=False: one scale per weight and per activation tensor (`wicore bench fp8-layers`
     measures both; the engine runs rowwise). Rowwise, with a tanh GELU, the MLP becomes an
     FP8GeluMLP (otherwise fc1 and fc2 become FP8Linears around the plain GELU), and with fused
-    q/k/v too the layer becomes an FP8SiglipLayer (`fuse_norms`; the bench measures without)."""
+    q/k/v too the layer becomes an FP8SiglipLayer (`fuse_norms`; the bench measures without),
+    with its attention in e4m3 when `fp8_attention` (a layer that does not become one raises)."""
     _swap(layer.self_attn, ("q_proj", "k_proj", "v_proj"), "qkv_proj", report, where, rowwise)
     _swap(layer.self_attn, ("out_proj",), "out_proj", report, where, rowwise)
     mlp = layer.mlp
@@ -175,8 +225,19 @@ def quantize_vision_layer(
     _swap(mlp, ("fc2",), "fc2", report, where, rowwise)
     if rowwise and mlp.approximate == "tanh" and isinstance(mlp.fc1, FP8Linear) and isinstance(mlp.fc2, FP8Linear):
         layer.mlp = FP8GeluMLP(mlp.fc1, mlp.fc2)
-        if fuse_norms and isinstance(layer.self_attn.qkv_proj, FP8Linear):
-            return FP8SiglipLayer(layer)
+        attention = layer.self_attn
+        if fuse_norms and isinstance(attention.qkv_proj, FP8Linear):
+            if not fp8_attention:
+                return FP8SiglipLayer(layer)
+            if isinstance(attention.out_proj, FP8Linear):
+                if attention.out_proj.weight.is_cuda:
+                    load_attention_kernels()
+                report.attention_layers += 1
+                return FP8SiglipLayer(layer, fp8_attention=True)
+    if fp8_attention:
+        raise ConfigError(
+            f"{where}: FP8 vision attention needs the layer's q/k/v, out projection and tanh-GELU MLP in FP8"
+        )
     return layer
 
 
