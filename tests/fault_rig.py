@@ -3,6 +3,7 @@ producer feeding jobs from a thread, and the audit of every job's final state in
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -10,6 +11,7 @@ import sys
 import threading
 import time
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 
 from redis import Redis
@@ -68,6 +70,20 @@ class Workers:
             process.send_signal(signal.SIGCONT)
             time.sleep(0.003)
         raise AssertionError(f"worker {name} never held the wanted jobs within {timeout}s")
+
+    @contextlib.contextmanager
+    def frozen(self) -> Iterator[None]:
+        """Every running worker stopped (SIGSTOP) inside the block, so what they hold in Redis
+        cannot change under the caller; continued (SIGCONT) on the way out."""
+        running = [p for p in self.processes.values() if p.poll() is None]
+        for process in running:
+            process.send_signal(signal.SIGSTOP)
+        try:
+            yield
+        finally:
+            for process in running:
+                if process.poll() is None:
+                    process.send_signal(signal.SIGCONT)
 
     def alive(self) -> list[str]:
         return [name for name, p in self.processes.items() if p.poll() is None]

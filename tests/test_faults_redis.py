@@ -49,17 +49,16 @@ def test_workers_ride_out_redis_outages(tmp_path):
         report = []
         for how, down_s in OUTAGES:
             connection = Redis.from_url(server.url)
-            held = claims_with_executions(connection)
-            stop_redis(server, connection, how)
+            held = stop_redis_while_holding(server, connection, workers, how)
+            down_at = time.time()  # nothing is written from here until the restart
             time.sleep(down_s)
             assert sorted(workers.alive()) == NAMES, f"a worker died while Redis was away ({how})"
             server = start_redis()
-            back_at = time.time()
             connection = Redis.from_url(server.url)
             wait_until(
                 lambda c=connection: all(registered(c, workers, n) for n in NAMES), 60, what="workers to register"
             )
-            kept = results_kept(connection, held, back_at)
+            kept = results_kept(connection, held, down_at)
             report.append(f"{how} {down_s}s: held {len(held)}, written after restart by their worker {kept}")
             assert kept, f"{how}: no job in hand kept its result across the outage"
         ids = feeder.stop()
@@ -76,19 +75,30 @@ def test_workers_ride_out_redis_outages(tmp_path):
     assert set(exits.values()) == {0}, exits
 
 
+def stop_redis_while_holding(server: EmbeddedRedis, connection: Redis, workers: Workers, how: str) -> dict:
+    """Stop Redis at a moment the workers hold jobs: wait until they hold some, freeze them, let a
+    settle written just before the freeze land, and stop Redis if they still hold jobs (they
+    continue after it is down). {job id: (worker, execution id)} of what they held."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        wait_until(lambda: claims_with_executions(connection), 60, interval=0.002, what="a worker holding jobs")
+        with workers.frozen():
+            time.sleep(0.1)
+            held = claims_with_executions(connection)
+            if held:
+                stop_redis(server, connection, how)
+                return held
+    raise AssertionError("no worker held jobs at a moment it was frozen")
+
+
 def claims_with_executions(connection: Redis) -> dict[str, tuple[str, str]]:
-    """Wait until a worker holds jobs; {job id: (worker, execution id)} of everything held."""
+    """{job id: (worker, execution id)} of every claimed job with an execution."""
     held: dict[str, tuple[str, str]] = {}
-
-    def holding() -> bool:
-        for name in NAMES:
-            for raw in connection.zrange(keys.claims(name), 0, -1):
-                executions = connection.zrange(f"rq:executions:{raw.decode()}", 0, -1)
-                if executions:
-                    held[raw.decode()] = (name, executions[0].decode())
-        return bool(held)
-
-    wait_until(holding, 60, interval=0.002, what="a worker holding jobs")
+    for name in NAMES:
+        for raw in connection.zrange(keys.claims(name), 0, -1):
+            executions = connection.zrange(f"rq:executions:{raw.decode()}", 0, -1)
+            if executions:
+                held[raw.decode()] = (name, executions[0].decode())
     return held
 
 
@@ -105,7 +115,7 @@ def registered(connection: Redis, workers: Workers, name: str) -> bool:
     return connection.hget(f"rq:worker:{name}", "pid") == str(workers.processes[name].pid).encode()
 
 
-def results_kept(connection: Redis, held: dict[str, tuple[str, str]], back_at: float) -> int:
+def results_kept(connection: Redis, held: dict[str, tuple[str, str]], down_at: float) -> int:
     """How many jobs held at the outage got their result from the execution that held them,
     written after Redis came back (computed before or during the outage, kept in memory)."""
     wait_until(lambda: all(connection.hget(f"rq:job:{j}", "status") == b"finished" for j in held), 60, what="held jobs")
@@ -115,5 +125,5 @@ def results_kept(connection: Redis, held: dict[str, tuple[str, str]], back_at: f
         assert fields[b"worker_name"].decode() == worker and fields[b"execution_id"].decode() == execution, (
             f"{job_id} was run again instead of keeping its result"
         )
-        kept += int(entry.decode().split("-")[0]) >= back_at * 1000
+        kept += int(entry.decode().split("-")[0]) >= down_at * 1000
     return kept
