@@ -71,7 +71,7 @@ class FastEngine(Engine):
         super().__init__(config)
         device = torch.device(config.device)
         fp8 = config.options.gemm_dtype == "fp8"
-        fp8_attention = fp8 and config.options.vision_attention_dtype == "fp8"  # inside the FP8 tower only
+        fp8_attention = config.options.fp8_vision_attention
         if fp8 and not fp8_anywhere:
             fp8_weights.check_device(device, config.dtype)  # before the slow load
             if fp8_attention:

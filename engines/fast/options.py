@@ -197,12 +197,17 @@ class FastOptions(BaseModel):
             raise ValueError("disk_cache_dir needs prefix_cache and a host tier (host_cache_bytes > 0)")
         return self
 
+    @property
+    def fp8_vision_attention(self) -> bool:
+        """The tower's attention runs in FP8: asked for, and inside an FP8 tower (gemm_dtype=fp8)."""
+        return self.gemm_dtype == "fp8" and self.vision_attention_dtype == "fp8"
+
     def numerics_tag(self) -> str | None:
         """What sets this engine's numbers apart from the model dtype's ("fp8", "fp8-attention"), or
         None: cached K/V and image embeddings are kept apart by it."""
         if self.gemm_dtype != "fp8":
             return None
-        return "fp8-attention" if self.vision_attention_dtype == "fp8" else "fp8"
+        return "fp8-attention" if self.fp8_vision_attention else "fp8"
 
     @classmethod
     def parse(cls, options: dict[str, Any]) -> FastOptions:
