@@ -53,11 +53,14 @@ class StackSampler:
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
+            # stamped before the read: the stack read is the thread's at that time or later, so a
+            # sample stamped after some moment never shows what the thread had left by then
+            taken_at = time.time()
             frame = sys._current_frames().get(self.thread_id)
             if frame is not None:
-                self._count(frame)
+                self._count(frame, taken_at)
 
-    def _count(self, frame: FrameType) -> None:
+    def _count(self, frame: FrameType, taken_at: float) -> None:
         chain, functions = [], set()
         while frame is not None:
             if len(chain) < self.depth:
@@ -68,7 +71,7 @@ class StackSampler:
         self.samples += 1
         innermost = " < ".join(chain)
         self.innermost[innermost] += 1
-        self.recent.append((time.time(), innermost))
+        self.recent.append((taken_at, innermost))
         self.inclusive.update(functions)
 
     def report(self) -> dict:
