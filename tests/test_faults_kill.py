@@ -114,9 +114,12 @@ def test_a_worker_restarted_under_its_name_takes_over_or_waits(tmp_path):
 
         elsewhere = {"hostname": "another-host", "pid": "1", "birth": "x", "last_heartbeat": "x"}
         connection.hset("rq:worker:nomad", mapping=elsewhere)
-        connection.expire("rq:worker:nomad", 3)
-        workers.start("nomad")
-        assert "waiting up to" in workers.log("nomad")
+        connection.expire("rq:worker:nomad", 60)  # outlives the worker's start-up, however slow
+        workers.start("nomad", wait=False)
+        wait_until(lambda: "waiting up to" in workers.log("nomad"), 120, what="nomad to wait for the record")
+        assert connection.hget("rq:worker:nomad", "hostname") == b"another-host", "it waits, leaving the record"
+        connection.expire("rq:worker:nomad", 1)  # the other host's record reaches its TTL
+        workers.wait_registered("nomad")
 
         twin = Workers(server.url, tmp_path / "twin", ARGS, {"WICORE_LIVENESS_TTL_S": "3"})
         duplicate = twin.start("phoenix", wait=False)
