@@ -135,9 +135,16 @@ def test_an_image_whose_process_dies_twice_fails_alone_and_its_batch_mates_run()
     pool = PixelPool(1, SPEC, LoadRules())
     try:
         futures = [pool.submit(source) for source in [heavy, *light]]
-        for _ in range(2):  # while the heavy image is being decoded: it alone holds that much memory
-            wait_until(lambda: any(resident_mb(p) > 100 for p in decode_processes()), 120, 0.005, what="decoding")
-            os.kill(next(p for p in decode_processes() if resident_mb(p) > 100), signal.SIGKILL)
+        killed: list[int] = []  # a killed process can linger in /proc, still that large, for a while
+
+        def found_heavy() -> bool:  # while the heavy image is decoded: it alone holds that much memory
+            heavy = [p for p in decode_processes() if p not in killed and resident_mb(p) > 100]
+            killed.extend(heavy[:1])
+            return bool(heavy)
+
+        for _ in range(2):
+            wait_until(found_heavy, 120, 0.005, what="decoding")
+            os.kill(killed[-1], signal.SIGKILL)
         pixels, error, _ = futures[0].result(timeout=120)
         assert pixels is None and error.startswith("ImageError: the image decoding process died on this image")
         for future, source in zip(futures[1:], light, strict=True):
