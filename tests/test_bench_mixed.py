@@ -45,7 +45,7 @@ def test_bench_runs_end_to_end_on_cpu(tmp_path, tiny_model_dir):
     assert report["error_count"] == 0 and report["interactive_jobs"] == 3
     assert len(report["idle_latencies_s"]) == len(report["interactive_latencies_s"]) == 3
     assert report["p99_ratio"] == report["interactive_p99_s"] / report["idle_p99_s"] > 0
-    assert report["bulk_done"] > 0 and report["high_lane_slots"] == 1
+    assert report["bulk_done"] > 0 and report["bulk_images_per_s_alone"] is not None and report["high_lane_slots"] == 1
     json_path, png = write_mixed_report(report, tmp_path / "results")
     assert json_path.name == "mixed-cpu.json" and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert set(json.loads(json_path.read_text())) >= KEYS

@@ -2,7 +2,8 @@
 
 1. Idle: `interactive` high-lane jobs arrive at `rate` per second on an otherwise idle worker.
 2. Mixed: `bulk_images` normal-lane jobs are queued at once (more than the worker gets through in
-   the phase, so its running set stays full), and after `lead_s` the interactive jobs arrive again
+   the phase, so its running set stays full), and `lead_s` after the first of them ends (the
+   pipeline full, however long the first batch took) the interactive jobs arrive again
    at the same rate: the same image bytes plus one trailing byte (the same pixels and decode work,
    a new hash, so no cache serves them). Bulk jobs left when the last interactive job ends are
    canceled.
@@ -40,7 +41,7 @@ class MixedBench:
     bulk_images: int = 6144  # more than the worker gets through: the rest are canceled
     interactive: int = 120  # per phase; p99 then lies between the 2nd and 3rd slowest (with 60: the 2 slowest)
     rate: float = 1.0  # interactive jobs per second, both phases
-    lead_s: float = 10.0  # bulk alone before the mixed phase's interactive jobs
+    lead_s: float = 10.0  # bulk alone, from its first result, before the mixed phase's interactive jobs
     new_tokens: int = 64  # every interactive job, and bulk jobs unless bulk_new_tokens
     bulk_new_tokens: int | None = None
     batch_size: int = 384  # the engine's running sequences (wicore worker --batch-size)
@@ -232,12 +233,14 @@ class BenchRun:
             return [future.result() for future in futures]
 
     def mixed(self, bulk: list[Path], interactive: list[Path]) -> tuple[list[Timed], dict]:
-        """The bulk run, and the interactive jobs beside it once it has run `lead_s` alone."""
+        """The bulk run, and the interactive jobs beside it once it has run `lead_s` alone past
+        its first result."""
         producer = self.bulk_producer
         submissions = [self.submission(p, Lane.NORMAL) for p in bulk]
         queue = f"rq:queue:{producer.rules.bucket(producer.prepare(submissions[0]).job).queue_name}"
         ids = producer.submit_many(submissions)
         tally = BulkTally(producer, ids)
+        tally.first_ended.wait(timeout=1800)
         time.sleep(self.bench.lead_s)
         queued: list[int] = []
         window = [time.perf_counter()]
@@ -263,12 +266,14 @@ class BulkTally:
     def __init__(self, producer, ids: list[str]):
         self.start = time.perf_counter()
         self.ended: list[tuple[float, bool]] = []  # (perf_counter, finished with a result)
+        self.first_ended = threading.Event()
         self.thread = threading.Thread(target=self._collect, args=(producer, ids), daemon=True)
         self.thread.start()
 
     def _collect(self, producer, ids: list[str]) -> None:
         for outcome in producer.wait(ids, timeout=3600):
             self.ended.append((time.perf_counter(), outcome.result is not None))
+            self.first_ended.set()
 
     def join(self) -> None:
         self.thread.join(timeout=600)

@@ -211,7 +211,9 @@ def mixed(
     interactive: int = typer.Option(None, min=2, help="Interactive (high-lane) jobs per phase [120; tiny 20]."),
     rate: float = typer.Option(None, min=0.01, help="Interactive jobs per second [1; tiny 2]."),
     lead_s: float = typer.Option(
-        None, min=0, help="Seconds of bulk alone before phase 2's interactive jobs [10; tiny 3]."
+        None,
+        min=0,
+        help="Seconds of bulk alone, from its first result, before phase 2's interactive jobs [10; tiny 3].",
     ),
     new_tokens: int = typer.Option(None, min=1, help="New tokens of an interactive job [64; tiny 32]."),
     bulk_new_tokens: int = typer.Option(None, min=1, help="New tokens of a bulk job [as --new-tokens; tiny 256]."),
