@@ -117,6 +117,23 @@ def wait_until(predicate, timeout: float, interval: float = 0.05, what: str = "c
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
+def kill_holding_pid(pid: int, held, timeout: float = 120):
+    """kill -9 process `pid` at a moment `held()` is truthy, read while it is frozen (SIGSTOP), a
+    tenth of a second after the freeze so a write it sent just before lands first; else let it run
+    a little and look again. Returns what `held()` read."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        os.kill(pid, signal.SIGSTOP)
+        time.sleep(0.1)
+        seen = held()
+        if seen:
+            os.kill(pid, signal.SIGKILL)
+            return seen
+        os.kill(pid, signal.SIGCONT)
+        time.sleep(0.02)
+    raise AssertionError(f"process {pid} never held anything within {timeout}s")
+
+
 def all_values(connection: Redis) -> list[bytes]:
     """Every stored value of every key (strings, hashes, lists, sets, zsets, streams)."""
     values: list[bytes] = []

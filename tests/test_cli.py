@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import json
 import re
-import signal
 
 import pytest
 from redis import Redis
 from rq.job import Job, JobStatus
 from rq.registry import StartedJobRegistry
 
-from tests.helpers import start_worker, stop, wait_until, wicore, write_images
+from tests.helpers import kill_holding_pid, start_worker, stop, wait_until, wicore, write_images
 from wicore.embedded import EmbeddedRedis
 
 pytestmark = pytest.mark.slow
@@ -152,9 +151,9 @@ def test_kill_9_mid_batch_then_new_worker_finishes_every_job_once(tmp_path, serv
     queue_name = Job.fetch(ids[0], connection=connection).origin
     doomed = start_worker(*args, env=env, log=tmp_path / "doomed.log")
     wait_until(lambda: StartedJobRegistry(queue_name, connection=connection).count > 0, 120, what="a started batch")
-    stop(doomed, signal.SIGKILL)
-    in_flight = StartedJobRegistry(queue_name, connection=connection).get_job_ids()
-    assert in_flight, "the kill landed in the middle of a batch"
+    # the kill lands in the middle of a batch
+    kill_holding_pid(doomed.pid, StartedJobRegistry(queue_name, connection=connection).get_job_ids)
+    doomed.wait(timeout=60)
 
     survivor = start_worker(*args, env=env, log=tmp_path / "survivor.log")
     try:

@@ -18,7 +18,7 @@ from tests.fault_rig import Workers, wait_all_ended
 from wicore import keys
 from wicore.embedded import EmbeddedRedis
 
-pytestmark = pytest.mark.faults
+pytestmark = [pytest.mark.faults, pytest.mark.timeout(900)]  # real outages and restarts: minutes on a loaded machine
 
 CLEAR_REFUSALS = ("ValidationError", "ImageError", "ImageTooLarge")
 

@@ -22,7 +22,7 @@ from tests.fault_rig import Feeder, Workers, audit, wait_all_ended
 from tests.helpers import png_bytes, wait_until
 from wicore.embedded import EmbeddedRedis
 
-pytestmark = pytest.mark.faults
+pytestmark = [pytest.mark.faults, pytest.mark.timeout(900)]  # real outages and restarts: minutes on a loaded machine
 
 KILLS = 20
 TIMED_KILLS = {4, 9, 14, 19}  # kills that time an interactive job's recovery

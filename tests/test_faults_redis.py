@@ -24,7 +24,7 @@ from tests.helpers import png_bytes, wait_until
 from wicore import keys
 from wicore.embedded import EmbeddedRedis, free_port
 
-pytestmark = pytest.mark.faults
+pytestmark = [pytest.mark.faults, pytest.mark.timeout(900)]  # real outages and restarts: minutes on a loaded machine
 
 OUTAGES = [("shutdown", 5), ("kill -9", 5), ("shutdown", 30), ("kill -9", 30)]
 NAMES = ["r0", "r1"]
