@@ -233,8 +233,8 @@ class Corpus:
             for name, fields in runnable.items():
                 payload = {**self.base_payload(), "prompt": f"{name} {self._next()}"}
                 self.raw(f"raw-{name}", {RESULT}, data=payload_data(payload), **fields)
-            self.raw("raw-no-hash", {DEAD}, job_id=self._id("raw-no-hash"))
-            self.connection.delete(f"rq:job:{self.planted[-1].job_id}")
+            no_hash = plant_job(self.connection, self.queue, self._id("raw-no-hash"), "no-such-job")  # an id alone
+            self.planted.append(Planted("raw-no-hash", frozenset({DEAD}), no_hash))
             for bad_id in (f"bad id {self._next()}", f"nul\x00{self._next()}", f"slash/{self._next()}"):
                 self.connection.rpush(f"rq:queue:{self.queue}", bad_id)
                 self.planted.append(Planted("raw-bad-id", frozenset({DEAD}), bad_id))

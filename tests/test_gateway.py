@@ -224,6 +224,9 @@ def test_api_keys(keyed):
     ok = httpx.post(keyed + "/v1/jobs", json=body, headers={"Authorization": f"Bearer {KEYS[1]}"})
     assert ok.status_code == 202
     assert httpx.get(keyed + "/health/live").status_code == 200, "probes stay open"
+    with httpx.Client(base_url=keyed, timeout=120, headers={"Authorization": f"Bearer {KEYS[1]}"}) as client:
+        # it ends here, not inside a later test's count of the worker's jobs
+        assert wait_job(client, ok.json()["job_id"])["status"] == "finished"
 
 
 def readme_example(name: str) -> str:

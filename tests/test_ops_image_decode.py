@@ -228,10 +228,10 @@ def test_no_pillow_exception_escapes_from_mutated_files():
     ids=["png 100k x 100k", "png 60 Mpx", "jpeg 60 Mpx", "gif 3.6 Gpx"],
 )
 def test_decompression_bombs_are_refused_from_the_header(data):
-    started = time.perf_counter()
+    started = time.process_time()  # CPU time: a descheduled test is not a slow refusal
     with pytest.raises(ImageTooLarge, match="50,000,000 pixels"):
         decode_image(data)  # a truncated-data ImageError instead would mean decoding had begun
-    assert time.perf_counter() - started < 1.0
+    assert time.process_time() - started < 1.0
     assert len(data) < 1000
 
 
