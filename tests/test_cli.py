@@ -116,7 +116,9 @@ def test_result_exit_codes(tmp_path, server, tiny_model_dir):
     assert worker.wait(timeout=120) == 0
     report = json.loads(stacks.read_text())
     assert report["samples"] > 0 and 0 < sum(share for _, share in report["innermost"]) <= 1.0001
-    assert dict(report["inclusive"])["run (loop.py)"] == 1.0, "every sample is inside BatchingWorker.run"
+    inclusive = dict(report["inclusive"])
+    assert inclusive["run_sampled (daemons.py)"] == 1.0, "every sample is of the thread that runs the loop"
+    assert inclusive["run (loop.py)"] > 0.5, "most inside BatchingWorker.run (a few at its edges, on a loaded machine)"
     connection = Redis.from_url(url)
     [published] = [json.loads(connection.get(key)) for key in connection.scan_iter("wicore:stats:*")]
     assert published["gc_full_collections"] >= 0 and published["gc_full_pause_max_s"] >= 0  # after gc.freeze
