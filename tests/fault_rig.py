@@ -19,7 +19,7 @@ from redis.exceptions import RedisError
 from rq.registry import FailedJobRegistry, FinishedJobRegistry, StartedJobRegistry
 from rq.results import Result
 
-from tests.helpers import wait_until
+from tests.helpers import kill_holding_pid, wait_until
 from wicore import keys
 from wicore.producer import Producer, ProducerConfig, Submission
 from wicore.schemas import GenerationParams, Lane
@@ -55,21 +55,17 @@ class Workers:
         return self.connection.hget(f"rq:worker:{name}", "pid") == str(self.processes[name].pid).encode()
 
     def kill_holding(self, name: str, wanted=bool, timeout: float = 60) -> list[str]:
-        """kill -9 the worker at a moment it holds claimed jobs that `wanted(ids)` accepts: freeze
-        it (SIGSTOP), look at its claims set, kill it if it fits, else let it run a little.
-        Returns the job ids it held when it died."""
+        """kill -9 the worker at a moment it holds claimed jobs that `wanted(ids)` accepts, read
+        while it is frozen (`kill_holding_pid`). Returns the job ids it held when it died."""
         process = self.processes[name]
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            process.send_signal(signal.SIGSTOP)
-            held = [i.decode() for i in self.connection.zrange(keys.claims(name), 0, -1)]
-            if wanted(held):
-                process.send_signal(signal.SIGKILL)
-                process.wait(timeout=30)
-                return held
-            process.send_signal(signal.SIGCONT)
-            time.sleep(0.003)
-        raise AssertionError(f"worker {name} never held the wanted jobs within {timeout}s")
+
+        def held() -> list[str] | None:
+            ids = [i.decode() for i in self.connection.zrange(keys.claims(name), 0, -1)]
+            return ids if wanted(ids) else None
+
+        ids = kill_holding_pid(process.pid, held, timeout)
+        process.wait(timeout=30)
+        return ids
 
     @contextlib.contextmanager
     def frozen(self) -> Iterator[None]:

@@ -118,19 +118,21 @@ def wait_until(predicate, timeout: float, interval: float = 0.05, what: str = "c
 
 
 def kill_holding_pid(pid: int, held, timeout: float = 120):
-    """kill -9 process `pid` at a moment `held()` is truthy, read while it is frozen (SIGSTOP), a
-    tenth of a second after the freeze so a write it sent just before lands first; else let it run
-    a little and look again. Returns what `held()` read."""
+    """kill -9 process `pid` at a moment `held()` is truthy, read while it is frozen (SIGSTOP):
+    when it holds something, looked at again a tenth of a second into the freeze, so a write it
+    sent just before lands first; else it runs a little and is looked at again. Returns what
+    `held()` read last."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         os.kill(pid, signal.SIGSTOP)
-        time.sleep(0.1)
-        seen = held()
-        if seen:
-            os.kill(pid, signal.SIGKILL)
-            return seen
+        if held():
+            time.sleep(0.1)
+            seen = held()
+            if seen:
+                os.kill(pid, signal.SIGKILL)
+                return seen
         os.kill(pid, signal.SIGCONT)
-        time.sleep(0.02)
+        time.sleep(0.003)
     raise AssertionError(f"process {pid} never held anything within {timeout}s")
 
 
