@@ -5,7 +5,10 @@ password-protected (requirepass); nothing here loads a model."""
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -193,6 +196,39 @@ def test_enqueue_names_each_input_and_reports_each_it_could_not_enqueue(tmp_path
     connection = Redis.from_url(locked.url)
     for job_id, item in pairs:  # rq-dashboard shows which input a job is
         assert Job.fetch(job_id, connection=connection, serializer=JSONSerializer).description == f"caption {item}"
+
+
+def without(module: str, *args: str, env: dict) -> subprocess.CompletedProcess:
+    """`wicore ARGS` in a Python where `module` cannot be imported, as if its extra were not
+    installed (None in sys.modules: Python's own way to make an import fail)."""
+    code = (
+        f"import sys; sys.modules[{module!r}] = None\nfrom wicore.cli.main import main\nsys.argv[1:] = {args!r}\nmain()"
+    )
+    return subprocess.run([sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "module, verb, says",
+    [
+        (
+            "matplotlib",
+            ["bench", "mixed", "--preset", "tiny"],
+            "matplotlib is not installed: pip install 'wicore[bench]'",
+        ),
+        ("fastapi", ["serve", "--port", str(free_port())], "fastapi is not installed: pip install 'wicore[serve]'"),
+        ("torch", ["worker", "--burst"], "torch is not installed: pip install 'wicore[worker]'"),
+        ("PIL", ["worker", "--burst"], "PIL (pillow) is not installed: pip install 'wicore[worker]'"),
+    ],
+)
+def test_a_missing_extra_is_one_line_naming_what_to_install(module, verb, says, tmp_path, locked, env):
+    scratch = tmp_path / "scratch"
+    args = [*verb, *(["--workdir", str(scratch)] if verb[0] == "bench" else ["--redis-url", locked.url])]
+    run = without(module, *args, env=env)
+    assert run.returncode == USAGE and run.stderr.strip().splitlines() == [f"error: {says}"], run.stderr
+    assert PASSWORD not in run.stdout + run.stderr
+    assert not scratch.exists(), "a benchmark checks for its plots before it runs, not at its end"
+    assert without(module, *verb, "--help", env=env).returncode == 0, "--help needs no extra"
 
 
 def test_redact_hides_passwords_in_any_url():

@@ -8,6 +8,9 @@ from pathlib import Path
 import typer
 
 from wicore.cli.common import console, friendly_errors
+from wicore.cli.failures import require
+
+PLOTS = "matplotlib"  # each result's PNG: checked before a run, not at its end
 
 app = typer.Typer(help="Benchmarks (each runs its peer in the same run and prints a ratio).", no_args_is_help=True)
 
@@ -22,6 +25,8 @@ def queue(
     out: Path = typer.Option(None, help="Folder to write queue-<host>.json and .png into (e.g. bench/results)."),
 ) -> None:
     """Batching worker (null engine) vs plain RQ SimpleWorker on the same jobs."""
+    if out is not None:
+        require(PLOTS)
     from wicore.bench.queue_bench import run_bench
     from wicore.embedded import redis_url_or_embedded
 
@@ -55,6 +60,8 @@ def http(
     out: Path = typer.Option(Path("bench/results"), help="Folder for http-<host>.json and .png."),
 ) -> None:
     """Submitting through the gateway (`wicore serve`) vs the Python producer, on the same jobs."""
+    require(PLOTS)
+    require("fastapi")  # the gateway it starts
     from wicore.bench.http_bench import run_bench, write_results
     from wicore.embedded import redis_url_or_embedded
 
@@ -109,6 +116,7 @@ def caption(
 ) -> None:
     """Bulk captioning on the GPU: the whole product vs HF generate, with the roofline; with
     --gpus N, the whole product on N GPUs vs on one; with --dtype fp8, bf16 vs FP8 GEMMs."""
+    require(PLOTS)
     from wicore.bench.caption_bench import CaptionBench
     from wicore.cli.common import engine_options
     from wicore.errors import ConfigError
@@ -226,6 +234,7 @@ def mixed(
 ) -> None:
     """Interactive high-lane jobs at a steady rate on an idle worker, then beside a bulk run that
     keeps the worker full, in one run: their p50/p99 latency (submit to result) both ways."""
+    require(PLOTS)
     from wicore.bench.mixed_bench import preset_bench, print_mixed_report, run_mixed_bench, write_mixed_report
     from wicore.cli.common import engine_options
 
@@ -255,6 +264,7 @@ def cache_bench(
 ) -> None:
     """Tier caches on the GPU: VQA speedup, CPU-tier restore bandwidth, duplicates, policies; the device's busy share
     of each timed run."""
+    require(PLOTS)
     from wicore.bench.cache_bench import CacheBench, run_cache_bench
     from wicore.bench.cache_report import write_cache_report
 

@@ -23,7 +23,7 @@ from wicore.errors import ConfigError, RedisUnavailable, WicoreError
 class ExitCode(IntEnum):
     OK = 0
     FAILED = 1  # some jobs or inputs failed (or were canceled); their lines say why
-    USAGE = 2  # a flag, argument, setting, input path or model directory is wrong
+    USAGE = 2  # a flag, argument, setting, input path or model directory is wrong, or an extra is missing
     UNFINISHED = 3  # `result`: some jobs had not ended when --wait ran out
     REDIS = 4  # Redis is unreachable, refuses the credentials, or refuses writes
     WORKERS = 5  # `caption`: the worker processes exited before the work was done
@@ -34,7 +34,7 @@ class ExitCode(IntEnum):
 EXIT_MEANING = {
     ExitCode.OK: "success",
     ExitCode.FAILED: "some jobs or inputs failed or were canceled (their lines say why)",
-    ExitCode.USAGE: "bad flag, argument, setting, input path or model directory",
+    ExitCode.USAGE: "bad flag, argument, setting, input path or model directory, or a missing extra (pip install)",
     ExitCode.UNFINISHED: "some jobs had not ended when --wait ran out",
     ExitCode.REDIS: "Redis unreachable, refused the credentials, or refuses writes",
     ExitCode.WORKERS: "the worker processes exited before the work was done",
@@ -88,6 +88,64 @@ def _problem(error: dict) -> str:
     return f"{where}: {'unknown setting' if error['type'] == 'extra_forbidden' else error['msg']}"
 
 
+# Import names that differ from the name pip installs them by.
+_DISTRIBUTION_OF_MODULE = {
+    "PIL": "pillow",
+    "multipart": "python-multipart",
+    "cudnn": "nvidia-cudnn-frontend",
+    "cuda": "cuda-bindings",
+    "yaml": "pyyaml",
+}
+_EXTRA_REQUIREMENT = re.compile(r'\s*([A-Za-z0-9][A-Za-z0-9._-]*)[^;]*;.*\bextra\s*==\s*"([^"]+)"')
+
+
+def _normalized(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def extra_for(module: str) -> str | None:
+    """The extra of wicore's (pyproject's optional-dependencies, as the installed metadata lists
+    them) that installs the top-level module `module` is part of: 'bench' for matplotlib, 'worker'
+    for torch; an extra other than `test` where there is one. None if no extra does."""
+    from importlib import metadata
+
+    top = module.split(".")[0]
+    wanted = _normalized(_DISTRIBUTION_OF_MODULE.get(top, top))
+    try:
+        requirements = metadata.requires("wicore") or []
+    except metadata.PackageNotFoundError:
+        return None
+    extras = [m[2] for m in map(_EXTRA_REQUIREMENT.match, requirements) if m and _normalized(m[1]) == wanted]
+    return next((e for e in extras if e != "test"), extras[0] if extras else None)
+
+
+def _installed(module: str) -> bool:
+    from importlib.util import find_spec
+
+    try:
+        return find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def require(module: str) -> None:
+    """Fail now, in the one line that names the extra to install, when the top-level `module` is
+    not installed: before a long run, not at its end."""
+    if not _installed(module):
+        raise ModuleNotFoundError(f"No module named {module!r}", name=module)
+
+
+def _missing_extra(exc: ModuleNotFoundError) -> str | None:
+    """The line for a missing top-level module that an extra of ours installs, else None (a
+    module missing inside an installed package is a bug, not a missing extra)."""
+    top = (exc.name or "").split(".")[0]
+    if not top or _installed(top):
+        return None
+    extra = extra_for(top)
+    name = f"{top} ({_DISTRIBUTION_OF_MODULE[top]})" if top in _DISTRIBUTION_OF_MODULE else top
+    return f"{name} is not installed: pip install 'wicore[{extra}]'" if extra else None
+
+
 def describe(exc: BaseException) -> tuple[ExitCode | int, str]:
     """(exit code, the line to print) for any exception that ends a verb."""
     from redis.exceptions import RedisError
@@ -104,6 +162,8 @@ def describe(exc: BaseException) -> tuple[ExitCode | int, str]:
         return ExitCode.REDIS, f"Redis failed: {exc} (is it still up? check --redis-url / WICORE_REDIS_URL)"
     if isinstance(exc, WicoreError):
         return getattr(exc, "exit_code", ExitCode.FAILED), str(exc)
+    if isinstance(exc, ModuleNotFoundError) and (line := _missing_extra(exc)):
+        return ExitCode.USAGE, line
     if isinstance(exc, OSError) and exc.filename is not None:
         return ExitCode.FAILED, f"{exc.filename}: {exc.strerror or exc}"
     return ExitCode.INTERNAL, f"unexpected {type(exc).__name__}: {exc} (a bug: rerun with --debug for the traceback)"
