@@ -105,8 +105,8 @@ def _normalized(name: str) -> str:
 
 def extra_for(module: str) -> str | None:
     """The extra of wicore's (pyproject's optional-dependencies, as the installed metadata lists
-    them) that installs the top-level module `module` is part of: 'bench' for matplotlib, 'worker'
-    for torch; an extra other than `test` where there is one. None if no extra does."""
+    them) whose packages include the one `module` is imported from: 'bench' for matplotlib,
+    'worker' for torch or PIL; an extra other than `test` where there is one; None if none does."""
     from importlib import metadata
 
     top = module.split(".")[0]
