@@ -3,7 +3,6 @@ producer feeding jobs from a thread, and the audit of every job's final state in
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import subprocess
@@ -11,7 +10,6 @@ import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 
 from redis import Redis
@@ -66,20 +64,6 @@ class Workers:
         ids = kill_holding_pid(process.pid, held, timeout)
         process.wait(timeout=30)
         return ids
-
-    @contextlib.contextmanager
-    def frozen(self) -> Iterator[None]:
-        """Every running worker stopped (SIGSTOP) inside the block, so what they hold in Redis
-        cannot change under the caller; continued (SIGCONT) on the way out."""
-        running = [p for p in self.processes.values() if p.poll() is None]
-        for process in running:
-            process.send_signal(signal.SIGSTOP)
-        try:
-            yield
-        finally:
-            for process in running:
-                if process.poll() is None:
-                    process.send_signal(signal.SIGCONT)
 
     def alive(self) -> list[str]:
         return [name for name, p in self.processes.items() if p.poll() is None]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import signal
@@ -117,23 +118,33 @@ def wait_until(predicate, timeout: float, interval: float = 0.05, what: str = "c
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
-def kill_holding_pid(pid: int, held, timeout: float = 120):
-    """kill -9 process `pid` at a moment `held()` is truthy, read while it is frozen (SIGSTOP):
-    when it holds something, looked at again a tenth of a second into the freeze, so a write it
-    sent just before lands first; else it runs a little and is looked at again. Returns what
-    `held()` read last."""
+def at_a_frozen_moment(pids: list[int], held, act, timeout: float = 120):
+    """Call `act()` at a moment the processes `pids` hold something, read while they are frozen
+    (SIGSTOP): when `held()` is truthy it is read again a tenth of a second into the freeze, so a
+    write sent just before lands first, and `act` runs only if it still is; they continue
+    (SIGCONT) after each look, `act` included. Returns what `held()` read last."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        os.kill(pid, signal.SIGSTOP)
-        if held():
-            time.sleep(0.1)
-            seen = held()
-            if seen:
-                os.kill(pid, signal.SIGKILL)
-                return seen
-        os.kill(pid, signal.SIGCONT)
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            if held():
+                time.sleep(0.1)
+                if seen := held():
+                    act()
+                    return seen
+        finally:
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):  # `act` may have killed it
+                    os.kill(pid, signal.SIGCONT)
         time.sleep(0.003)
-    raise AssertionError(f"process {pid} never held anything within {timeout}s")
+    raise AssertionError(f"processes {pids} never held anything within {timeout}s")
+
+
+def kill_holding_pid(pid: int, held, timeout: float = 120):
+    """kill -9 process `pid` at a moment `held()` is truthy (`at_a_frozen_moment`). Returns what
+    `held()` read."""
+    return at_a_frozen_moment([pid], held, lambda: os.kill(pid, signal.SIGKILL), timeout)
 
 
 def all_values(connection: Redis) -> list[bytes]:

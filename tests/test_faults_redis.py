@@ -20,7 +20,7 @@ from redis import Redis
 from redis.exceptions import RedisError
 
 from tests.fault_rig import Feeder, Workers, audit, wait_all_ended
-from tests.helpers import png_bytes, wait_until
+from tests.helpers import at_a_frozen_moment, png_bytes, wait_until
 from wicore import keys
 from wicore.embedded import EmbeddedRedis, free_port
 
@@ -76,19 +76,13 @@ def test_workers_ride_out_redis_outages(tmp_path):
 
 
 def stop_redis_while_holding(server: EmbeddedRedis, connection: Redis, workers: Workers, how: str) -> dict:
-    """Stop Redis at a moment the workers hold jobs: wait until they hold some, freeze them, let a
-    settle written just before the freeze land, and stop Redis if they still hold jobs (they
-    continue after it is down). {job id: (worker, execution id)} of what they held."""
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        wait_until(lambda: claims_with_executions(connection), 60, interval=0.002, what="a worker holding jobs")
-        with workers.frozen():
-            time.sleep(0.1)
-            held = claims_with_executions(connection)
-            if held:
-                stop_redis(server, connection, how)
-                return held
-    raise AssertionError("no worker held jobs at a moment it was frozen")
+    """Stop Redis at a moment the workers hold jobs, read while they are frozen
+    (`at_a_frozen_moment`; they continue once it is down). {job id: (worker, execution id)} of
+    what they held."""
+    pids = [workers.processes[name].pid for name in workers.alive()]
+    return at_a_frozen_moment(
+        pids, lambda: claims_with_executions(connection), lambda: stop_redis(server, connection, how)
+    )
 
 
 def claims_with_executions(connection: Redis) -> dict[str, tuple[str, str]]:
