@@ -27,9 +27,11 @@ from wicore.ops.fp8 import AMAX_FLOOR, E4M3, E4M3_MAX
 from wicore.ops.fp8_attention import padded_head_dim
 from wicore.ops.fp8_triton import empty_quantized_rows
 
-# The scalars cuDNN reads, in one float32 buffer written by the quantizing pass: descale_q, _k,
-# _v, descale_s, scale_s, scale_o (in the order `_Plan.scalars` names them), then descale_o.
-SCALARS = 7
+# One float32 buffer a call: the amax pass's 3 maxima, then the scalars cuDNN reads (written by the
+# quantizing pass: descale_q, _k, _v, descale_s, scale_s, scale_o, in the order `_Plan.scalars`
+# names them; O is dequantized by descale_v, as scale_o is 448 / amax_v), then 2 amaxes cuDNN
+# writes and nobody reads.
+AMAXES, SCALARS, UNUSED = 3, 6, 2
 AMAX_BLOCK = (64, 128)  # rows x columns a program of the amax pass reads
 QUANTIZE_ROWS = 64
 REQUANTIZE_ROWS = 8
@@ -74,7 +76,6 @@ def _pad_quantize_kernel(
         tl.store(scalars + 3, 1.0 / fp8_max)  # probabilities <= 1 land on 448
         tl.store(scalars + 4, fp8_max)
         tl.store(scalars + 5, fp8_max / amax_v)  # |O| <= max |v|
-        tl.store(scalars + 6, amax_v / fp8_max)
 
 
 @triton.jit
@@ -83,14 +84,14 @@ def _requantize_kernel(
     HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PADDED: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
-    """Program (row block): rows of O [rows, HEADS, PADDED] (e4m3 at SCALE_O) -> e4m3 [rows,
-    HEADS * HEAD_DIM] at a scale per row, and the scales [rows, 1]."""
+    """Program (row block): rows of O [rows, HEADS, PADDED] (e4m3 at scale_o = 1 / descale_v) ->
+    e4m3 [rows, HEADS * HEAD_DIM] at a scale per row, and the scales [rows, 1]."""
     r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     c = tl.arange(0, BLOCK_H * BLOCK_D)
     head, d = c // BLOCK_D, c % BLOCK_D
     inside = (r[:, None] < rows) & ((head < HEADS) & (d < HEAD_DIM))[None, :]
     x = tl.load(o + (r[:, None] * HEADS + head[None, :]) * PADDED + d[None, :], mask=inside, other=0.0)
-    x = x.to(tl.float32) * tl.load(scalars + 6)  # descale_o
+    x = x.to(tl.float32) * tl.load(scalars + 2)  # descale_v undoes scale_o
     row_amax = tl.maximum(tl.max(tl.abs(x), axis=1), floor)
     y = tl.clamp(x * (fp8_max / row_amax)[:, None], -fp8_max, fp8_max)
     tl.store(out + r[:, None] * (HEADS * HEAD_DIM) + head[None, :] * HEAD_DIM + d[None, :], y.to(out.dtype.element_ty),
@@ -176,8 +177,8 @@ def fp8_attention(qkv: torch.Tensor, batch: int, heads: int, head_dim: int) -> t
         return out, out_scale
     handle, plan = _plan(device, batch, heads, rows // batch, head_dim)
     padded = plan.padded
-    amax = torch.zeros(3, dtype=torch.float32, device=device)
-    scalars = torch.empty(SCALARS, dtype=torch.float32, device=device)
+    floats = torch.zeros(AMAXES + SCALARS + UNUSED, dtype=torch.float32, device=device)
+    amax, scalars, unused_amaxes = floats.split((AMAXES, SCALARS, UNUSED))
     qkv8 = torch.empty((3, rows, heads, padded), dtype=E4M3, device=device)
     o8 = torch.empty((rows, heads, padded), dtype=E4M3, device=device)
     block_m, block_c = AMAX_BLOCK
@@ -188,7 +189,6 @@ def fp8_attention(qkv: torch.Tensor, batch: int, heads: int, head_dim: int) -> t
         qkv, qkv8, amax, scalars, rows, rows // batch, qkv.stride(0), qkv8[0].numel(), AMAX_FLOOR, E4M3_MAX,
         HEADS=heads, HEAD_DIM=head_dim, PADDED=padded, BLOCK_M=QUANTIZE_ROWS, BLOCK_D=triton.next_power_of_2(padded),
     )  # fmt: skip
-    unused_amaxes = torch.empty(2, dtype=torch.float32, device=device)
     pack = {plan.qkv[i]: qkv8[i] for i in range(3)}
     pack.update({tensor: scalars[i : i + 1] for i, tensor in enumerate(plan.scalars)})
     pack.update({plan.o: o8, plan.amaxes[0]: unused_amaxes[0:1], plan.amaxes[1]: unused_amaxes[1:2]})
