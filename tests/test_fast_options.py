@@ -38,6 +38,10 @@ def test_resolved_defaults_on_cpu_and_cuda():
     assert (cuda.compile_vision, cuda.compile_text, cuda.cuda_graphs) == (True, True, True)
     assert cpu.graph_batch_sizes == cpu.graph_prefill_tokens == () and cuda.graph_batch_sizes == (1, 2, 4, 8)
     assert (cpu.dense_prefill_graphs, cuda.dense_prefill_graphs) == (0, 4)  # graphs are CUDA's
+    assert (cpu.vision_graph, cuda.vision_graph) == (False, True)
+    assert not resolve({"vision_graph": False}, cuda=True).vision_graph
+    assert not resolve({"cuda_graphs": False}, cuda=True).vision_graph  # with the other graphs only
+    assert (cuda.decode_interval_s, resolve({"decode_interval_ms": 100}, cuda=True).decode_interval_s) == (0, 0.1)
     assert (cpu.preprocess_threads, cuda.preprocess_threads) == (0, 8)
     assert (cpu.vision_cache_bytes, cuda.vision_cache_bytes) == (64 * 2**20, 2 * 2**30)
     assert (cpu.host_cache_bytes, cuda.host_cache_bytes) == (0, 4 * 2**30)

@@ -146,3 +146,44 @@ def test_a_better_lane_waiting_for_pages_holds_nothing_back():
     planner.add(high)
     assert ids(planner.schedule_vision(1)) == ["b2", "b3"] and high.status == SeqStatus.WAITING
     assert planner.lead_rank is None and ids(planner.schedule_model()[1]) == ["b0", "b1"], "their end frees pages"
+
+
+def test_paced_decode_waits_only_while_vision_runs():
+    layout = KVLayout.build(text_config([S, F], window=8), block_size=4, max_model_len=64)
+    planner = StepPlanner(layout, BlockManager(500), max_rows=3, vision_batch=8, prefill_tokens=64, decode_interval=60)
+    seqs = [sequence(f"s{i}", 5, 4) for i in range(2)]
+    for seq in seqs:
+        planner.add(seq)
+    planner.schedule_vision(1)
+    planner.prefilled(seqs)
+    assert planner.schedule_model(vision_busy=True) == ([], seqs), "the first decode batch goes"
+    assert planner.decode_due_in() == float("inf")
+    assert planner.schedule_model(vision_busy=True) == ([], []), "then waits while vision keeps the device busy"
+    assert 59 < planner.decode_due_in() <= 60
+    assert planner.schedule_model(vision_busy=False) == ([], seqs), "never while the device would idle"
+    assert planner.schedule_model(vision_busy=True) == ([], [])
+    planner.last_decode -= 60
+    assert planner.schedule_model(vision_busy=True) == ([], seqs), "and at most the interval"
+
+    high = sequence("high", 5, 4, lane=Lane.HIGH)
+    planner.add(high)
+    planner.schedule_vision(1)
+    planner.prefilled([high])
+    # The high-lane sequence leads: it decodes alone, and at once; so does a full batch.
+    assert planner.schedule_model(vision_busy=True) == ([], [high])
+    planner.finish(high)
+    third = sequence("s2", 5, 4)
+    planner.add(third)
+    planner.schedule_vision(1)
+    planner.prefilled([third])
+    assert planner.schedule_model(vision_busy=True) == ([], [*seqs, third]), "3 rows: full"
+
+
+def test_decode_is_never_paced_by_default():
+    layout = KVLayout.build(text_config([S, F], window=8), block_size=4, max_model_len=64)
+    planner = StepPlanner(layout, BlockManager(500), max_rows=8, vision_batch=8, prefill_tokens=64)
+    seq = sequence("s", 5, 4)
+    planner.add(seq)
+    planner.schedule_vision(1)
+    planner.prefilled([seq])
+    assert [planner.schedule_model(vision_busy=True)[1] for _ in range(3)] == [[seq]] * 3

@@ -112,6 +112,7 @@ class FastEngine(Engine):
             opts.max_prefill_tokens,
             self.tiers.holds,
             opts.prefix_split_images,
+            opts.decode_interval_s,
         )
         threads = opts.preprocess_threads
         self.pool = PriorityPool(threads, "wicore-pixels") if threads else None  # a better lane's images first
@@ -141,6 +142,8 @@ class FastEngine(Engine):
             runner.compile_vision(opts.vision_batch_size, opts.vision_compile_mode)
         if opts.compile_text:
             runner.compile_text()
+        if opts.vision_graph:  # before the KV budget: the graph's memory pool stays taken
+            runner.capture_vision(opts.vision_batch_size)
         num_pages = plan_pages(
             runner,
             override=opts.num_kv_blocks,
@@ -266,7 +269,7 @@ class FastEngine(Engine):
             self.counters.record_vision(self.images.launch(vision, urgent=self.planner.lead_rank is not None))
             self.images.collect()  # on CPU it is done already
         self.tiers.land()
-        prefill, decode = self.planner.schedule_model()
+        prefill, decode = self.planner.schedule_model(vision_busy=self.images.num_queued > 0)
         # Decode first: the device runs it while the host launches the prefill (a short
         # prefix-cached prefill costs more host time than device time).
         launched = 0
@@ -334,8 +337,8 @@ class FastEngine(Engine):
     def _wait_for_work(self) -> None:
         """Nothing ran this step: wait (briefly, so the worker can keep admitting) for what
         everything waits on instead of spinning."""
-        if self.images.num_queued:
-            self.images.wait(IDLE_WAIT_S)
+        if self.images.num_queued:  # until it finishes, or a paced decode batch is due
+            self.images.wait(min(IDLE_WAIT_S, self.planner.decode_due_in()))
         elif self.readbacks:
             self.readbacks.wait_oldest()
         elif self.planner.waiting:

@@ -23,6 +23,13 @@ or restored from a lower tier). The decode batch is ordered by pages, so the sha
 sit side by side: the attention kernel's neighbouring programs read those pages at about the
 same time, the later reads from L2 (~11% of the kernel's time for pairs, over sharers spread
 through the batch; docs/performance.md).
+
+Decode pacing (`decode_interval`, bulk throughput): a decode step costs a fixed part (the weights'
+reads, the launches) plus a part per sequence. While a vision batch keeps the device busy, the
+decode batch may wait until `decode_interval` after the last decode step, so it runs less often
+and larger and the tower gets the device time saved. A full batch, or one holding a sequence of
+the best lane, never waits, nor does any when no vision batch is on the device (the device
+would idle).
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ from wicore.engines.fast.sequence import KVSlot, SeqStatus, Sequence
 from wicore.engines.kvcache.block_manager import BlockManager
 from wicore.engines.kvcache.kv_layout import KVLayout
 from wicore.engines.kvcache.prefix_admission import LowerTiers, place_cached
+from wicore.schemas import Lane
 
 # Key cells a prefill may gather per layer ([batch, longest prompt]), per token of its budget: a
 # batch of short suffixes over cached prefixes reads many more keys than it computes tokens. The
@@ -58,8 +66,12 @@ class StepPlanner:
         prefill_tokens: int,
         lower: LowerTiers = _no_lower_tier,  # whether the host / disk tier holds a block
         split_images: bool = False,  # a cached prefix may end inside an image (`usable_prefix`)
+        decode_interval: float = 0.0,  # seconds (module docstring: decode pacing)
     ):
         self.layout, self.blocks, self.lower, self.split_images = layout, blocks, lower, split_images
+        self.max_rows, self.decode_interval = max_rows, decode_interval
+        self.last_decode = -float("inf")  # perf_counter of the last decode batch handed out
+        self.decode_paced = False  # the last `schedule_model` held its decode batch back
         self.vision_batch, self.prefill_tokens = vision_batch, prefill_tokens
         self.key_cells = KEY_CELLS * prefill_tokens
         self.free_rows = deque(range(max_rows))
@@ -116,13 +128,31 @@ class StepPlanner:
         admitted, self.newly_admitted = self.newly_admitted, []
         return admitted
 
-    def schedule_model(self) -> tuple[list[Sequence], list[Sequence]]:
-        """(prefill batch, decode batch) of this step."""
+    def schedule_model(self, vision_busy: bool = False) -> tuple[list[Sequence], list[Sequence]]:
+        """(prefill batch, decode batch) of this step; `vision_busy`: a vision batch is on the
+        device, so the decode batch may wait (module docstring: decode pacing)."""
         lead = self.lead_rank
         decode = [s for s in self.admitted if s.wants_decode and (lead is None or s.rank <= lead)]
+        now = time.perf_counter()
+        self.decode_paced = bool(decode) and vision_busy and self._decode_waits(decode, now)
+        if self.decode_paced:
+            decode = []
+        if decode:
+            self.last_decode = now
         if self.blocks.cache is not None:
             decode.sort(key=_pages_key)  # sharers of a prefix side by side (module docstring)
         return self._take_prefill(lead), decode
+
+    def decode_due_in(self) -> float:
+        """Seconds until the decode batch this step held back goes anyway (inf: none held back)."""
+        if not self.decode_paced:
+            return float("inf")
+        return max(0.0, self.last_decode + self.decode_interval - time.perf_counter())
+
+    def _decode_waits(self, decode: list[Sequence], now: float) -> bool:
+        if len(decode) >= self.max_rows or min(seq.rank for seq in decode) == Lane.HIGH.rank:
+            return False
+        return now < self.last_decode + self.decode_interval
 
     def _admit(self) -> None:
         while self.waiting and self.free_rows:
