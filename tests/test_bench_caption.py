@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests.helpers import wicore
-from wicore.bench.caption_bench import CaptionBench, parity, run_caption_bench, worker_command
+from wicore.bench.caption_bench import CaptionBench, host_stacks, parity, run_caption_bench, worker_command
 from wicore.bench.caption_scaling import (
     RUN_KEYS,
     gpu_count_check,
@@ -97,6 +97,7 @@ def test_bench_without_the_hf_peer_on_the_fast_engine_with_decode_processes(tmp_
     )
     stacks = report["host_stacks"]  # the loop thread sampled: the whole run, and the timed window's start apart
     assert stacks["samples"] > stacks["start"]["samples"] > 0 and "recent" not in stacks
+    assert stacks["dips"] == [], "no GPU, no busy share a second"
     assert 0 < sum(share for _, share in stacks["start"]["innermost"]) <= 1.01, "shares of the window's samples"
     assert report["hf_images_per_s"] is None and report["parity_vs_hf_best_batch"] is None
     assert '"decode_processes": 2' in (tmp_path / "worker.log").read_text(), "the worker was told"
@@ -105,6 +106,21 @@ def test_bench_without_the_hf_peer_on_the_fast_engine_with_decode_processes(tmp_
     print_caption_report(report)
     assert "not run (--no-hf)" in capsys.readouterr().out
     assert write_caption_report(report, tmp_path / "results")[1].stat().st_size > 0
+
+
+def test_the_seconds_the_gpu_idled_in_get_their_own_tables(tmp_path):
+    """Past the start's window, each second under 0.95 busy gets the loop thread's samples taken in
+    it, by place; the busy seconds and the start get none."""
+    places = ["claim (loop.py:1)", "step (engine.py:2)"]
+    # 10 samples a second from t=1000: the loop claims in second 3, steps in every other second
+    samples = [[1000 + i / 10, 0 if 30 <= i < 40 else 1] for i in range(50)]
+    path = tmp_path / "stacks.json"
+    path.write_text(json.dumps({"samples": 50, "innermost": [], "recent": {"places": places, "samples": samples}}))
+    report = host_stacks(path, 1000.0, [0.4, 0.5, 0.99, 0.6, None])
+    assert report["start"]["samples"] == 21 and "recent" not in report
+    assert report["dips"] == [
+        {"second": 3, "busy": 0.6, "samples": 11, "innermost": [[places[0], 0.9091], [places[1], 0.0909]]}
+    ]
 
 
 def test_scaling_is_the_ratio_of_the_two_runs_and_its_share_of_perfect():

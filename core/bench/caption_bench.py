@@ -24,6 +24,8 @@ from wicore.schemas import DEFAULT_PROMPT
 MODEL_ID = "gemma3-4b"
 START_JOBS = 32  # the first jobs submitted, whose timings show how the pipeline fills (`start_timeline`)
 START_WINDOW_S = 2.0  # the timed window's first seconds, apart in the sampled loop thread's report
+DIP_BUSY = 0.95  # a later second whose GPU busy share is below this gets its own sampled table
+DIP_ROWS = 8  # rows of each such table
 
 
 @dataclass
@@ -147,20 +149,27 @@ def run_product(
         "engine_stats": stats[names[0]],
         "engine_stats_by_worker": stats,
         "tokens": tokens,
-        "host_stacks": host_stacks(stacks, start_wall),
+        "host_stacks": host_stacks(stacks, start_wall, busy.profile(*busy_window)),
         "start_timeline": start_timeline([outcomes[i].result for i in ids[:START_JOBS]]),
     }
 
 
-def host_stacks(path: Path, start_wall: float) -> dict | None:
-    """The loop thread's report (`--sample-stacks`), with the first `START_WINDOW_S` of the
-    timed window apart (`start`: while the pipeline fills) in place of its raw recent samples."""
+def host_stacks(path: Path, start_wall: float, busy_by_second: list[float | None]) -> dict | None:
+    """The loop thread's report (`--sample-stacks`), with, in place of its raw recent samples,
+    the first `START_WINDOW_S` of the timed window apart (`start`: while the pipeline fills) and
+    each later second the GPU idled in (`dips`: busy below `DIP_BUSY`, the second's offset)."""
     from wicore.stack_sampler import innermost_between
 
     if not path.exists():
         return None
     report = json.loads(path.read_text())
     report["start"] = innermost_between(report, start_wall, start_wall + START_WINDOW_S)
+    report["dips"] = []
+    for second, busy in enumerate(busy_by_second):
+        if second >= START_WINDOW_S and busy is not None and busy < DIP_BUSY:
+            table = innermost_between(report, start_wall + second, start_wall + second + 1)
+            report["dips"].append({"second": second, "busy": busy, "samples": table["samples"],
+                                   "innermost": table["innermost"][:DIP_ROWS]})  # fmt: skip
     report.pop("recent", None)
     return report
 
