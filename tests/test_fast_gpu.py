@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -126,6 +127,37 @@ def test_shape_graphs_replay_new_values_and_stay_eager_when_a_capture_fails():
     assert failing.run({"x": x}) is None and failing.run({"x": x}) is None
     assert failing.limit == 0 and not failing.graphs
     assert torch.equal(syncs({"x": x}), x * 2), "the device still works after the failed capture"
+
+    asked = ShapeGraphs(lambda t: t["x"] + 1, limit=1)
+    assert asked.capture({"x": x}) and torch.equal(asked.run({"x": x * 2}), x * 2 + 1), "captured: replays at once"
+    assert not ShapeGraphs(syncs, limit=1).capture({"x": x}), "a capture asked for fails as one on repeat does"
+
+
+def test_full_vision_batches_replay_one_graph_each_with_its_own_embeddings(tiny_model_dir):
+    """Batches of 2 images, two queued on the side stream at once: every replay's embeddings are
+    the tower's for its own images (bit for bit), and the tokens equal launching the tower. The
+    tower compiles without autotuning: two tunings may pick different kernels, and round apart."""
+    tokens, requests = {}, [request(f"v{i}", variant=30 + i, max_new_tokens=10) for i in range(7)]
+    for graph in (True, False):
+        options = FastOptions(
+            num_kv_blocks=4096, vision_batch_size=2, vision_batches_queued=2, vision_graph=graph,
+            vision_compile_mode="default",
+        )  # fmt: skip
+        engine = FastEngine(EngineConfig(str(tiny_model_dir), device="cuda", max_batch_size=8, options=options))
+        tokens[graph] = {c.id: c.token_ids for c in engine.generate(requests)}
+        assert (engine.stats()["vision_graph_replays"] > 0) == graph
+        if graph:
+            runner = engine.runner
+            size = runner.parts.config.vision_config.image_size
+            images = [np.random.RandomState(i).randint(0, 256, (size, size, 3), dtype=np.uint8) for i in range(4)]
+            first, _ = runner.encode_images(images[:2])
+            second, _ = runner.encode_images(images[2:])  # queued behind the first replay
+            torch.cuda.synchronize()
+            for embeds, batch in ((first, images[:2]), (second, images[2:])):
+                pixels = runner.pixel_values(torch.from_numpy(np.stack(batch)).cuda())
+                assert torch.equal(embeds, runner.encode(pixels))
+        engine.close()
+    assert tokens[True] == tokens[False]
 
 
 def test_a_high_lane_request_overtakes_bulk_with_its_vision_on_the_main_stream(tiny_model_dir):

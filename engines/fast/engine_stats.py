@@ -63,6 +63,7 @@ class EngineStats:
         steps = sum(self.decode_batch_sizes.values())
         mean_batch = sum(b * n for b, n in self.decode_batch_sizes.items()) / steps if steps else 0.0
         dense = runner.dense_graphs if runner is not None else None
+        vision = runner.vision_graphs if runner is not None else None
         return {
             "vision_s": seconds.get("vision", 0.0),
             "prefill_s": seconds.get("prefill", 0.0),
@@ -95,6 +96,8 @@ class EngineStats:
             # Dense prefills that replayed a graph of their shape, and the shapes graphed.
             "dense_graph_replays": dense.replays if dense is not None else 0,
             "dense_graphs": len(dense.graphs) if dense is not None else 0,
+            # Full vision batches that replayed the tower's graph.
+            "vision_graph_replays": vision.replays if vision is not None else 0,
             "kv_pages": blocks.num_pages - 1,  # the pool (without the null page): sized from memory on CUDA
             "kv_pages_used": blocks.num_used,
             "kv_pages_free": blocks.num_free,

@@ -1,6 +1,7 @@
 """CUDA graphs of one forward function: at bucketed sizes (`GraphRunner`: decode batch sizes,
 token counts of short prefills over their pages), or per exact input shape, captured once a shape
-repeats (`ShapeGraphs`: the dense prefill, whose shapes repeat in bulk work).
+repeats or when asked (`ShapeGraphs`: the dense prefill, whose shapes repeat in bulk work; the
+vision tower's full batch).
 
 A graph's inputs are a few int64 columns ([K, size]: table rows, positions, ...) and, for
 prefill, the input embeddings ([size, hidden]), copied into persistent buffers before a replay;
@@ -102,6 +103,20 @@ class ShapeGraphs:
     @staticmethod
     def key(inputs: dict[str, torch.Tensor]) -> tuple:
         return tuple((name, tuple(t.shape), t.dtype) for name, t in sorted(inputs.items()))
+
+    @torch.inference_mode()
+    def capture(self, inputs: dict[str, torch.Tensor]) -> bool:
+        """Capture the shape of `inputs` now (after a warm-up call of `forward`: compiling and
+        tuning are not captured); False when the capture failed (logged; the shape runs eagerly)."""
+        key = self.key(inputs)
+        if key not in self.graphs:
+            try:
+                self.graphs[key] = self._capture(inputs)
+            except Exception as error:  # as in `run`
+                self.limit = len(self.graphs)
+                log.warning("CUDA graph capture failed, this shape runs eagerly: %s", str(error).splitlines()[0])
+                return False
+        return True
 
     @torch.inference_mode()
     def run(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor | None:

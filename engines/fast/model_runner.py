@@ -10,13 +10,16 @@ never waits for the previous step's tokens to reach Python; those are read back 
 Streams (CUDA): vision (uint8 image upload from pinned memory + pixel lookup table + tower +
 projector) runs on a side stream and records an event; the prefill that consumes its embeddings
 waits on that event on the main (high-priority) stream, where prefill, decode, sampling and
-readbacks run. Decode steps replay CUDA graphs per batch bucket. Short prefill suffixes (a
-follow-up question over a cached image, the tail of an image the cached prefix splits, a short
-prompt) attend over their pages alone and replay CUDA graphs per token-count bucket: launched
-eagerly, they cost more host time than device time. So does a dense prefill of a few thousand
-tokens (~1.5 ms of host a layer against ~0.5 of device for 8 images on an H200 in FP8): one of
-at most `DENSE_GRAPH_TOKENS` replays a graph of its exact shape once that shape repeats, as it
-does in bulk work (one prompt, one image size).
+readbacks run. Decode steps replay CUDA graphs per batch bucket, and full vision batches on the
+side stream one graph of the (compiled) tower, captured at load: launched from Python, the FP8
+tower (its kernels, custom ops and their allocations) held the launching thread half of its time
+on an H200's host, ~70 ms a batch of 8, as long as the device takes to run it. Short prefill
+suffixes (a follow-up question over a cached image, the tail of an image the cached prefix
+splits, a short prompt) attend over their pages alone and replay CUDA graphs per token-count
+bucket: launched eagerly, they cost more host time than device time. So does a dense prefill of
+a few thousand tokens (~1.5 ms of host a layer against ~0.5 of device for 8 images on an H200 in
+FP8): one of at most `DENSE_GRAPH_TOKENS` replays a graph of its exact shape once that shape
+repeats, as it does in bulk work (one prompt, one image size).
 """
 
 from __future__ import annotations
@@ -94,6 +97,7 @@ class ModelRunner:
         self.decode_graphs: GraphRunner | None = None
         self.prefill_graphs: GraphRunner | None = None
         self.dense_graphs: ShapeGraphs | None = None
+        self.vision_graphs: ShapeGraphs | None = None  # the full vision batch (`capture_vision`)
         # Paged prefill: tokens per attention tile, so a tile's query heads fill 16 rows.
         self.paged_suffix = paged_suffix
         self.paged_prefilled = 0  # sequences prefilled over their pages alone
@@ -125,13 +129,26 @@ class ModelRunner:
             compiled = torch.compile(self.parts.encoder, dynamic=False, mode=mode)
         self.encode_full = (batch, compiled)
 
+    @torch.inference_mode()
+    def capture_vision(self, batch: int) -> bool:
+        """One CUDA graph of the tower (compiled, after `compile_vision`) for `batch` resized
+        images, the pixel lookup table included, after one call that compiles and tunes it.
+        Before the KV budget: the graph's memory pool stays taken. False: the capture failed."""
+        size = self.parts.config.vision_config.image_size
+        images = {"images": torch.zeros((batch, size, size, 3), dtype=torch.uint8, device=self.device)}
+        forward = lambda inputs: self.encode(self.pixel_values(inputs["images"]))  # noqa: E731
+        forward(images)
+        torch.cuda.synchronize(self.device)
+        self.vision_graphs = ShapeGraphs(forward, limit=1)
+        return self.vision_graphs.capture(images)
+
     def compile_text(self) -> None:
         self.parts.decoder.fns.compile()
 
     def release(self) -> None:
         """Drop the KV cache, the graphs (and their memory pool) and the weights."""
         self.cache = None
-        self.decode_graphs = self.prefill_graphs = self.dense_graphs = None
+        self.decode_graphs = self.prefill_graphs = self.dense_graphs = self.vision_graphs = None
         self.encode_full = None
         self.tables = None
         self.parts = None
@@ -183,7 +200,11 @@ class ModelRunner:
         stream = self.vision_stream(urgent)
         with torch.cuda.stream(stream) if stream is not None else nullcontext():
             mark = self.clock.start(stream)
-            embeds = self.encode(self.pixel_values(staged.to(self.device, non_blocking=True)))
+            resized = staged.to(self.device, non_blocking=True)
+            # An urgent batch on the main stream may run beside the side stream's replay: eager.
+            replayed = None if urgent or self.vision_graphs is None else self.vision_graphs.run({"images": resized})
+            # a replay's output is the graph's own, which the next replay (queued behind it) overwrites
+            embeds = replayed.clone() if replayed is not None else self.encode(self.pixel_values(resized))
             self.clock.stop("vision", mark, stream)
             event = None
             if stream is not None:
