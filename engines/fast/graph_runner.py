@@ -107,14 +107,15 @@ class ShapeGraphs:
     @torch.inference_mode()
     def capture(self, inputs: dict[str, torch.Tensor]) -> bool:
         """Capture the shape of `inputs` now (after a warm-up call of `forward`: compiling and
-        tuning are not captured); False when the capture failed (logged; the shape runs eagerly)."""
+        tuning are not captured); False when the capture failed (logged; this shape and new
+        ones run eagerly)."""
         key = self.key(inputs)
         if key not in self.graphs:
             try:
                 self.graphs[key] = self._capture(inputs)
-            except Exception as error:  # as in `run`
+            except Exception as error:  # out of memory, an op that cannot be captured: stay eager
                 self.limit = len(self.graphs)
-                log.warning("CUDA graph capture failed, this shape runs eagerly: %s", str(error).splitlines()[0])
+                log.warning("CUDA graph capture failed, new shapes run eagerly: %s", str(error).splitlines()[0])
                 return False
         return True
 
@@ -123,19 +124,11 @@ class ShapeGraphs:
         """The output of a replay (valid until the next replay of any graph in the pool), or None:
         the caller runs `forward` eagerly."""
         key = self.key(inputs)
-        entry = self.graphs.get(key)
-        if entry is None:
+        if key not in self.graphs:
             self.seen[key] += 1
-            if self.seen[key] < 2 or len(self.graphs) >= self.limit:
+            if self.seen[key] < 2 or len(self.graphs) >= self.limit or not self.capture(inputs):
                 return None
-            try:
-                entry = self._capture(inputs)
-            except Exception as error:  # out of memory, an op that cannot be captured: stay eager
-                self.limit = len(self.graphs)
-                log.warning("CUDA graph capture failed, new shapes run eagerly: %s", str(error).splitlines()[0])
-                return None
-            self.graphs[key] = entry
-        graph, static, output = entry
+        graph, static, output = self.graphs[key]
         for name, tensor in inputs.items():
             static[name].copy_(tensor)
         graph.replay()
