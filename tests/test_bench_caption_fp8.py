@@ -13,7 +13,7 @@ import torch
 
 from tests.helpers import wicore
 from wicore.bench.caption_bench import CaptionBench, caption_report, caption_runs
-from wicore.bench.caption_fp8 import democap_accuracy, fp8_report, token_agreement
+from wicore.bench.caption_fp8 import bf16_variant, democap_accuracy, fp8_report, fp8_variant, token_agreement
 from wicore.bench.report import print_fp8_report, write_fp8_report
 from wicore.bench.roofline import Ceilings
 
@@ -69,6 +69,18 @@ def test_bench_dtype_flag_is_checked_before_anything_runs(tmp_path):
         run = wicore("bench", "caption", *args, "--workdir", str(tmp_path), check=False)
         assert run.returncode == 2 and run.stderr.startswith("error: --dtype"), run.stderr
     assert not any(tmp_path.iterdir()), "nothing made, nothing run"
+
+
+def test_the_bf16_run_leaves_out_the_fp8_modes_kv_pages_and_the_demo_captioner_takes_them(tmp_path):
+    """An FP8 KV cache asked for is the FP8 run's alone: the bf16 run stays the model dtype's
+    baseline, and the FP8 leg's demo captioner reads FP8 pages too."""
+    options = {"kv_cache_dtype": "fp8", "vision_compile_mode": "default"}
+    bench = CaptionBench(workdir=tmp_path, engine_options=options)
+    assert bf16_variant(bench).engine_options == {"vision_compile_mode": "default"}
+    assert fp8_variant(bench).engine_options == {**options, "gemm_dtype": "fp8"}
+    democap = democap_accuracy("cpu", images=8, fp8_anywhere=True, kv_cache_dtype="fp8")
+    assert (democap["bf16_kv_dtype"], democap["fp8_kv_dtype"]) == ("bfloat16", "float8_e4m3fn")
+    assert democap["fp8"] >= democap["bf16"] - 0.25 > 0.5
 
 
 def test_the_demo_captioner_runs_the_fp8_legs_attention():

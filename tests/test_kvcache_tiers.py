@@ -24,14 +24,18 @@ from wicore.engines.kvcache.kv_layout import KVCache
 from wicore.engines.kvcache.prefix_keys import PromptKeys
 from wicore.engines.kvcache.tiers import KVTiers
 from wicore.engines.pending import Pending
+from wicore.ops.attention import KV_FP8
 from wicore.schemas import GenerationParams
 
 HEADS, DIM = 2, 8
 
 
-def kv_cache(pages=32, device="cpu"):
-    cache = KVCache(layout(), pages, HEADS, DIM, torch.float32, device)
-    cache.tensor.copy_(torch.randn(cache.tensor.shape))
+def kv_cache(pages=32, device="cpu", dtype=torch.float32):
+    cache = KVCache(layout(), pages, HEADS, DIM, dtype, device)
+    if cache.tensor.dtype == torch.uint8:  # an FP8 cache's bytes: the tiers move any pattern as it is
+        cache.tensor.copy_(torch.randint(0, 256, cache.tensor.shape, dtype=torch.uint8))
+    else:
+        cache.tensor.copy_(torch.randn(cache.tensor.shape))
     return cache
 
 
@@ -63,9 +67,9 @@ def pages_of(cache, pages):
     return cache.by_page[torch.tensor(pages)].clone()
 
 
-def demoted(n, host_blocks=8, device="cpu", **kwargs):
+def demoted(n, host_blocks=8, device="cpu", dtype=torch.float32, **kwargs):
     """(cache, tiers, blocks, their pages' contents) after `n` blocks were evicted and demoted."""
-    cache = kv_cache(device=device)
+    cache = kv_cache(device=device, dtype=dtype)
     tier = tiers(cache, host_blocks, **kwargs)
     blocks = victims(n)
     before = pages_of(cache, [p for b in blocks for p in b.pages])
@@ -73,8 +77,20 @@ def demoted(n, host_blocks=8, device="cpu", **kwargs):
     return cache, tier, blocks, before
 
 
-def test_demoted_blocks_come_back_into_other_pages_exactly():
-    cache, tier, blocks, before = demoted(3)
+def test_an_fp8_cache_keeps_bytes_that_its_layers_see_as_e4m3():
+    bf16, fp8 = kv_cache(dtype=torch.bfloat16), kv_cache(dtype=KV_FP8)
+    assert fp8.tensor.dtype == torch.uint8 and fp8.chunk_bytes * 2 == bf16.chunk_bytes
+    group, k, v = fp8.layer(1)
+    bf16_group, bf16_k, _ = bf16.layer(1)
+    assert k.dtype == v.dtype == KV_FP8 and (group, k.shape) == (bf16_group, bf16_k.shape) and k.shape == v.shape
+    k[3, 1].fill_(-1.5)  # page 3, slot 1: the layer's view writes the cache's bytes
+    page = fp8.by_page[3].view(KV_FP8)  # [slots, 2, block_size, kv_heads, D]
+    assert torch.equal(page[fp8.layout.layer_place(1)[1], 0, 1].float(), torch.full((HEADS, DIM), -1.5))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, KV_FP8])
+def test_demoted_blocks_come_back_into_other_pages_exactly(dtype):
+    cache, tier, blocks, before = demoted(3, dtype=dtype)
     assert all(b.key in tier.host for b in blocks) and tier.demoted_blocks == 3
     target = [CachedBlock(b.key, (20 + 2 * i, 21 + 2 * i), 1.0) for i, b in enumerate(blocks)]
     seq = waiting_seq([b.key for b in blocks], [Restore(t.key, t.pages, t) for t in target])
@@ -86,8 +102,9 @@ def test_demoted_blocks_come_back_into_other_pages_exactly():
     assert tier.host.stats.hits == 3 and tier.restored_bytes == 3 * tier.block_bytes
 
 
-def test_overflow_goes_to_disk_and_comes_back_through_a_prefetch(tmp_path):
-    cache = kv_cache()
+@pytest.mark.parametrize("dtype", [torch.float32, KV_FP8])
+def test_overflow_goes_to_disk_and_comes_back_through_a_prefetch(tmp_path, dtype):
+    cache = kv_cache(dtype=dtype)
     disk = AsyncDiskTier(DiskTier(tmp_path, 2**20))
     tier = tiers(cache, host_blocks=1, disk=disk)
     blocks = victims(3)

@@ -9,6 +9,8 @@ import torch.nn.functional as F
 
 from tests.fast_requests import one_torch_thread  # noqa: F401 (fixture)
 from wicore.ops.attention import (
+    KV_FP8,
+    gather_kv,
     gemma3_prefill_masks,
     pack_layout,
     paged_attention,
@@ -27,11 +29,11 @@ def dense_attention(q, k, v, mask, scale):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 
 
-def paged_setup(lengths, ring, pages=64, kv_heads=2, dim=8, seed=0):
+def paged_setup(lengths, ring, pages=64, kv_heads=2, dim=8, seed=0, dtype=torch.float32):
     """Random K/V for each sequence, written into shuffled pages through its block table
-    (ring entries); returns the caches, tables and the dense K/V per sequence."""
+    (ring entries); returns the caches (of `dtype`), tables and the dense K/V per sequence."""
     gen = torch.Generator().manual_seed(seed)
-    k_cache = torch.zeros(pages, BLOCK, kv_heads, dim)
+    k_cache = torch.zeros(pages, BLOCK, kv_heads, dim, dtype=dtype)
     v_cache = torch.zeros_like(k_cache)
     free = (torch.randperm(pages - 1, generator=gen) + 1).tolist()
     tables = torch.zeros(len(lengths), 16, dtype=torch.int32)
@@ -63,6 +65,30 @@ def test_paged_reference_matches_dense(window, ring):
         mask = (j > lengths[b] - 1 - window) if window else torch.ones_like(j, dtype=torch.bool)
         want = dense_attention(q[b][:, None], k.transpose(0, 1), v.transpose(0, 1), mask[None], 0.3)
         torch.testing.assert_close(out[b], want[:, 0], rtol=1e-5, atol=1e-5)
+
+
+def test_an_fp8_cache_holds_saturated_e4m3_and_is_attended_in_the_queries_dtype():
+    """K/V stored into an e4m3 cache are their values rounded to e4m3 at scale 1, saturated at
+    +-448 rather than NaN; attention over the cache computes exactly what it computes over those
+    values in the queries' dtype, close to attention over the values before rounding."""
+    lengths, ring = [1, 5, 23, 37], 16
+    k8, v8, tables, _ = paged_setup(lengths, ring, dtype=KV_FP8)
+    k32, v32, _, _ = paged_setup(lengths, ring)  # the same seed: the same values in the same pages
+    assert k8.dtype == KV_FP8 and torch.equal(k8.float(), k32.to(KV_FP8).float())
+    assert not torch.equal(k8.float(), k32), "e4m3 rounds"
+
+    q = torch.randn(len(lengths), 4, 8)
+    args = (tables, torch.arange(4), torch.tensor(lengths, dtype=torch.int32), 0.3, ring, 6)
+    out = paged_attention_reference(q, k8, v8, *args)
+    assert torch.equal(out, paged_attention_reference(q, k8.float(), v8.float(), *args))
+    torch.testing.assert_close(out, paged_attention_reference(q, k32, v32, *args), rtol=0.1, atol=0.1)
+
+    slots = torch.tensor([5, 9])
+    huge = torch.tensor([1e3, -1e6, 2.0, 0.5]).repeat(8).reshape(2, 2, 8)  # [tokens, kv heads, D]
+    store_kv(k8, v8, huge, -huge, slots)
+    for cache, sign in ((k8, 1), (v8, -1)):
+        read = gather_kv(cache, slots, torch.float32)
+        assert torch.equal(read, sign * huge.clamp(-448, 448)), "saturated, and 2.0, 0.5 exact in e4m3"
 
 
 def hf_gemma3_mask(token_type_ids, window):
@@ -187,28 +213,56 @@ def test_triton_tiled_prefill_matches_reference(window, ring, softcap):
         torch.testing.assert_close(out.float().cpu(), want, rtol=3e-2, atol=3e-2)
 
 
+def fp8_cuda() -> bool:
+    from wicore.ops.fp8 import unsupported_reason
+
+    return torch.cuda.is_available() and unsupported_reason(torch.device("cuda")) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not fp8_cuda(), reason="needs a CUDA GPU of compute capability 8.9+")
+@pytest.mark.parametrize("window, ring, softcap", [(None, 16, None), (6, 3, None), (9, 4, 30.0)])
+def test_triton_kernel_reads_an_fp8_cache_as_the_reference_does(window, ring, softcap):
+    # Decode tokens and prefill tiles over an e4m3 cache, bf16 queries.
+    lengths, suffix = [1, 5, 23, 37, 64], [1, 5, 5, 4, 5]
+    k_cache, v_cache, tables, _ = paged_setup(lengths, ring, kv_heads=4, dim=256, dtype=KV_FP8)
+    kv = k_cache.cuda(), v_cache.cuda()
+    for tokens in (1, 8):
+        rows, lens, tiles, ends = tiled_queries(lengths, [1] * 5 if tokens == 1 else suffix, tokens)
+        q = torch.randn(len(rows), 8, 256)
+        args = (tables, rows, lens, 256**-0.5, ring, window, softcap)
+        want = paged_attention_reference(q, k_cache, v_cache, *args, ends=ends)
+        cuda = [x.to("cuda") if isinstance(x, torch.Tensor) else x for x in args]
+        cuda_tiles = (tiles[0].cuda(), tiles[1].cuda(), tokens) if tokens > 1 else None
+        out = paged_attention(q.to("cuda", torch.bfloat16), *kv, *cuda, cuda_tiles, ends.cuda())
+        torch.testing.assert_close(out.float().cpu(), want, rtol=3e-2, atol=3e-2)
+
+
 INTERPRETED = """
 import torch
 from tests.test_ops_attention import paged_setup, tiled_queries
-from wicore.ops.attention import paged_attention_reference
+from wicore.ops.attention import KV_FP8, paged_attention_reference
 from wicore.ops.attention.paged_triton import paged_attention_triton
 
 for dtype in (torch.float32, torch.float16):  # the interpreter mis-handles bf16 tl.dot
-    for window, ring, softcap in [(None, 16, None), (6, 3, None), (9, 4, 30.0)]:
-        lengths = [1, 5, 23, 37, 64]
-        k, v, tables, _ = paged_setup(lengths, ring, kv_heads=2, dim=24)
-        q = torch.randn(len(lengths), 4, 24)
-        args = (tables, torch.arange(5), torch.tensor(lengths, dtype=torch.int32), 0.2, ring, window, softcap)
-        want = paged_attention_reference(q, k, v, *args)
-        got = paged_attention_triton(q.to(dtype), k.to(dtype), v.to(dtype), *args)
-        torch.testing.assert_close(got.float(), want, rtol=2e-3, atol=2e-3)
-        # Prefill tiles: the last few positions of each sequence (a ring keeps the window).
-        rows, lens, tiles, ends = tiled_queries(lengths, [1, 5, 5, 4, 5], 3)
-        q = torch.randn(len(rows), 4, 24)
-        args = (tables, rows, lens, 0.2, ring, window, softcap)
-        want = paged_attention_reference(q, k, v, *args, ends=ends)
-        got = paged_attention_triton(q.to(dtype), k.to(dtype), v.to(dtype), *args, tiles, ends)
-        torch.testing.assert_close(got.float(), want, rtol=2e-3, atol=2e-3)
+    for fp8 in (False, True):  # FP8 pages read as the queries' dtype
+        for window, ring, softcap in [(None, 16, None), (6, 3, None), (9, 4, 30.0)]:
+            lengths = [1, 5, 23, 37, 64]
+            k, v, tables, _ = paged_setup(lengths, ring, kv_heads=2, dim=24, dtype=KV_FP8 if fp8 else torch.float32)
+            k32, v32 = k.float(), v.float()
+            k, v = (k, v) if fp8 else (k.to(dtype), v.to(dtype))
+            q = torch.randn(len(lengths), 4, 24)
+            args = (tables, torch.arange(5), torch.tensor(lengths, dtype=torch.int32), 0.2, ring, window, softcap)
+            want = paged_attention_reference(q, k32, v32, *args)
+            got = paged_attention_triton(q.to(dtype), k, v, *args)
+            torch.testing.assert_close(got.float(), want, rtol=2e-3, atol=2e-3)
+            # Prefill tiles: the last few positions of each sequence (a ring keeps the window).
+            rows, lens, tiles, ends = tiled_queries(lengths, [1, 5, 5, 4, 5], 3)
+            q = torch.randn(len(rows), 4, 24)
+            args = (tables, rows, lens, 0.2, ring, window, softcap)
+            want = paged_attention_reference(q, k32, v32, *args, ends=ends)
+            got = paged_attention_triton(q.to(dtype), k, v, *args, tiles, ends)
+            torch.testing.assert_close(got.float(), want, rtol=2e-3, atol=2e-3)
 print("ok")
 """
 

@@ -33,19 +33,34 @@ BF16_KEYS = (
 PHASES = ("vision_s", "prefill_s", "decode_s", "weight_bytes")  # from the engine's stats
 
 
+# Engine options of the FP8 mode that would change the bf16 run too: it runs without them, so
+# that it stays the model dtype's baseline (vision_attention_dtype needs FP8 GEMMs: no such care).
+FP8_MODE_OPTIONS = ("kv_cache_dtype",)
+
+
+def bf16_variant(bench: CaptionBench) -> CaptionBench:
+    options = {key: value for key, value in bench.engine_options.items() if key not in FP8_MODE_OPTIONS}
+    return replace(bench, engine_options=options)
+
+
 def fp8_variant(bench: CaptionBench) -> CaptionBench:
     return replace(bench, engine_options={**bench.engine_options, "gemm_dtype": "fp8"})
 
 
 def run_fp8_bench(bench: CaptionBench) -> dict:
-    runs = caption_runs(bench)  # bf16 product, HF peers
+    runs = caption_runs(bf16_variant(bench))  # bf16 product, HF peers
     fp8 = run_product(fp8_variant(bench), runs.model_dir, runs.warm, runs.timed, bench.workdir / "worker-fp8.log")
-    accuracy = democap_accuracy(bench.device, attention=bench.engine_options.get("vision_attention_dtype", "model"))
+    options = bench.engine_options
+    accuracy = democap_accuracy(
+        bench.device,
+        attention=options.get("vision_attention_dtype", "model"),
+        kv_cache_dtype=options.get("kv_cache_dtype", "model"),
+    )
     return fp8_report(bench, runs, replace(runs, product=fp8), accuracy)
 
 
 def fp8_report(bench: CaptionBench, bf16_runs: CaptionRuns, fp8_runs: CaptionRuns, democap: dict) -> dict:
-    bf16 = caption_report(bench, bf16_runs)
+    bf16 = caption_report(bf16_variant(bench), bf16_runs)
     report = caption_report(fp8_variant(bench), fp8_runs)
     report["command"] = bench_command(bench, dtype="fp8")
     report["bf16"] = {key: bf16[key] for key in BF16_KEYS} | phases(bf16)
@@ -78,38 +93,41 @@ def token_agreement(ours: dict[str, list[int]], theirs: dict[str, list[int]]) ->
 
 
 def democap_accuracy(
-    device: str, images: int = DEMOCAP_IMAGES, fp8_anywhere: bool = False, attention: str = "model"
+    device: str,
+    images: int = DEMOCAP_IMAGES,
+    fp8_anywhere: bool = False,
+    attention: str = "model",
+    kv_cache_dtype: str = "model",
 ) -> dict:
     """The demo captioner's exact match on its evaluation set through the fast engine, bf16 and
-    FP8 GEMMs (`attention`: the FP8 run's vision_attention_dtype). Eager (compiling two engines of
-    a toy model would take longer than the captions), CUDA graphs on; FP8 layers counted (all of
-    its dims are multiples of 16)."""
+    FP8 GEMMs (`attention`, `kv_cache_dtype`: the FP8 run's vision_attention_dtype and KV pages).
+    Eager (compiling two engines of a toy model would take longer than the captions), CUDA graphs
+    on; FP8 layers counted (all of its dims are multiples of 16)."""
     from wicore.models.democap import evaluate
 
     samples = evaluate.main_samples(images, DEMOCAP_SEED)
     result = {"images": images, "seed": DEMOCAP_SEED, "fp8_vision_attention": attention}
-    for mode, gemm_dtype in (("bf16", "model"), ("fp8", "fp8")):
-        completions, stats = _democap_run(device, gemm_dtype, samples, fp8_anywhere, attention)
+    fp8 = {"gemm_dtype": "fp8", "vision_attention_dtype": attention, "kv_cache_dtype": kv_cache_dtype}
+    for mode, options in (("bf16", {}), ("fp8", fp8)):
+        completions, stats = _democap_run(device, samples, fp8_anywhere, options)
         result[mode] = evaluate.score_completions(samples, completions).accuracy
+        result[f"{mode}_kv_dtype"] = stats.get("kv_dtype")
         result[f"{mode}_linears"] = stats.get("fp8_linears", 0)
         result[f"{mode}_attention_layers"] = stats.get("fp8_attention_layers", 0)
         result[f"{mode}_skipped"] = stats.get("fp8_skipped", [])
     return result
 
 
-def _democap_run(device: str, gemm_dtype: str, samples: list, fp8_anywhere: bool, attention: str) -> tuple[list, dict]:
+def _democap_run(device: str, samples: list, fp8_anywhere: bool, options: dict) -> tuple[list, dict]:
     from wicore.engines.base import EngineConfig
     from wicore.engines.fast import FastEngine
     from wicore.engines.fast.options import FastOptions
     from wicore.models import DEMOCAP_DIR
     from wicore.models.democap import evaluate
 
-    options = FastOptions(
-        gemm_dtype=gemm_dtype, vision_attention_dtype=attention, compile_vision=False, compile_text=False,
-        num_kv_blocks=16384,
-    )  # fmt: skip
+    engine_options = FastOptions(compile_vision=False, compile_text=False, num_kv_blocks=16384, **options)
     config = EngineConfig(str(DEMOCAP_DIR), device=device, dtype="bfloat16", max_batch_size=256, cache=False,
-                          options=options)  # fmt: skip
+                          options=engine_options)  # fmt: skip
     engine = FastEngine(config, fp8_anywhere=fp8_anywhere)
     try:
         return evaluate.engine_captions(engine, samples), engine.stats()

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from wicore.engines.kvcache.kv_layout import KVCache
-from wicore.ops.attention import GroupedBatch, paged_attention, store_kv
+from wicore.ops.attention import GroupedBatch, gather_kv, paged_attention, store_kv
 
 
 @dataclass(frozen=True)
@@ -58,8 +58,8 @@ class PrefillAttention:
         keys, values = k, v
         if self.prefix_slots is not None:  # rows: the prefixes' (from the pages), then the suffixes'
             slots = self.prefix_slots[spec.group]  # never the new positions' slots
-            keys = torch.cat([k_cache.view(-1, *k_cache.shape[2:]).index_select(0, slots), k])
-            values = torch.cat([v_cache.view(-1, *v_cache.shape[2:]).index_select(0, slots), v])
+            keys = torch.cat([gather_kv(k_cache, slots, k.dtype), k])
+            values = torch.cat([gather_kv(v_cache, slots, v.dtype), v])
         return self.grouped(q, keys, values, spec.window is not None, spec.scale, spec.softcap)
 
 

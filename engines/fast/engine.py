@@ -51,6 +51,7 @@ from wicore.engines.kvcache.prefix_keys import PromptKeyer, model_fingerprint
 from wicore.engines.pending import Pending
 from wicore.engines.text import finish_sequence, first_stop, stop_token_ids
 from wicore.errors import JobInputError, PromptTooLong
+from wicore.ops.attention import KV_FP8
 from wicore.ops.image_preprocess import PreprocessSpec
 from wicore.priority_pool import PriorityPool
 from wicore.schemas import Lane
@@ -76,6 +77,8 @@ class FastEngine(Engine):
             fp8_weights.check_device(device, config.dtype)  # before the slow load
             if fp8_attention:
                 fp8_weights.check_attention_device(device)
+        if config.options.kv_cache_dtype == "fp8":
+            fp8_weights.check_kv_device(device)
         processor = load_processor(config.model_dir)
         self.tokenizer = processor.tokenizer
         self.eos_ids = stop_token_ids(config.model_dir, self.tokenizer)
@@ -102,6 +105,8 @@ class FastEngine(Engine):
         self.tiers = build_tiers(self.runner.cache, opts, text.num_key_value_heads, text.head_dim)
         tag = config.options.numerics_tag()  # FP8 GEMMs (and attention) write other K/V
         precision = f"{config.dtype}+{tag}" if tag else config.dtype
+        if opts.kv_cache_dtype == "fp8":  # blocks of other bytes
+            precision += "+kv-fp8"
         model_id = model_fingerprint(config.model_dir, precision, layout)  # salts every key
         self.keyer = PromptKeyer(model_id, opts.block_size, parts.tokens_per_image)
         self.planner = StepPlanner(
@@ -137,6 +142,7 @@ class FastEngine(Engine):
             opts.overlap_vision,
             pixel_lut=self.inputs.pixel_spec.lut,
             paged_suffix=opts.paged_prefill_tokens,
+            kv_dtype=KV_FP8 if opts.kv_cache_dtype == "fp8" else None,
         )
         if opts.compile_vision:
             runner.compile_vision(opts.vision_batch_size, opts.vision_compile_mode)

@@ -103,6 +103,7 @@ class EngineStats:
             "kv_pages_free": blocks.num_free,
             "kv_pages_cached": blocks.num_cached,  # held only by the prefix cache (evictable)
             "kv_block_size": planner.layout.block_size,
+            "kv_dtype": str(runner.kv_dtype).removeprefix("torch.") if runner is not None else None,
             "waiting": len(planner.waiting),
             "admitted": planner.num_admitted,
             "peak_gpu_bytes": torch.cuda.max_memory_allocated(runner.device)

@@ -44,7 +44,7 @@ def plan_pages(
     headroom = peaks["vision"] + max(peaks["prefill"], peaks["decode"])
     budget = total * utilization - (total - free) - headroom - reserve  # reserve: the vision cache
     c = runner.text_config
-    pages = int(budget // runner.layout.page_bytes(c.num_key_value_heads, c.head_dim, runner.dtype))
+    pages = int(budget // runner.layout.page_bytes(c.num_key_value_heads, c.head_dim, runner.kv_dtype))
     gib = {phase: round(peak / 2**30, 2) for phase, peak in peaks.items()}
     log.info("KV budget %.2f GiB -> %d pages; activation peaks (GiB): %s", budget / 2**30, pages, gib)
     if pages < runner.layout.pages_for(max_len) + 1:

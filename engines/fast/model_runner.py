@@ -73,11 +73,14 @@ class ModelRunner:
         overlap: bool = True,
         pixel_lut: np.ndarray | None = None,
         paged_suffix: int = 0,
+        kv_dtype: torch.dtype | None = None,
     ):
         """pixel_lut: [3, 256] float32, `InputProcessor.pixel_spec.lut`; images need it.
-        paged_suffix: prefills of at most this many new tokens attend over their pages alone."""
+        paged_suffix: prefills of at most this many new tokens attend over their pages alone.
+        kv_dtype: the KV cache's element type (default `dtype`; `ops.attention.KV_FP8`)."""
         self.parts, self.layout, self.sampler = parts, layout, sampler
         self.device, self.dtype = torch.device(device), dtype
+        self.kv_dtype = dtype if kv_dtype is None else kv_dtype
         # Cast once: looking up the cast table gives the same bits as casting looked-up float32.
         self.pixel_lut = None if pixel_lut is None else torch.from_numpy(pixel_lut).to(self.device, dtype)
         self.cuda = self.device.type == "cuda"
@@ -110,7 +113,7 @@ class ModelRunner:
     def allocate_cache(self, num_pages: int) -> None:
         self.cache = None  # free a previous (profiling) cache first
         c = self.text_config
-        self.cache = KVCache(self.layout, num_pages, c.num_key_value_heads, c.head_dim, self.dtype, self.device)
+        self.cache = KVCache(self.layout, num_pages, c.num_key_value_heads, c.head_dim, self.kv_dtype, self.device)
         self.specs = layer_specs(c, self.cache)
 
     def compile_vision(self, batch: int, mode: str = "default") -> None:

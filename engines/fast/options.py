@@ -186,6 +186,14 @@ class FastOptions(BaseModel):
         "nvidia-cudnn-frontend package (the fp8 extra); its error and token agreement are in docs/performance.md. "
         "Default model: bf16 attention.",
     )
+    kv_cache_dtype: Literal["model", "fp8"] = Field(
+        "model",
+        description="Element type of the paged KV cache. fp8: e4m3 K/V at scale 1 (as vLLM's FP8 KV cache by "
+        "default: 3 mantissa bits, values past +-448 saturate), half the bytes a token: twice the pages in the same "
+        "memory and half of decode's K/V reads; attention still computes in the model's dtype, and the prefix "
+        "cache's tiers keep FP8 blocks apart from the model dtype's. Tokens differ from the model dtype's "
+        "(docs/performance.md). On CUDA needs compute capability 8.9+ (Ada, Hopper). Default model.",
+    )
     prefix_split_images: bool = Field(
         False,
         description="Let a cached prefix end inside an image (the rest of its soft tokens prefill from its "
@@ -271,6 +279,7 @@ class FastOptions(BaseModel):
             cache_policy=self.cache_policy,
             prefix_split_images=self.prefix_split_images,
             gemm_dtype=self.gemm_dtype,
+            kv_cache_dtype=self.kv_cache_dtype,
         )
 
     def _model_len(self, model_limit: int) -> int:
@@ -344,6 +353,7 @@ class ResolvedFastConfig:
     cache_policy: str
     prefix_split_images: bool
     gemm_dtype: str
+    kv_cache_dtype: str
 
 
 def _default(value: Any, default: Any) -> Any:

@@ -10,7 +10,8 @@ of at most ceil(window / block_size) + 1 pages (position t lives in table entry
 
 Cache tensor: [slots, 2 (k/v), pages, block_size, kv_heads, head_dim]; the view of one layer,
 `cache[slot, 0]`, is a contiguous [pages, block_size, kv_heads, head_dim]. Page 0 is the null
-page: unused table entries and padded batch rows point at it.
+page: unused table entries and padded batch rows point at it. An FP8 cache's tensor holds bytes
+(`kv_storage_dtype`): the tiers copy them as they are; the layers' views are FP8.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import numpy as np
 import torch
 
 from wicore.engines.fast.model.text_decoder import SLIDING
+from wicore.ops.attention import kv_storage_dtype
 
 NULL_PAGE = 0
 
@@ -114,14 +116,15 @@ class KVCache:
     def __init__(self, layout: KVLayout, num_pages: int, kv_heads: int, head_dim: int, dtype, device):
         self.layout = layout
         self.num_pages = num_pages
+        self.dtype = dtype  # of the K/V the layers read and write; `tensor` may hold its bytes
         shape = (layout.slots, 2, num_pages, layout.block_size, kv_heads, head_dim)
-        self.tensor = torch.zeros(shape, dtype=dtype, device=device)
+        self.tensor = torch.zeros(shape, dtype=kv_storage_dtype(dtype), device=device)
         self._places = [layout.layer_place(i) for i in range(sum(len(g.layers) for g in layout.groups))]
 
     def layer(self, index: int) -> tuple[int, torch.Tensor, torch.Tensor]:
         """(group index, k cache, v cache) of a layer; caches: [pages, block_size, kv_heads, D]."""
         group, slot = self._places[index]
-        return group, self.tensor[slot, 0], self.tensor[slot, 1]
+        return group, self.tensor[slot, 0].view(self.dtype), self.tensor[slot, 1].view(self.dtype)
 
     @property
     def by_page(self) -> torch.Tensor:

@@ -10,23 +10,46 @@ pages their window still needs.
 
 `paged_attention` picks the Triton kernel (`paged_triton`) on CUDA and the plain-torch reference
 elsewhere.
+
+An FP8 cache (`KV_FP8`, e4m3) holds K/V at scale 1, as vLLM's FP8 KV cache does by default: a
+value is rounded to 3 mantissa bits and saturates at +-448. Attention reads it back in the
+queries' dtype and computes as it does over a cache of that dtype.
 """
 
 from __future__ import annotations
 
 import torch
 
+KV_FP8 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(KV_FP8).max  # 448
+
+
+def kv_storage_dtype(dtype: torch.dtype) -> torch.dtype:
+    """What a cache of `dtype` is kept in: bytes for FP8, since index_copy_, index_select and
+    their kin have no FP8 kernels on every device and torch version. The attention layers see
+    views of it in `dtype`; copies between tiers move the bytes."""
+    return torch.uint8 if dtype == KV_FP8 else dtype
+
 
 def store_kv(
     k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor
 ) -> None:
-    """Write k/v [N, Hkv, D] into flat cache slots [N] (page * block_size + offset).
+    """Write k/v [N, Hkv, D] into flat cache slots [N] (page * block_size + offset), rounded to
+    the cache's dtype (an FP8 cache saturates at +-448 rather than overflow to NaN).
 
     Tokens a layer must not keep are given a slot in the reserved null page 0; several may land
     on the same slot, which is harmless since nothing ever reads page 0 for real.
     """
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k)
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v)
+    for cache, new in ((k_cache, k), (v_cache, v)):
+        if cache.dtype == KV_FP8:
+            cache, new = cache.view(torch.uint8), new.clamp(-FP8_MAX, FP8_MAX).to(KV_FP8).view(torch.uint8)
+        cache.view(-1, *cache.shape[2:]).index_copy_(0, slots, new)
+
+
+def gather_kv(cache: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """One layer's K or V [len(slots), Hkv, D] at flat cache slots [n], in `dtype`."""
+    rows = cache.view(torch.uint8) if cache.dtype == KV_FP8 else cache
+    return rows.view(-1, *rows.shape[2:]).index_select(0, slots).view(cache.dtype).to(dtype)
 
 
 def paged_attention(
@@ -77,8 +100,8 @@ def paged_attention_reference(
         positions = torch.arange(first, end, device=q.device)
         pages = block_tables[row, (positions // block_size) % ring].long()
         offsets = positions % block_size
-        k = k_cache[pages, offsets].transpose(0, 1).repeat_interleave(groups, dim=0)  # [Hq, n, D]
-        v = v_cache[pages, offsets].transpose(0, 1).repeat_interleave(groups, dim=0)
+        k = k_cache[pages, offsets].to(q.dtype).transpose(0, 1).repeat_interleave(groups, dim=0)  # [Hq, n, D]
+        v = v_cache[pages, offsets].to(q.dtype).transpose(0, 1).repeat_interleave(groups, dim=0)
         scores = torch.matmul(q[b, :, None, :], k.transpose(-1, -2)) * scale  # [Hq, 1, n]
         if softcap is not None:
             scores = torch.tanh(scores / softcap) * softcap

@@ -86,10 +86,11 @@ def _paged_attention_kernel(
         pages = tl.load(tables_ptr + table_row * stride_tr + (pos // PAGE) % ring, mask=in_range, other=0)
         pages = pages.to(tl.int64)
         kv_mask = in_range[:, None] & (offs_d[None, :] < HEAD_DIM)
-        k = _page_rows(k_ptr, pages, pos % PAGE, kv_head, stride_kp, stride_ks, stride_kh, offs_d, kv_mask)
+        # An FP8 cache's rows in the queries' dtype (scale 1: `paged.KV_FP8`); a no-op otherwise.
+        k = _page_rows(k_ptr, pages, pos % PAGE, kv_head, stride_kp, stride_ks, stride_kh, offs_d, kv_mask).to(q.dtype)
         s = _scores(q, k, scale, softcap, USE_SOFTCAP, PRECISION)
         visible = (pos[None, :] >= row_first[:, None]) & (pos[None, :] < row_end[:, None])
-        v = _page_rows(v_ptr, pages, pos % PAGE, kv_head, stride_vp, stride_vs, stride_vh, offs_d, kv_mask)
+        v = _page_rows(v_ptr, pages, pos % PAGE, kv_head, stride_vp, stride_vs, stride_vh, offs_d, kv_mask).to(q.dtype)
         m_i, l_i, acc = _online_softmax(tl.where(visible, s, float("-inf")), v, m_i, l_i, acc, PRECISION)
 
     out = acc / tl.where(row_valid, l_i, 1.0)[:, None]

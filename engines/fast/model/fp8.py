@@ -161,6 +161,17 @@ def check_device(device: torch.device, dtype: str) -> None:
         raise ConfigError(f"FP8 GEMMs run beside bfloat16 activations, not {dtype}: use --dtype fp8 (or bfloat16)")
 
 
+def check_kv_device(device: torch.device) -> None:
+    """A one-line ConfigError unless `device` reads an FP8 KV cache: any CPU (the reference
+    attention casts), a GPU whose Triton converts e4m3 (compute capability 8.9+)."""
+    reason = unsupported_reason(device) if device.type == "cuda" else None
+    if reason is not None:
+        raise ConfigError(
+            f"an FP8 KV cache (engine option kv_cache_dtype=fp8) needs an NVIDIA GPU of compute capability 8.9 or "
+            f"newer (Ada, Hopper) and {reason}: use kv_cache_dtype=model"
+        )
+
+
 def check_attention_device(device: torch.device) -> None:
     """A one-line ConfigError unless `device` runs the tower's attention in FP8."""
     reason = attention_unsupported_reason(device)
