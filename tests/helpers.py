@@ -255,3 +255,12 @@ class CommandCount:
     @property
     def total(self) -> int:
         return sum(self.by_name.values())
+
+
+def fp8_gpu() -> bool:
+    """A CUDA GPU with e4m3 tensor cores and conversions (compute capability 8.9+) is visible."""
+    import torch
+
+    from wicore.ops.fp8 import unsupported_reason
+
+    return torch.cuda.is_available() and unsupported_reason(torch.device("cuda")) is None

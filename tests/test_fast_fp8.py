@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from transformers import SiglipVisionConfig
 
 from tests.fast_requests import one_torch_thread  # noqa: F401 (fixture)
+from tests.helpers import fp8_gpu
 from wicore.engines.base import EngineConfig
 from wicore.engines.fast import FastEngine
 from wicore.engines.fast.model import fp8
@@ -203,12 +204,6 @@ def test_the_kv_cache_keys_differ_between_precisions(tiny_model_dir):
 
 
 # -- GPU -------------------------------------------------------------------------------------
-
-
-def fp8_gpu() -> bool:
-    from wicore.ops.fp8 import unsupported_reason
-
-    return torch.cuda.is_available() and unsupported_reason(torch.device("cuda")) is None
 
 
 @pytest.mark.gpu

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from tests.fast_requests import mismatches, one_torch_thread  # noqa: F401 (fixture)
+from tests.helpers import fp8_gpu
 from tests.test_fast_fp8 import democap
 from tests.test_fast_prefix_parity import all_requests, engine, mixed_requests, model_dir, vqa  # noqa: F401
 from wicore.engines.base import EngineConfig
@@ -105,12 +106,6 @@ def test_unknown_kv_dtypes_are_one_line_errors(model_dir):  # noqa: F811
 
 
 # -- GPU -------------------------------------------------------------------------------------
-
-
-def fp8_gpu() -> bool:
-    from wicore.ops.fp8 import unsupported_reason
-
-    return torch.cuda.is_available() and unsupported_reason(torch.device("cuda")) is None
 
 
 @pytest.mark.gpu

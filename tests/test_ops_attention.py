@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.fast_requests import one_torch_thread  # noqa: F401 (fixture)
+from tests.helpers import fp8_gpu
 from wicore.ops.attention import (
     KV_FP8,
     gather_kv,
@@ -213,14 +214,8 @@ def test_triton_tiled_prefill_matches_reference(window, ring, softcap):
         torch.testing.assert_close(out.float().cpu(), want, rtol=3e-2, atol=3e-2)
 
 
-def fp8_cuda() -> bool:
-    from wicore.ops.fp8 import unsupported_reason
-
-    return torch.cuda.is_available() and unsupported_reason(torch.device("cuda")) is None
-
-
 @pytest.mark.gpu
-@pytest.mark.skipif(not fp8_cuda(), reason="needs a CUDA GPU of compute capability 8.9+")
+@pytest.mark.skipif(not fp8_gpu(), reason="needs a CUDA GPU of compute capability 8.9+")
 @pytest.mark.parametrize("window, ring, softcap", [(None, 16, None), (6, 3, None), (9, 4, 30.0)])
 def test_triton_kernel_reads_an_fp8_cache_as_the_reference_does(window, ring, softcap):
     # Decode tokens and prefill tiles over an e4m3 cache, bf16 queries.
