@@ -115,7 +115,8 @@ def test_result_exit_codes(tmp_path, server, tiny_model_dir):
                           env={"WICORE_SAMPLE_STACKS": str(stacks)})  # fmt: skip
     assert worker.wait(timeout=120) == 0
     report = json.loads(stacks.read_text())
-    assert report["samples"] > 0 and 0 < sum(share for _, share in report["innermost"]) <= 1.0001
+    rows = report["innermost"]  # each share rounded to 4 decimals: their sum within half a unit a row of 1
+    assert report["samples"] > 0 and 0 < sum(share for _, share in rows) <= 1 + 0.00005 * len(rows)
     inclusive = dict(report["inclusive"])
     assert inclusive["run_sampled (daemons.py)"] == 1.0, "every sample is of the thread that runs the loop"
     assert inclusive["run (loop.py)"] > 0.5, "most inside BatchingWorker.run (a few at its edges, on a loaded machine)"
