@@ -103,10 +103,9 @@ class FastEngine(Engine):
         text = parts.config.text_config
         layout = self.runner.layout
         self.tiers = build_tiers(self.runner.cache, opts, text.num_key_value_heads, text.head_dim)
-        tag = config.options.numerics_tag()  # FP8 GEMMs (and attention) write other K/V
-        precision = f"{config.dtype}+{tag}" if tag else config.dtype
-        if opts.kv_cache_dtype == "fp8":  # blocks of other bytes
-            precision += "+kv-fp8"
+        # FP8 GEMMs (and attention) write other K/V; FP8 pages hold other bytes
+        kv_tag = "kv-fp8" if opts.kv_cache_dtype == "fp8" else None
+        precision = "+".join(filter(None, (config.dtype, config.options.numerics_tag(), kv_tag)))
         model_id = model_fingerprint(config.model_dir, precision, layout)  # salts every key
         self.keyer = PromptKeyer(model_id, opts.block_size, parts.tokens_per_image)
         self.planner = StepPlanner(
