@@ -99,7 +99,7 @@ def test_the_demo_captioner_keeps_its_captions_with_fp8_pages():
     assert right_fp8 >= right - 1
 
 
-def test_unknown_kv_dtypes_are_one_line_errors(model_dir):  # noqa: F811
+def test_unknown_kv_dtypes_are_one_line_errors():
     with pytest.raises(ConfigError) as error:
         FastOptions.parse({"kv_cache_dtype": "fp4"})
     assert "\n" not in str(error.value) and "kv_cache_dtype" in str(error.value)

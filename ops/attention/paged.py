@@ -42,14 +42,20 @@ def store_kv(
     """
     for cache, new in ((k_cache, k), (v_cache, v)):
         if cache.dtype == KV_FP8:
-            cache, new = cache.view(torch.uint8), new.clamp(-FP8_MAX, FP8_MAX).to(KV_FP8).view(torch.uint8)
-        cache.view(-1, *cache.shape[2:]).index_copy_(0, slots, new)
+            new = new.clamp(-FP8_MAX, FP8_MAX).to(KV_FP8).view(torch.uint8)
+        _slot_rows(cache).index_copy_(0, slots, new)
 
 
 def gather_kv(cache: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """One layer's K or V [len(slots), Hkv, D] at flat cache slots [n], in `dtype`."""
+    return _slot_rows(cache).index_select(0, slots).view(cache.dtype).to(dtype)
+
+
+def _slot_rows(cache: torch.Tensor) -> torch.Tensor:
+    """A layer's cache [pages, block_size, Hkv, D] as rows [slots, Hkv, D] that index_copy_ and
+    index_select take: an FP8 cache's bytes (`kv_storage_dtype` says why)."""
     rows = cache.view(torch.uint8) if cache.dtype == KV_FP8 else cache
-    return rows.view(-1, *rows.shape[2:]).index_select(0, slots).view(cache.dtype).to(dtype)
+    return rows.view(-1, *rows.shape[2:])
 
 
 def paged_attention(
