@@ -62,6 +62,16 @@ def test_the_report_has_the_bf16_keys_both_modes_and_a_plot(tmp_path, tiny_model
     print_fp8_report(report)
     assert "demo captioner exact match" in capsys.readouterr().out
 
+    # --no-hf (the A/B runs): no speedups, the same report, plot and table
+    alone = fp8_report(
+        replace(bench, hf_peers=False), replace(runs, peers=None), replace(runs, product=product, peers=None), democap
+    )
+    assert alone["speedup_vs_hf_best"] is None and alone["bf16"]["speedup_vs_hf_best"] is None
+    json_path, png = write_fp8_report(alone, tmp_path / "alone")
+    assert png.stat().st_size > 0 and "--no-hf" in json.loads(json_path.read_text())["command"]
+    print_fp8_report(alone)
+    assert "n/a (--no-hf)" in capsys.readouterr().out
+
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 def test_bench_dtype_flag_is_checked_before_anything_runs(tmp_path):

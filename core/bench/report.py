@@ -69,7 +69,7 @@ def plot_fp8(report: dict, path: Path) -> Path:
     ours = {"wicore fast\nbf16": report["bf16"]["images_per_s"], "wicore fast\nFP8 GEMMs": report["images_per_s"]}
     agreement, democap = report["token_agreement_vs_bf16"], report["democap_accuracy"]
     note = (
-        f"FP8: {report['fp8_speedup_vs_bf16']:.2f}x bf16, {report['speedup_vs_hf_best']:.1f}x HF best, "
+        f"FP8: {report['fp8_speedup_vs_bf16']:.2f}x bf16, {_times(report['speedup_vs_hf_best'], 1)} HF best, "
         f"{100 * report['roofline_fraction']:.0f}% of the bf16 roofline\nsequences equal to bf16's "
         f"{100 * agreement['sequences_identical_share']:.0f}%; demo captioner exact match {democap['bf16']:.3f} "
         f"(bf16) / {democap['fp8']:.3f} (FP8)"
@@ -137,7 +137,7 @@ def print_fp8_report(report: dict) -> None:
     rows = [
         ("images/s", f"{bf16['images_per_s']:.2f}", f"{report['images_per_s']:.2f}"),
         ("roofline fraction (bf16 roofline)", f"{bf16['roofline_fraction']:.3f}", f"{report['roofline_fraction']:.3f}"),
-        ("speedup vs HF best", f"{bf16['speedup_vs_hf_best']:.2f}x", f"{report['speedup_vs_hf_best']:.2f}x"),
+        ("speedup vs HF best", _times(bf16["speedup_vs_hf_best"]), _times(report["speedup_vs_hf_best"])),
         ("vision / prefill / decode s", _phases(bf16), _phases(report["fp8_phases"])),
         ("weights", _gib(bf16["weight_bytes"]), _gib(report["fp8_phases"]["weight_bytes"])),
         ("sequences equal to bf16's", "", f"{agreement['sequences_identical']}/{agreement['compared']}"),
@@ -165,6 +165,11 @@ def _peer_rows(report: dict) -> list[tuple[str, str]]:
         ("tokens equal to HF best batch", _share(report["parity_vs_hf_best_batch"])),
         *((f"HF batch {b} vs HF best batch", _share(p)) for b, p in report["hf_batches_vs_hf_best_batch"].items()),
     ]
+
+
+def _times(ratio: float | None, digits: int = 2) -> str:
+    """A speedup, or what stands in for one when its peer did not run (--no-hf)."""
+    return "n/a (--no-hf)" if ratio is None else f"{ratio:.{digits}f}x"
 
 
 def _gib(value) -> str:
