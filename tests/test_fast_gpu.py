@@ -133,6 +133,35 @@ def test_shape_graphs_replay_new_values_and_stay_eager_when_a_capture_fails():
     assert not ShapeGraphs(syncs, limit=1).capture({"x": x}), "a capture asked for fails as one on repeat does"
 
 
+def test_graphs_replayed_side_by_side_on_two_streams_give_what_each_gives_alone():
+    """The tower's graph (captured on its own stream) replays on the side stream while a
+    decoder's graph (captured on the default capture stream) replays on the main one. PyTorch
+    keys cuBLAS's workspace by (handle, capture stream), so captured on one stream they would
+    share it and their split-K GEMMs (a long reduction into few rows and columns) race on it."""
+    from wicore.engines.fast.graph_runner import ShapeGraphs
+
+    torch.manual_seed(0)
+    weights = [torch.randn(16384, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+
+    def gemms(w):
+        return lambda t: torch.stack([(t["x"] * (1 + i / 16)) @ w for i in range(16)])
+
+    tower, decoder = ShapeGraphs(gemms(weights[0]), limit=1, own_stream=True), ShapeGraphs(gemms(weights[1]), limit=1)
+    inputs = [{"x": torch.randn(32, 16384, device="cuda", dtype=torch.bfloat16)} for _ in range(2)]
+    assert tower.capture(inputs[0]) and decoder.capture(inputs[1])
+    alone = [tower.run(inputs[0]).clone(), decoder.run(inputs[1]).clone()]
+    side, main = torch.cuda.Stream(), torch.cuda.current_stream()
+    side.wait_stream(main)
+    outputs = []
+    for _ in range(50):
+        with torch.cuda.stream(side):
+            ours = tower.run(inputs[0]).clone()
+        outputs.append((ours, decoder.run(inputs[1]).clone()))
+    main.wait_stream(side)
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, alone[0]) and torch.equal(b, alone[1]) for a, b in outputs)
+
+
 def test_full_vision_batches_replay_one_graph_each_with_its_own_embeddings(tiny_model_dir):
     """Batches of 2 images, two queued on the side stream at once: every replay's embeddings are
     the tower's for its own images (bit for bit), and the tokens equal launching the tower. The

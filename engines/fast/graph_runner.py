@@ -92,10 +92,18 @@ class ShapeGraphs:
 
     Capturing synchronizes the device once (torch.cuda.graph does); other threads may use CUDA
     meanwhile (a thread-local capture). A capture that fails (out of memory, an operation a
-    graph cannot hold) is logged and ends the captures: the graphs made so far still replay."""
+    graph cannot hold) is logged and ends the captures: the graphs made so far still replay.
 
-    def __init__(self, forward: Callable[[dict[str, torch.Tensor]], torch.Tensor], limit: int):
+    `own_stream`: capture on a stream of these graphs' own. PyTorch keys cuBLAS's workspace by
+    (handle, stream), so every graph captured on torch.cuda.graph's default capture stream bakes
+    in the same workspace: graphs replayed at the same time on different streams (the tower's
+    beside the decoder's) would race on it and corrupt each other's GEMMs (split-K partials)."""
+
+    def __init__(
+        self, forward: Callable[[dict[str, torch.Tensor]], torch.Tensor], limit: int, own_stream: bool = False
+    ):
         self.forward, self.limit, self.pool = forward, limit, None
+        self.own_stream, self.capture_stream = own_stream, None  # made at the first capture
         self.seen: Counter[tuple] = Counter()
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, dict[str, torch.Tensor], torch.Tensor]] = {}
         self.replays = 0
@@ -137,11 +145,13 @@ class ShapeGraphs:
 
     def _capture(self, inputs: dict[str, torch.Tensor]):
         static = {name: tensor.clone() for name, tensor in inputs.items()}
+        if self.own_stream and self.capture_stream is None:
+            self.capture_stream = torch.cuda.Stream()
         torch.cuda.synchronize()
         torch.cuda.empty_cache()  # as torch.cuda.graph does: what is reserved after it is the pools'
         reserved = torch.cuda.memory_reserved()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+        with torch.cuda.graph(graph, pool=self.pool, stream=self.capture_stream, capture_error_mode="thread_local"):
             output = self.forward(static)
         self.pool = graph.pool()
         shapes = ", ".join(f"{name} {list(t.shape)}" for name, t in inputs.items())

@@ -142,7 +142,7 @@ class ModelRunner:
         forward = lambda inputs: self.encode(self.pixel_values(inputs["images"]))  # noqa: E731
         forward(images)
         torch.cuda.synchronize(self.device)
-        self.vision_graphs = ShapeGraphs(forward, limit=1)
+        self.vision_graphs = ShapeGraphs(forward, limit=1, own_stream=True)  # it replays beside the decoder's graphs
         return self.vision_graphs.capture(images)
 
     def compile_text(self) -> None:
