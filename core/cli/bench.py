@@ -211,6 +211,41 @@ def fp8_layers(
 
 @app.command()
 @friendly_errors
+def kernels(
+    images: int = typer.Option(512, min=1, help="Profiled images (after the warm-up ones)."),
+    batch_size: int = typer.Option(384, min=1, help="Engine running sequences."),
+    engine_option: list[str] = typer.Option(None, "--engine-option", help="KEY=VALUE engine option; repeatable."),
+    dtype: str = typer.Option("bfloat16", help="bfloat16, or fp8 (engine option gemm_dtype=fp8)."),
+    workdir: Path = typer.Option(Path("/tmp/wicore-kernels"), help="Scratch folder (model, images, the trace)."),
+    out: Path = typer.Option(Path("bench/results"), help="Folder for kernels-gemma3-4b-<dtype>-<gpu>.json and .png."),
+    as_json: bool = typer.Option(False, "--json", help="End with one JSON line."),
+) -> None:
+    """Where the device's time goes on the caption workload (GPU): the fast engine on Gemma-3-4B's
+    shape under torch.profiler, each kernel's time by kind and by stream, per image, against the
+    wall and the roofline's compute time per phase."""
+    require(PLOTS)
+    import torch
+
+    from wicore.bench.kernel_profile import KernelBench, print_kernel_profile, run_kernel_profile, write_kernel_profile
+    from wicore.cli.common import engine_options
+    from wicore.errors import ConfigError
+
+    if dtype not in ("bfloat16", "fp8"):
+        raise ConfigError(f"--dtype {dtype}: use bfloat16 or fp8")
+    if not torch.cuda.is_available():
+        raise ConfigError("bench kernels profiles CUDA kernels: run it on a machine with an NVIDIA GPU")
+    options = engine_options(engine_option) | ({"gemm_dtype": "fp8"} if dtype == "fp8" else {})
+    report = run_kernel_profile(
+        KernelBench(workdir=workdir, images=images, batch_size=batch_size, engine_options=options)
+    )
+    console.print("\n".join(f"wrote {path}" for path in write_kernel_profile(report, out)))
+    print_kernel_profile(report)
+    if as_json:
+        typer.echo(json.dumps(report))
+
+
+@app.command()
+@friendly_errors
 def mixed(
     preset: str = typer.Option(
         "gemma3-4b", help="gemma3-4b (CUDA), or tiny (CPU: tests the mechanism, not the number)."
