@@ -91,14 +91,18 @@ class DiskTier:
             if len(blob) > self.max_bytes or not self._make_room(len(blob)):
                 return False
             self.total_bytes += len(blob)  # reserved while the file is written
-        written = self._write(self.path(key), blob)
+        path = self.path(key)
+        written = self._write(path, blob)
         with self._lock:
             self.total_bytes -= len(blob)
-            if written and key not in self._sizes:
+            # Another put of this key may have renamed onto the same path, been indexed and been
+            # evicted (the file unlinked) while this one finished: index only a file still there.
+            stored = written and (key in self._sizes or path.exists())
+            if stored and key not in self._sizes:
                 self._add(key, len(blob), cost)
                 self.stats.bytes_in += len(blob)
             self.stats.seconds += time.perf_counter() - started
-        return written
+        return stored
 
     def get(self, key: BlockHash) -> torch.Tensor | None:
         """The tensor under `key` (on the CPU), or None: absent, damaged or vanished."""
