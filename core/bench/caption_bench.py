@@ -343,8 +343,12 @@ def bench_command(bench: CaptionBench, dtype: str | None = None) -> str:
         words.append("--no-hf")
     words += [] if bench.decode_processes is None else [f"--decode-processes {bench.decode_processes}"]
     words += ["--sample-stacks"] if bench.sample_stacks else []
-    words += [f"--engine-option {key}={value}" for key, value in bench.engine_options.items()]
-    return " ".join(words)
+    return " ".join(words + engine_option_words(bench.engine_options))
+
+
+def engine_option_words(options: dict) -> list[str]:
+    """`--engine-option KEY=VALUE` for each option, as a benchmark's command line gives them."""
+    return [f"--engine-option {key}={value}" for key, value in options.items()]
 
 
 def peer_report(product: dict, peers: dict | None) -> dict:

@@ -192,9 +192,10 @@ def run_kernel_profile(bench: KernelBench) -> dict:
 
 
 def kernels_command(bench: KernelBench) -> str:
+    from wicore.bench.caption_bench import engine_option_words
+
     words = ["wicore bench kernels", f"--images {bench.images}", f"--batch-size {bench.batch_size}"]
-    words += [f"--engine-option {key}={json.dumps(value)}" for key, value in bench.engine_options.items()]
-    return " ".join(words)
+    return " ".join(words + engine_option_words(bench.engine_options))
 
 
 def write_kernel_profile(report: dict, folder: Path) -> list[Path]:

@@ -103,7 +103,7 @@ class ShapeGraphs:
         self, forward: Callable[[dict[str, torch.Tensor]], torch.Tensor], limit: int, own_stream: bool = False
     ):
         self.forward, self.limit, self.pool = forward, limit, None
-        self.own_stream, self.capture_stream = own_stream, None  # made at the first capture
+        self.capture_stream = torch.cuda.Stream() if own_stream else None  # None: torch.cuda.graph's own
         self.seen: Counter[tuple] = Counter()
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, dict[str, torch.Tensor], torch.Tensor]] = {}
         self.replays = 0
@@ -145,8 +145,6 @@ class ShapeGraphs:
 
     def _capture(self, inputs: dict[str, torch.Tensor]):
         static = {name: tensor.clone() for name, tensor in inputs.items()}
-        if self.own_stream and self.capture_stream is None:
-            self.capture_stream = torch.cuda.Stream()
         torch.cuda.synchronize()
         torch.cuda.empty_cache()  # as torch.cuda.graph does: what is reserved after it is the pools'
         reserved = torch.cuda.memory_reserved()
