@@ -64,63 +64,71 @@ def category(name: str) -> str:
     return "other"
 
 
+@dataclass
+class _Kernel:
+    """One kernel name's device time: its kind, launches, microseconds, and those per stream."""
+
+    kind: str
+    count: int = 0
+    us: float = 0.0
+    streams: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+
+
 def summarize_trace(events: list[dict], images: int, wall_s: float) -> dict:
     """Device events of a Chrome trace -> totals per kind, per stream and per kernel name (ms and ms
     an image), and the busy time (their union) against `wall_s`. Other events are skipped."""
-    by_kind: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])  # kind -> [us, count]
-    by_stream: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
-    by_name: dict[str, list] = {}
+    kernels: dict[str, _Kernel] = {}
     spans = []
     for event in events:
         if event.get("cat") not in DEVICE_EVENTS or event.get("ph") != "X":
             continue
         name, start, us = str(event.get("name", "")), float(event.get("ts", 0.0)), float(event.get("dur", 0.0))
-        kind = category(name)
-        stream = str((event.get("args") or {}).get("stream", "?"))
-        by_kind[kind][0] += us
-        by_kind[kind][1] += 1
-        by_stream[stream][kind] += us
-        entry = by_name.setdefault(name, [kind, 0, 0.0, defaultdict(float)])
-        entry[1] += 1
-        entry[2] += us
-        entry[3][stream] += us
+        kernel = kernels.get(name) or kernels.setdefault(name, _Kernel(category(name)))
+        kernel.count += 1
+        kernel.us += us
+        kernel.streams[str((event.get("args") or {}).get("stream", "?"))] += us
         spans.append((start, start + us))
+    by_kind: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])  # kind -> [us, launches]
+    by_stream: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))  # stream -> kind -> us
+    for kernel in kernels.values():
+        by_kind[kernel.kind][0] += kernel.us
+        by_kind[kernel.kind][1] += kernel.count
+        for stream, us in kernel.streams.items():
+            by_stream[stream][kernel.kind] += us
     total_us = sum(us for us, _ in by_kind.values())
     busy_us = _union(spans)
 
     def ms(us: float) -> dict:
         return {"ms": round(us / 1e3, 3), "ms_per_image": round(us / 1e3 / images, 4)}
 
-    kinds = sorted(by_kind.items(), key=lambda item: -item[1][0])
-    top = sorted(by_name.items(), key=lambda item: -item[1][2])[:TOP_KERNELS]
+    def largest_first(items, size):
+        return sorted(items, key=lambda item: -size(item[1]))
+
     return {
-        "device_events": sum(count for _, count in by_kind.values()),
+        "device_events": len(spans),
         "kernel_ms_per_image": round(total_us / 1e3 / images, 4),  # all streams summed
         "busy_ms_per_image": round(busy_us / 1e3 / images, 4),  # their union
         "busy_fraction": busy_us / 1e6 / wall_s if wall_s > 0 else None,
         "wall_ms_per_image": round(wall_s * 1e3 / images, 4),
         "by_kind": {
             kind: {**ms(us), "share": round(us / total_us, 4) if total_us else 0.0, "count": count}
-            for kind, (us, count) in kinds
+            for kind, (us, count) in largest_first(by_kind.items(), lambda entry: entry[0])
         },
         "by_stream": {
-            stream: {
-                **ms(sum(split.values())),
-                "by_kind": {k: ms(us) for k, us in sorted(split.items(), key=lambda x: -x[1])},
-            }
-            for stream, split in sorted(by_stream.items(), key=lambda item: -sum(item[1].values()))
-        },  # fmt: skip
+            stream: {**ms(sum(split.values())), "by_kind": {k: ms(us) for k, us in largest_first(split.items(), float)}}
+            for stream, split in largest_first(by_stream.items(), lambda split: sum(split.values()))
+        },
         "top_kernels": [
             {
                 "name": name[:160],
-                "kind": kind,
-                "count": count,
-                **ms(us),
-                "mean_us": round(us / count, 2),
-                "streams": sorted(streams, key=lambda s: -streams[s]),
+                "kind": kernel.kind,
+                "count": kernel.count,
+                **ms(kernel.us),
+                "mean_us": round(kernel.us / kernel.count, 2),
+                "streams": [stream for stream, _ in largest_first(kernel.streams.items(), float)],
             }
-            for name, (kind, count, us, streams) in top
-        ],  # fmt: skip
+            for name, kernel in largest_first(kernels.items(), lambda kernel: kernel.us)[:TOP_KERNELS]
+        ],
     }
 
 
