@@ -5,6 +5,7 @@ tests run it as users do."""
 
 from __future__ import annotations
 
+import copy
 import gc
 import weakref
 
@@ -60,6 +61,19 @@ def test_every_dense_layer_is_quantized_and_the_rest_stays(bf16, quantized):
     assert parts.encoder.multi_modal_projector.mm_input_projection_weight.dtype == torch.bfloat16
     assert parts.encoder.vision_tower.patch_embedding.weight.dtype == torch.bfloat16
     assert report.bytes_after < report.bytes_before == fp8.weight_bytes(bf16)
+
+
+def test_the_fp8_tower_embeds_patches_by_gemm_as_the_conv_does(bf16, quantized):
+    parts, _ = quantized
+    assert parts.encoder.vision_tower.patch_embedding.as_gemm
+    assert not bf16.encoder.vision_tower.patch_embedding.as_gemm  # bf16 runs transformers' conv
+    conv = copy.deepcopy(bf16.encoder.vision_tower.patch_embedding).float()
+    pixels = torch.randn(2, conv.in_channels, 4 * conv.kernel_size[0], 4 * conv.kernel_size[0])
+    want = conv(pixels)
+    conv.as_gemm = True
+    got = conv(pixels)
+    assert got.shape == want.shape == (2, 16, conv.out_channels)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_the_bf16_weights_are_freed(tiny_model_dir):

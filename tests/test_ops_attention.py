@@ -19,6 +19,7 @@ from wicore.ops.attention import (
     prefill_attention,
     store_kv,
 )
+from wicore.ops.attention.prefill import gather_rows
 
 BLOCK = 4
 
@@ -150,6 +151,15 @@ def test_packed_prefill_matches_per_sequence_attention(kv_heads):
         )
         torch.testing.assert_close(out[rows], want.transpose(0, 1), rtol=1e-5, atol=1e-5)
         start += length
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
+def test_rows_gathered_as_words_are_the_rows_indexed(dtype):
+    x = torch.randn(40, 8, 16).to(dtype)
+    tokens, heads = torch.randint(0, 40, (3, 4, 5)), torch.randint(0, 8, (3, 4, 5))
+    for view in (x, x.transpose(0, 1)[:, :, :], x[:, :, 1:], x[1:]):  # aligned, strided, odd columns, offset
+        got = gather_rows(view, tokens % view.shape[0], heads % view.shape[1])
+        assert got.dtype == dtype and torch.equal(got, view[tokens % view.shape[0], heads % view.shape[1]])
 
 
 @pytest.mark.gpu

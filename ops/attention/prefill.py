@@ -94,11 +94,29 @@ class GroupedBatch:
         -> [N, Hq, D]."""
         n, heads, dim = q.shape
         mask = self.masks[1] if sliding else self.masks[0]
-        qf = q[self.q_token, self.q_head]  # [B, Hkv, G * Lq, D]
+        qf = gather_rows(q, self.q_token, self.q_head)  # [B, Hkv, G * Lq, D]
         kp, vp = (x[self.key_rows].transpose(1, 2) for x in (keys, values))  # [B, Hkv, Lk, D]
         out = grouped_attention(qf, kp, vp, mask, scale, softcap)  # [B, Hkv, G * Lq, D]
         b, h, row = self.out_cell
-        return out[b, h, row].view(n, heads, dim)
+        return gather_rows(out, b, h, row).view(n, heads, dim)
+
+
+def gather_rows(x: torch.Tensor, *index: torch.Tensor) -> torch.Tensor:
+    """x[index] for index tensors over x's leading dims, each selected row of the last dim moved
+    as 8-byte words where its layout allows: torch's index kernel copies one element per thread,
+    and bf16 rows moved as int64 take half the time (an H200: 23 against 44 us for a prefill
+    step's queries, 8 prompts of ~281 tokens). A pure copy, bit for bit."""
+    words = 8 // x.element_size() if x.element_size() < 8 else 1
+    aligned = (
+        words > 1
+        and x.stride(-1) == 1
+        and x.shape[-1] % words == 0
+        and x.storage_offset() % words == 0
+        and all(stride % words == 0 for stride in x.stride()[:-1])
+    )
+    if not aligned:
+        return x[index]
+    return x.view(torch.int64)[index].view(x.dtype)
 
 
 def group_batch(

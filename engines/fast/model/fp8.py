@@ -211,6 +211,7 @@ def prepare_attention(tower: VisionTower, max_batch: int) -> None:
 
 
 def quantize_vision(tower: VisionTower, report: FP8Report, fp8_attention: bool = False) -> None:
+    tower.patch_embedding.as_gemm = True  # bf16 still, a GEMM rather than cuDNN's slow conv
     for index, layer in enumerate(tower.layers):
         tower.layers[index] = quantize_vision_layer(layer, report, f"vision.{index}", fp8_attention=fp8_attention)
 

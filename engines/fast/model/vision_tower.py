@@ -81,21 +81,44 @@ class SiglipLayer(nn.Module):
         return self(x if pending is None else x + pending), None
 
 
+class PatchEmbedding(nn.Conv2d):
+    """pixels [N, C, S, S] -> patch embeddings [N, (S/p)^2, Dv]: a conv whose stride is its kernel.
+
+    `as_gemm`: the same map as one GEMM, the patches being a reshape of the pixels ([N * P, C * p * p]
+    rows against the weight as [Dv, C * p * p]). On an H200 (8 images at 896 px, patch 14) 0.35 ms
+    against 2.2 for cuDNN's conv (`implicit_convolve_sgemm`, `cudnn.benchmark` finds nothing
+    faster); 74% of its outputs equal the conv's, the rest differ by one bf16 unit. The FP8 tower
+    takes it; the bf16 tower keeps the conv, as transformers runs it, so its outputs stay
+    transformers' bit for bit."""
+
+    as_gemm: bool = False
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        x = pixels.to(self.weight.dtype)
+        if not self.as_gemm:
+            return super().forward(x).flatten(2).transpose(1, 2)
+        n, channels, side, _ = x.shape
+        patch = self.kernel_size[0]
+        grid = side // patch
+        rows = x.reshape(n, channels, grid, patch, grid, patch).permute(0, 2, 4, 1, 3, 5)
+        rows = rows.reshape(n * grid * grid, channels * patch * patch)
+        return F.linear(rows, self.weight.reshape(self.out_channels, -1), self.bias).view(n, grid * grid, -1)
+
+
 class VisionTower(nn.Module):
     """SigLIP without its pooling head (Gemma-3 sets vision_use_head=False)."""
 
     def __init__(self, config):
         super().__init__()
         hidden, patch = config.hidden_size, config.patch_size
-        self.patch_embedding = nn.Conv2d(config.num_channels, hidden, kernel_size=patch, stride=patch)
+        self.patch_embedding = PatchEmbedding(config.num_channels, hidden, kernel_size=patch, stride=patch)
         self.num_patches = (config.image_size // patch) ** 2
         self.position_embedding = nn.Embedding(self.num_patches, hidden)
         self.layers = nn.ModuleList(SiglipLayer(config) for _ in range(config.num_hidden_layers))
         self.post_layernorm = nn.LayerNorm(hidden, eps=config.layer_norm_eps)
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
-        x = self.patch_embedding(pixels.to(self.patch_embedding.weight.dtype))  # [N, Dv, S/p, S/p]
-        x = x.flatten(2).transpose(1, 2) + self.position_embedding.weight  # [N, P, Dv]
+        x = self.patch_embedding(pixels) + self.position_embedding.weight  # [N, P, Dv]
         pending = None
         for layer in self.layers:
             x, pending = layer.forward_residual(x, pending)
