@@ -59,11 +59,14 @@ def test_bench_runs_end_to_end_on_cpu(tmp_path, tiny_model_dir, capsys):
 
     bench = CaptionBench(
         workdir=tmp_path, images=6, new_tokens=4, batch_size=4, engine="reference", hf_batches=(2,),
-        hf_images=4, hf_single_images=2, warmup_images=2, device="cpu", model_dir=tiny_model_dir,
+        hf_images=4, hf_repeats=2, hf_single_images=2, warmup_images=2, device="cpu", model_dir=tiny_model_dir,
     )  # fmt: skip
     report = run_caption_bench(bench, ceilings=Ceilings(1e12, 1e11, 1e10))
     assert report["error_count"] == 0 and report["images_per_s"] > 0
     assert set(report["hf_images_per_s"]) == {"1", "2"}
+    passes = report["hf_images_per_s_passes"]["2"]
+    assert len(passes) == 2 and report["hf_images_per_s"]["2"] == max(passes), "the peer's fastest pass counts"
+    assert "--hf-repeats 2" in report["command"]
     # the reference engine in fp32 against HF generate on the same model: identical tokens
     assert report["parity_vs_hf_best_batch"]["share"] == 1.0
     assert report["parity_vs_hf_best_batch"]["margins_at_divergence"] == []
