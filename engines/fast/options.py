@@ -224,6 +224,11 @@ class FastOptions(BaseModel):
         """The tower's attention runs in FP8: asked for, and inside an FP8 tower (gemm_dtype=fp8)."""
         return self.gemm_dtype == "fp8" and self.vision_attention_dtype == "fp8"
 
+    @property
+    def fp8_kv_cache(self) -> bool:
+        """The paged KV cache holds e4m3 K/V (kv_cache_dtype=fp8)."""
+        return self.kv_cache_dtype == "fp8"
+
     def numerics_tag(self) -> str | None:
         """What sets this engine's numbers apart from the model dtype's ("fp8", "fp8-attention"), or
         None: cached K/V and image embeddings are kept apart by it."""
