@@ -40,8 +40,8 @@ class CaptionBench:
     hf_images: int = 128  # per batched peer run
     # Timed passes of each batched peer; its fastest counts. A batch size's first pass pays its
     # first-call costs (the warm-up runs batch 2), and HF generate is host-bound (its processor
-    # and per-step Python run on the CPU): one pass of the 4B at batch 64 read 7.6-11.2 images/s
-    # on H200 runs, three passes in one run 8.05, 12.87 and 11.56.
+    # and per-step Python run on the CPU), so one pass can read tens of percent slow
+    # (docs/performance.md has the passes measured).
     hf_repeats: int = 3
     hf_single_images: int = 6  # the batch-1 peer
     warmup_images: int = 64

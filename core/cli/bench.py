@@ -91,9 +91,7 @@ def caption(
     engine_option: list[str] = typer.Option(None, "--engine-option", help="KEY=VALUE engine option; repeatable."),
     hf_batches: str = typer.Option("8,32,64", help="Static batch sizes of the HF peer."),
     hf_images: int = typer.Option(128, help="Images per batched HF peer run."),
-    hf_repeats: int = typer.Option(
-        3, min=1, help="Timed passes of each batched HF peer; the fastest counts (it is host-bound, so it varies)."
-    ),
+    hf_repeats: int = typer.Option(3, min=1, help="Timed passes of each batched HF peer; its fastest counts."),
     hf: bool = typer.Option(True, "--hf/--no-hf", help="Run the HF peer (--no-hf: the product alone, for A/B runs)."),
     decode_processes: int = typer.Option(
         None, min=0, help="The worker's --decode-processes (0: threads).", show_default=False

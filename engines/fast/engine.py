@@ -77,8 +77,7 @@ class FastEngine(Engine):
             fp8_weights.check_device(device, config.dtype)  # before the slow load
             if fp8_attention:
                 fp8_weights.check_attention_device(device)
-        fp8_kv = config.options.fp8_kv_cache
-        if fp8_kv:
+        if config.options.fp8_kv_cache:
             fp8_weights.check_kv_device(device)
         processor = load_processor(config.model_dir)
         self.tokenizer = processor.tokenizer
@@ -105,7 +104,7 @@ class FastEngine(Engine):
         layout = self.runner.layout
         self.tiers = build_tiers(self.runner.cache, opts, text.num_key_value_heads, text.head_dim)
         # FP8 GEMMs (and attention) write other K/V; FP8 pages hold other bytes
-        kv_tag = "kv-fp8" if fp8_kv else None
+        kv_tag = "kv-fp8" if config.options.fp8_kv_cache else None
         precision = "+".join(filter(None, (config.dtype, config.options.numerics_tag(), kv_tag)))
         model_id = model_fingerprint(config.model_dir, precision, layout)  # salts every key
         self.keyer = PromptKeyer(model_id, opts.block_size, parts.tokens_per_image)
