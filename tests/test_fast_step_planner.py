@@ -3,6 +3,7 @@ prefill batches, and a better lane running ahead of the sequences already admitt
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from types import SimpleNamespace
 
 from wicore.engines.base import EngineRequest
@@ -11,6 +12,7 @@ from wicore.engines.fast.sequence import SeqStatus, Sequence
 from wicore.engines.fast.step_planner import StepPlanner
 from wicore.engines.kvcache.block_manager import BlockManager
 from wicore.engines.kvcache.kv_layout import KVLayout
+from wicore.engines.pending import Pending
 from wicore.schemas import GenerationParams, Lane
 
 S, F = "sliding_attention", "full_attention"
@@ -85,6 +87,23 @@ def test_partial_vision_batches_wait_unless_allowed():
     assert [s.id for s in planner.schedule_vision(1, allow_partial=False)] == ["a", "b", "c"]
     planner.add(sequence("d", 20, 4, images=1))
     assert [s.id for s in planner.schedule_vision(1, allow_partial=True)] == ["d"]
+
+
+def test_a_short_vision_batch_waits_for_the_head_s_resize_but_not_for_rows():
+    layout = KVLayout.build(text_config([S, F], window=8), block_size=4, max_model_len=64)
+    for rows in (3, 1):
+        planner = StepPlanner(layout, BlockManager(500), max_rows=rows, vision_batch=3, prefill_tokens=50)
+        resize = Future()
+        a, b, c = (sequence(rid, 20, 4, images=1) for rid in "abc")
+        b.vision.pixels = Pending(resize)  # still being resized in the pool
+        for seq in (a, b, c):
+            planner.add(seq)
+        if rows == 1:  # b has no row to go to: a goes alone
+            assert [s.id for s in planner.schedule_vision(1, allow_partial=True)] == ["a"]
+            continue
+        assert planner.schedule_vision(1, allow_partial=True) == []  # b joins a within a resize
+        resize.set_result(None)
+        assert [s.id for s in planner.schedule_vision(1, allow_partial=True)] == ["a", "b", "c"]
 
 
 def ids(seqs):

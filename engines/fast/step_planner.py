@@ -108,20 +108,29 @@ class StepPlanner:
     def schedule_vision(self, vision_slots: int, allow_partial: bool = True) -> list[Sequence]:
         """Admit what fits, then pick the next vision batch if `vision_slots` (batches that may
         still be queued on the device) allows one. A batch short of `vision_batch` images goes
-        only with `allow_partial` (the engine allows it when the device would otherwise idle).
+        only with `allow_partial` (the engine allows it when the device would otherwise idle),
+        and not while the queue's head waits only for its images to be resized: they join it
+        within a resize, where a short batch would run the eager tower on a few images.
         A leading lane's batch goes whatever the slots and its size (module docstring)."""
         self._admit()
         lead = self.lead_rank
         if lead is None and vision_slots <= 0:
             return []
         batch, images = self._vision_batch(lead)
-        if lead is None and not allow_partial and images < self.vision_batch:
+        if lead is None and images < self.vision_batch and (not allow_partial or self._pixels_coming()):
             return []
         now = time.perf_counter()
         for seq in batch:
             seq.vision.launched = True
             seq.timeline["vision_launched"] = now
         return batch
+
+    def _pixels_coming(self) -> bool:
+        """The head of the queue has a row to go to and waits only for its images' resize."""
+        if not self.waiting or not self.free_rows:
+            return False
+        head = self.waiting[0]
+        return head.num_images > 0 and not head.vision.pixels.ready
 
     def take_admitted(self) -> list[Sequence]:
         """Sequences admitted since the last call (their tables must reach the device)."""
