@@ -48,3 +48,22 @@ def test_on_cpu_every_readback_has_landed():
     readbacks = Readbacks()
     readbacks.add(5, Readback.start([], torch.tensor([7, 8])))
     assert [r.tokens() for r in readbacks.landed(due=0)] == [[7, 8]]
+
+
+def test_a_due_wait_stops_when_woken_and_the_tokens_stay_for_the_next_read():
+    readbacks = Readbacks()
+    (r0, e0), (r1, e1) = launched(0), launched(1)
+    readbacks.add(0, r0)
+    readbacks.add(1, r1)
+    polls = []
+
+    def vision_done() -> bool:  # the side stream's batch finishes on the third poll
+        polls.append(1)
+        return len(polls) >= 3
+
+    assert list(readbacks.landed(due=1, wake=vision_done)) == [] and len(polls) == 3
+    assert len(readbacks) == 2 and not e0.waited, "the host went back to launch; nothing was lost"
+    e0.done = True
+    assert [r.tokens() for r in readbacks.landed(due=0, wake=lambda: False)] == [[0]]
+    e1.done = True
+    assert [r.tokens() for r in readbacks.landed(due=1, wake=lambda: True)] == [[1]], "landed: read, woken or not"

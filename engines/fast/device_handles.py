@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
 
 from wicore.engines.fast.sequence import Sequence
+
+POLL_S = 0.0002  # CUDA events have no timed wait: a wait that may be cut short polls
 
 
 @dataclass
@@ -54,6 +56,15 @@ class Readback:
         return self.host.tolist()
 
 
+def _lands_unless(readback: Readback, wake: Callable[[], bool]) -> bool:
+    """Polls until the readback lands (True) or `wake` says to stop waiting (False)."""
+    while not readback.ready():
+        if wake():
+            return False
+        time.sleep(POLL_S)
+    return True
+
+
 class Readbacks:
     """Readbacks in launch order, each with the step it was launched in. Tokens are read in
     that order (a sequence's tokens append in order), and only once landed: `landed(due)`
@@ -66,8 +77,13 @@ class Readbacks:
     def add(self, step: int, readback: Readback) -> None:
         self._queue.append((step, readback))
 
-    def landed(self, due: int) -> Iterator[Readback]:
-        while self._queue and (self._queue[0][0] <= due or self._queue[0][1].ready()):
+    def landed(self, due: int, wake: Callable[[], bool] | None = None) -> Iterator[Readback]:
+        """`wake`: while a due readback is still on its way, stop waiting for it (and yield no
+        more) once this returns True."""
+        while self._queue:
+            step, readback = self._queue[0]
+            if not readback.ready() and (step > due or (wake is not None and not _lands_unless(readback, wake))):
+                return
             yield self._queue.popleft()[1]
 
     def wait_oldest(self) -> None:

@@ -61,6 +61,7 @@ IDLE_WAIT_S = 0.02  # longest wait inside a step that launched nothing
 # A step's tokens are waited for once this many later steps have launched: with 2 the device ran
 # out of queued work 6-8% of a bulk run on an H200 while the host was between steps, with 3 ~1%.
 READ_LAG = 3
+KEYED_AT_ADD = 64  # prompts of one `add` whose prefix keys it hashes itself; the rest: pixel threads
 
 
 class FastEngine(Engine):
@@ -180,14 +181,15 @@ class FastEngine(Engine):
                 seqs.append(self._sequence(request))
             except JobInputError as error:
                 rejected.append(failed(request.id, error, input_error=True))
-        # Resizes go to the pool before the prefix keys are hashed here, so the first vision
-        # batch's images are ready when this returns (1,024 VQA prompts: ~0.1 s of hashing).
+        # Resizes go to the pool first; the first admissions' prefix keys are hashed here, the
+        # rest's in the pool behind the resizes: 1,024 VQA prompts took ~0.1 s of hashing, which
+        # the device spent idle when all of it ran before the first launch.
         bad = {id(seq): error for seq, error in self.images.prepare(seqs)}
-        for seq in seqs:
+        for i, seq in enumerate(seqs):
             if id(seq) in bad:
                 rejected.append(failed(seq.id, bad[id(seq)], input_error=True))
                 continue
-            self._key(seq)
+            self._key(seq, inline=i < KEYED_AT_ADD)
             self.planner.add(seq)
         self.counters.rejected += len(rejected)
         return rejected
@@ -293,17 +295,21 @@ class FastEngine(Engine):
             self.planner.prefilled(prefill)
             done += [self._abort(seq) for seq in prefill if seq.abort_requested]
             launched += 1
-        finished = self._read_tokens(step - READ_LAG, done)
+        finished = self._read_tokens(
+            step - READ_LAG, done, wake=self.images.any_done if self.images.num_queued else None
+        )
         if not launched and not finished:
             self._wait_for_work()
         self.counters.steps += 1
         self.runner.clock.collect()  # fold finished GPU timings in; keeps the pending list short
 
-    def _read_tokens(self, due: int, done: list[Completion]) -> int:
+    def _read_tokens(self, due: int, done: list[Completion], wake=None) -> int:
         """Process the readbacks whose tokens have landed, oldest first, waiting for those
-        launched in step `due` or before; returns how many sequences ended."""
+        launched in step `due` or before (`wake`: unless it says a vision batch is done, so the
+        side stream gets its next batch rather than idling behind a prefill on the main one);
+        returns how many sequences ended."""
         ended = 0
-        for readback in self.readbacks.landed(due):
+        for readback in self.readbacks.landed(due, wake):
             for seq, token in zip(readback.seqs, readback.tokens(), strict=True):
                 if not seq.ended and self._append(seq, token):
                     done.append(self._finish(seq))
@@ -368,14 +374,15 @@ class FastEngine(Engine):
         seed = params.seed if params.seed is not None else self.rng.getrandbits(63)
         return Sequence(request, prompt, seed)  # pixels or embeddings: ImageStage.prepare; then `_key`
 
-    def _key(self, seq: Sequence) -> None:
+    def _key(self, seq: Sequence, inline: bool = True) -> None:
         """Prefix-cache keys for a sequence that can be cached (one that never wraps a sliding
-        ring); hashing decoded images (no hashes given) runs in the pixel threads."""
+        ring). Hashed here with `inline`, else in the pixel threads behind the resizes queued
+        before it, as are keys that hash decoded images (no hashes given)."""
         if self.blocks.cache is None or self.runner.layout.wraps(seq.max_len):
             return
         job = partial(self.keyer, seq.request, seq.prompt)
         hash_pixels = seq.request.images and not seq.request.image_hashes
-        if self.pool is not None and hash_pixels:
+        if self.pool is not None and (hash_pixels or not inline):
             seq.cache.keys = Pending(self.pool.submit(job, rank=seq.rank))
         else:
             seq.cache.keys = Pending.now(job())

@@ -161,11 +161,15 @@ class ImageStage:
         """Vision batches launched and not collected yet."""
         return len(self.jobs)
 
+    def any_done(self) -> bool:
+        """Some vision batch on the device is done (collecting it frees a slot for the next)."""
+        return any(job.done() for job in self.jobs)
+
     def wait(self, timeout: float) -> None:
         """Until a vision batch is done (polling: CUDA events have no timed wait), or `timeout`
         seconds."""
         deadline = time.perf_counter() + timeout
-        while self.jobs and not any(job.done() for job in self.jobs) and time.perf_counter() < deadline:
+        while self.jobs and not self.any_done() and time.perf_counter() < deadline:
             time.sleep(0.0005)
 
     def drop(self, seq: Sequence) -> None:
