@@ -164,6 +164,17 @@ def test_graphs_replayed_side_by_side_on_two_streams_give_what_each_gives_alone(
     assert all(torch.equal(a, alone[0]) and torch.equal(b, alone[1]) for a, b in outputs)
 
 
+def test_an_own_capture_stream_is_never_the_default_capture_stream_however_many_streams_came_before():
+    from wicore.engines.fast.graph_runner import ShapeGraphs
+
+    graphs = ShapeGraphs(lambda t: t["x"] * 2, limit=1)
+    assert graphs.capture({"x": torch.ones(4, device="cuda")})  # torch.cuda.graph makes its default stream
+    default = torch.cuda.graphs.graph.default_capture_stream
+    for made in range(64):  # torch's pool of streams wraps around every 32
+        own = ShapeGraphs(lambda t: t["x"] * 2, limit=1, own_stream=True).capture_stream
+        assert own.cuda_stream != default.cuda_stream, f"after {made} streams"
+
+
 def test_full_vision_batches_replay_one_graph_each_with_its_own_embeddings(tiny_model_dir):
     """Batches of 2 images, two queued on the side stream at once: every replay's embeddings are
     the tower's for its own images (bit for bit), and the tokens equal launching the tower. The

@@ -103,7 +103,10 @@ class ShapeGraphs:
         self, forward: Callable[[dict[str, torch.Tensor]], torch.Tensor], limit: int, own_stream: bool = False
     ):
         self.forward, self.limit, self.pool = forward, limit, None
-        self.capture_stream = torch.cuda.Stream() if own_stream else None  # None: torch.cuda.graph's own
+        # From the high-priority pool: torch hands out pooled streams round-robin (32 a pool), so a
+        # normal-priority one made 32 streams after torch.cuda.graph's default capture stream is
+        # that stream again. A capture stream's priority only matters while capturing.
+        self.capture_stream = torch.cuda.Stream(priority=-1) if own_stream else None  # None: the default
         self.seen: Counter[tuple] = Counter()
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, dict[str, torch.Tensor], torch.Tensor]] = {}
         self.replays = 0
