@@ -298,20 +298,18 @@ class FastEngine(Engine):
             self.planner.prefilled(prefill)
             done += [self._abort(seq) for seq in prefill if seq.abort_requested]
             launched += 1
-        finished = self._read_tokens(
-            step - READ_LAG, done, wake=self.images.any_done if self.images.num_queued else None
-        )
+        finished = self._read_tokens(step - READ_LAG, done)
         if not launched and not finished:
             self._wait_for_work()
         self.counters.steps += 1
         self.runner.clock.collect()  # fold finished GPU timings in; keeps the pending list short
 
-    def _read_tokens(self, due: int, done: list[Completion], wake=None) -> int:
+    def _read_tokens(self, due: int, done: list[Completion]) -> int:
         """Process the readbacks whose tokens have landed, oldest first, waiting for those
-        launched in step `due` or before (`wake`: unless it says a vision batch is done, so the
-        side stream gets its next batch rather than idling behind a prefill on the main one);
-        returns how many sequences ended."""
-        ended = 0
+        launched in step `due` or before unless a vision batch is done meanwhile (the side stream
+        then gets its next batch rather than idling behind a prefill on the main one); returns
+        how many sequences ended."""
+        ended, wake = 0, self.images.any_done if self.images.num_queued else None
         for readback in self.readbacks.landed(due, wake):
             for seq, token in zip(readback.seqs, readback.tokens(), strict=True):
                 if not seq.ended and self._append(seq, token):
