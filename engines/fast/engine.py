@@ -183,8 +183,8 @@ class FastEngine(Engine):
                 rejected.append(failed(request.id, error, input_error=True))
         # A chunk at a time: its resizes go to the pool, then its prefix keys are hashed (here
         # for the first chunk, in the pool behind the chunk's resizes for the rest). Hashing 1,024
-        # VQA prompts took ~0.1 s: before the first launch it left the device idle, and behind
-        # every resize of the call it held admission back.
+        # VQA prompts takes ~0.1 s: all of it before the first launch would leave the device idle,
+        # all of it behind every resize of the call would hold admission back.
         for start in range(0, len(seqs), ADD_CHUNK):
             chunk = seqs[start : start + ADD_CHUNK]
             bad = {id(seq): error for seq, error in self.images.prepare(chunk)}
