@@ -61,7 +61,7 @@ IDLE_WAIT_S = 0.02  # longest wait inside a step that launched nothing
 # A step's tokens are waited for once this many later steps have launched: with 2 the device ran
 # out of queued work 6-8% of a bulk run on an H200 while the host was between steps, with 3 ~1%.
 READ_LAG = 3
-ADD_CHUNK = 64  # prompts `add` prepares at a time (its comment there)
+ADD_CHUNK = 64  # prompts `add` resizes and keys at a time (the reason: in `add`)
 
 
 class FastEngine(Engine):
@@ -375,7 +375,7 @@ class FastEngine(Engine):
         seed = params.seed if params.seed is not None else self.rng.getrandbits(63)
         return Sequence(request, prompt, seed)  # pixels or embeddings: ImageStage.prepare; then `_key`
 
-    def _key(self, seq: Sequence, inline: bool = True) -> None:
+    def _key(self, seq: Sequence, inline: bool) -> None:
         """Prefix-cache keys for a sequence that can be cached (one that never wraps a sliding
         ring). Hashed here with `inline`, else in the pixel threads behind the resizes queued
         before it, as are keys that hash decoded images (no hashes given)."""
