@@ -2,14 +2,18 @@
 lazily, it needs triton and cuDNN's frontend (`nvidia-cudnn-frontend`, imported as `cudnn`).
 
 Four launches, no host sync (so it runs inside CUDA graphs and as an opaque op under inductor):
-1. `_amax_kernel`: max |q|, |k|, |v| over the whole batch (atomic max into 3 floats);
-2. `_pad_quantize_kernel`: q, k, v in e4m3 into one [3, batch, length, heads, padded] buffer (the
-   padding written as zeros); its first program also writes the scalars cuDNN takes;
+1. `_scale_source_kernel`: the amax each part is scaled by: the layer's `seen`, or on a first
+   call (`seen` zero) max |q|, |k|, |v| over the batch (atomic max into 3 floats); with `seen`
+   set its programs read one float each and nothing of q, k and v;
+2. `_pad_quantize_kernel`: q, k, v in e4m3 into one [3, batch, length, heads, padded] buffer,
+   the padding written as zeros, raising `seen` to the maxima it meets; its first program also
+   writes the scalars cuDNN takes;
 3. cuDNN's FP8 SDPA forward over [batch, heads, length, padded] views of that buffer, O in e4m3
    in the same layout (a graph built once per shape, then executed on the current stream);
 4. `_requantize_kernel`: O's real columns dequantized and quantized again per row.
-On an H200 (8 images of 4,096 tokens, 16 heads of 72) the chain ran in 1.33 ms against 1.65 for
-bf16 SDPA followed by the rowwise quantization (amax 0.07, q/k/v 0.13, cuDNN 1.10, rows 0.06).
+On an H200 (8 images of 4,096 tokens, 16 heads of 72) the chain with an amax pass every call ran
+in 1.33 ms against 1.65 for bf16 SDPA followed by the rowwise quantization
+(amax 0.07, q/k/v 0.13, cuDNN 1.10, rows 0.06).
 """
 
 from __future__ import annotations
@@ -24,52 +28,61 @@ import triton
 import triton.language as tl
 
 from wicore.ops.fp8 import AMAX_FLOOR, E4M3, E4M3_MAX
-from wicore.ops.fp8_attention import padded_head_dim
+from wicore.ops.fp8_attention import MARGIN, padded_head_dim
 from wicore.ops.fp8_triton import empty_quantized_rows
 
-# One float32 buffer a call: the amax pass's 3 maxima, then the scalars cuDNN reads (written by the
-# quantizing pass: descale_q, _k, _v, descale_s, scale_s, scale_o, in the order `_Plan.scalars`
-# names them; O is dequantized by descale_v, as scale_o is 448 / amax_v), then 2 amaxes cuDNN
-# writes and nobody reads.
+# One float32 buffer a call: the 3 amaxes the parts are scaled by, then the scalars cuDNN reads
+# (written by the quantizing pass: descale_q, _k, _v, descale_s, scale_s, scale_o, in the order
+# `_Plan.scalars` names them; O is dequantized by descale_v, as scale_o is 1 / descale_v), then 2
+# amaxes cuDNN writes and nobody reads.
 AMAXES, SCALARS, UNUSED = 3, 6, 2
-AMAX_BLOCK = (64, 128)  # rows x columns a program of the amax pass reads
+AMAX_BLOCK = (64, 128)  # rows x columns a program of the first call's amax pass reads
 QUANTIZE_ROWS = 64
+FINITE = tl.constexpr(3.0e38)  # past bf16's largest finite value (3.39e38) only inf and nan
 REQUANTIZE_ROWS = 8
 
 
 @triton.jit
-def _amax_kernel(qkv, amax, rows, stride, width: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr):
-    """Program (row block, part, column block): atomic max of |x| into amax[part]."""
+def _scale_source_kernel(
+    qkv, seen, amax, rows, stride, width: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr
+):
+    """Program (row block, part, column block): atomic max into amax[part] of seen[part], or of
+    |x| over its block while seen[part] is zero (the masked loads then read nothing)."""
     part = tl.program_id(1)
+    earlier = tl.load(seen + part)
     r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     c = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
-    inside = (r[:, None] < rows) & (c[None, :] < width)
+    inside = (r[:, None] < rows) & (c[None, :] < width) & (earlier <= 0.0)
     x = tl.load(qkv + r[:, None] * stride + part * width + c[None, :], mask=inside, other=0.0)
-    tl.atomic_max(amax + part, tl.max(tl.max(tl.abs(x.to(tl.float32)), axis=1), axis=0))
+    tl.atomic_max(amax + part, tl.maximum(earlier, tl.max(tl.max(tl.abs(x.to(tl.float32)), axis=1), axis=0)))
 
 
 @triton.jit
 def _pad_quantize_kernel(
-    qkv, out, amax, scalars, rows, length, stride, part_stride, floor, fp8_max,
+    qkv, out, amax, seen, scalars, rows, stride, part_stride, floor, fp8_max, margin,
     HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PADDED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     """Program (row block, part * HEADS + head): one head of q, k or v for BLOCK_M rows -> e4m3
-    [.., PADDED] at 448 / amax[part], zeros past HEAD_DIM. out is [3, rows, HEADS, PADDED]."""
+    [.., PADDED] at 448 / (margin * amax[part]), zeros past HEAD_DIM; seen[part] raised to the
+    block's max |x|. out is [3, rows, HEADS, PADDED]."""
     part = tl.program_id(1) // HEADS
     head = tl.program_id(1) % HEADS
     r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     d = tl.arange(0, BLOCK_D)
     in_rows = r[:, None] < rows
     x = tl.load(qkv + r[:, None] * stride + (part * HEADS + head) * HEAD_DIM + d[None, :],
-                mask=in_rows & (d[None, :] < HEAD_DIM), other=0.0).to(tl.float32)  # fmt: skip
-    part_amax = tl.maximum(tl.load(amax + part), floor)
+                mask=in_rows & (d[None, :] < HEAD_DIM), other=0.0)  # fmt: skip
+    x = x.to(tl.float32)
+    finite = tl.where(tl.abs(x) <= FINITE, tl.abs(x), 0.0)  # one inf or nan must not stick in `seen`
+    tl.atomic_max(seen + part, tl.max(tl.max(finite, axis=1), axis=0))
+    part_amax = margin * tl.maximum(tl.load(amax + part), floor)
     y = tl.clamp(x * (fp8_max / part_amax), -fp8_max, fp8_max)
     tl.store(out + part * part_stride + (r[:, None] * HEADS + head) * PADDED + d[None, :], y.to(out.dtype.element_ty),
              mask=in_rows & (d[None, :] < PADDED))  # fmt: skip
     if tl.program_id(0) + tl.program_id(1) == 0:
-        amax_q = tl.maximum(tl.load(amax), floor)
-        amax_k = tl.maximum(tl.load(amax + 1), floor)
-        amax_v = tl.maximum(tl.load(amax + 2), floor)
+        amax_q = margin * tl.maximum(tl.load(amax), floor)
+        amax_k = margin * tl.maximum(tl.load(amax + 1), floor)
+        amax_v = margin * tl.maximum(tl.load(amax + 2), floor)
         tl.store(scalars + 0, amax_q / fp8_max)
         tl.store(scalars + 1, amax_k / fp8_max)
         tl.store(scalars + 2, amax_v / fp8_max)
@@ -165,9 +178,12 @@ def prepare(device: torch.device, batches: list[int], heads: int, length: int, h
     return time.perf_counter() - start
 
 
-@torch.library.custom_op("wicore::fp8_attention", mutates_args=())
-def fp8_attention(qkv: torch.Tensor, batch: int, heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """qkv [rows, 3 * heads * head_dim] -> (e4m3 [rows, heads * head_dim], float32 scale [rows, 1])."""
+@torch.library.custom_op("wicore::fp8_attention", mutates_args=("seen",))
+def fp8_attention(
+    qkv: torch.Tensor, batch: int, heads: int, head_dim: int, seen: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """qkv [rows, 3 * heads * head_dim] -> (e4m3 [rows, heads * head_dim], float32 scale [rows, 1]);
+    seen [3] raised to this call's max |q|, |k|, |v|."""
     if qkv.stride(-1) != 1:
         qkv = qkv.contiguous()
     rows, width = qkv.shape[0], heads * head_dim
@@ -182,11 +198,11 @@ def fp8_attention(qkv: torch.Tensor, batch: int, heads: int, head_dim: int) -> t
     qkv8 = torch.empty((3, rows, heads, padded), dtype=E4M3, device=device)
     o8 = torch.empty((rows, heads, padded), dtype=E4M3, device=device)
     block_m, block_c = AMAX_BLOCK
-    _amax_kernel[(triton.cdiv(rows, block_m), 3, triton.cdiv(width, block_c))](
-        qkv, amax, rows, qkv.stride(0), width, BLOCK_M=block_m, BLOCK_C=block_c
+    _scale_source_kernel[(triton.cdiv(rows, block_m), 3, triton.cdiv(width, block_c))](
+        qkv, seen, amax, rows, qkv.stride(0), width, BLOCK_M=block_m, BLOCK_C=block_c
     )
     _pad_quantize_kernel[(triton.cdiv(rows, QUANTIZE_ROWS), 3 * heads)](
-        qkv, qkv8, amax, scalars, rows, rows // batch, qkv.stride(0), qkv8[0].numel(), AMAX_FLOOR, E4M3_MAX,
+        qkv, qkv8, amax, seen, scalars, rows, qkv.stride(0), qkv8[0].numel(), AMAX_FLOOR, E4M3_MAX, MARGIN,
         HEADS=heads, HEAD_DIM=head_dim, PADDED=padded, BLOCK_M=QUANTIZE_ROWS, BLOCK_D=triton.next_power_of_2(padded),
     )  # fmt: skip
     pack = {plan.qkv[i]: qkv8[i] for i in range(3)}
@@ -203,6 +219,8 @@ def fp8_attention(qkv: torch.Tensor, batch: int, heads: int, head_dim: int) -> t
 
 
 @fp8_attention.register_fake
-def _(qkv: torch.Tensor, batch: int, heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _(
+    qkv: torch.Tensor, batch: int, heads: int, head_dim: int, seen: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     rows = qkv.shape[0]
     return qkv.new_empty((rows, heads * head_dim), dtype=E4M3), qkv.new_empty((rows, 1), dtype=torch.float32)

@@ -1,7 +1,8 @@
 """The vision tower's attention in FP8 (ops/fp8_attention.py, engine option vision_attention_dtype):
-the padding rule, the plain-torch definition against float32 attention, the FP8 layer that calls
-it, the engine's keys and refusals; on a Hopper GPU with cuDNN's frontend, the CUDA op against
-that definition, inside a CUDA graph and under torch.compile, and the demo captioner through it."""
+the padding rule, the plain-torch definition against float32 attention, its scales from what
+earlier calls saw, the FP8 layer that calls it, the engine's keys and refusals; on a Hopper GPU
+with cuDNN's frontend, the CUDA op against that definition, inside a CUDA graph and under
+torch.compile, and the demo captioner through it."""
 
 from __future__ import annotations
 
@@ -17,7 +18,14 @@ from wicore.engines.fast.model import fp8
 from wicore.engines.fast.model.vision_tower import VisionTower
 from wicore.engines.fast.options import FastOptions
 from wicore.errors import ConfigError
-from wicore.ops.fp8_attention import fp8_attention, fp8_attention_reference, padded_head_dim, unsupported_reason
+from wicore.ops.fp8_attention import (
+    MARGIN,
+    fp8_attention,
+    fp8_attention_reference,
+    new_seen,
+    padded_head_dim,
+    unsupported_reason,
+)
 
 FP8_ATTENTION = FastOptions(gemm_dtype="fp8", vision_attention_dtype="fp8")
 
@@ -51,10 +59,46 @@ def test_head_dims_are_padded_to_what_cudnn_runs():
 
 def test_the_definition_stays_close_to_float32_attention():
     qkv = sample_qkv(2, 64, 4, 72)
-    values, scale = fp8_attention(qkv, 2, 4, 72)  # the CPU runs the definition
+    values, scale = fp8_attention(qkv, 2, 4, 72, new_seen("cpu"))  # the CPU runs the definition
     assert values.dtype == torch.float8_e4m3fn and values.shape == (128, 288) and scale.shape == (128, 1)
     error = relative_error((values, scale), float32_attention(qkv, 2, 4, 72))
     assert 0.005 < error < 0.08  # quantized (not exact), e4m3-sized
+
+
+def part_amaxes(qkv: torch.Tensor) -> torch.Tensor:
+    return qkv.float().view(qkv.shape[0], 3, -1).abs().amax(dim=(0, 2))
+
+
+def test_seen_keeps_the_largest_q_k_v_of_every_call_and_no_inf_or_nan():
+    seen = new_seen("cpu")
+    small, large = sample_qkv(2, 64, 4, 32) * 0.25, sample_qkv(2, 64, 4, 32)
+    fp8_attention(small, 2, 4, 32, seen)
+    assert torch.equal(seen, part_amaxes(small))
+    fp8_attention(large, 2, 4, 32, seen)
+    fp8_attention(small, 2, 4, 32, seen)
+    assert torch.equal(seen, part_amaxes(large))
+    broken = large * 2
+    broken[0, 0], broken[1, 200] = float("inf"), float("nan")
+    fp8_attention(broken, 2, 4, 32, seen)
+    assert torch.equal(seen, part_amaxes(broken.nan_to_num(0.0, posinf=0.0)))
+
+
+def test_a_later_batch_scaled_by_what_earlier_ones_saw_gives_what_its_own_amax_gives():
+    """Scales a power of two apart round the same mantissas: a batch at a quarter of what the
+    layer saw gives a first call's e4m3 output, but for the values e4m3 then holds as subnormals."""
+    qkv = sample_qkv(2, 64, 4, 32)
+    alone = fp8_attention(qkv, 2, 4, 32, new_seen("cpu"))
+    after = fp8_attention(qkv, 2, 4, 32, part_amaxes(qkv) * 4)
+    differ = (after[0].float() != alone[0].float()).float().mean()
+    assert 0 < differ < 0.01 and torch.allclose(after[1], alone[1], rtol=0.02)
+
+
+def test_a_batch_past_the_margin_over_what_was_seen_saturates():
+    qkv = sample_qkv(2, 64, 4, 32)
+    exact = float32_attention(qkv, 2, 4, 32)
+    within = fp8_attention(qkv, 2, 4, 32, part_amaxes(qkv) / MARGIN)
+    past = fp8_attention(qkv, 2, 4, 32, part_amaxes(qkv) / (4 * MARGIN))
+    assert relative_error(within, exact) < 0.08 < relative_error(past, exact)
 
 
 def test_the_fp8_tower_with_fp8_attention_stays_close_to_bf16_attention():
@@ -128,9 +172,11 @@ def test_cuda_op_against_the_definition(batch, length, heads, head_dim, sharpnes
     load_cuda_kernels()
     qkv = sample_qkv(batch, length, heads, head_dim, "cuda", sharpness)
     exact = float32_attention(qkv, batch, heads, head_dim)
-    ours = fp8_attention(qkv, batch, heads, head_dim)
-    definition = fp8_attention_reference(qkv, batch, heads, head_dim)
+    seen, seen_reference = new_seen("cuda"), new_seen("cuda")
+    ours = fp8_attention(qkv, batch, heads, head_dim, seen)
+    definition = fp8_attention_reference(qkv, batch, heads, head_dim, seen_reference)
     assert ours[0].shape == definition[0].shape and ours[1].shape == definition[1].shape
+    assert torch.equal(seen, seen_reference) and torch.equal(seen, part_amaxes(qkv))
     # cuDNN also rounds the softmax probabilities to e4m3: ~6% (random) to ~11% (peaked) measured at 4B's shape
     assert relative_error(ours, exact) < relative_error(definition, exact) + 0.1
     assert relative_error(ours, exact) < 0.15
@@ -143,19 +189,23 @@ def test_cuda_op_replays_in_a_graph_and_compiles():
 
     load_cuda_kernels()
     qkv = sample_qkv(3, 4096, 16, 72, "cuda")
-    eager = fp8_attention(qkv, 3, 16, 72)
+    eager = fp8_attention(qkv, 3, 16, 72, new_seen("cuda"))
+    seen = new_seen("cuda")
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        fp8_attention(qkv, 3, 16, 72)  # warm-up outside the capture
+        fp8_attention(qkv, 3, 16, 72, seen)  # warm-up outside the capture
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        captured = fp8_attention(qkv, 3, 16, 72)
-    graph.replay()
+        captured = fp8_attention(qkv, 3, 16, 72, seen)
+    seen.zero_()
+    graph.replay()  # a first call again: its own amax, then kept
     torch.cuda.synchronize()
-    assert bitwise_equal(captured, eager)
-    assert bitwise_equal(torch.compile(lambda x: fp8_attention(x * 1, 3, 16, 72), fullgraph=True)(qkv), eager)
+    assert bitwise_equal(captured, eager) and torch.equal(seen, part_amaxes(qkv))
+    compiled_seen = new_seen("cuda")
+    compiled = torch.compile(lambda x, s: fp8_attention(x * 1, 3, 16, 72, s), fullgraph=True)(qkv, compiled_seen)
+    assert bitwise_equal(compiled, eager) and torch.equal(compiled_seen, part_amaxes(qkv))
 
 
 @pytest.mark.gpu
@@ -174,3 +224,26 @@ def test_cuda_engine_with_fp8_attention_keeps_the_captions():
         runs[attention] = democap(options, 64, device="cuda")
     assert sum(a == b for a, b in zip(runs["model"][0], runs["fp8"][0])) >= 56
     assert runs["fp8"][1] >= runs["model"][1] - 3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not fp8_attention_gpu(), reason="needs a Hopper GPU and nvidia-cudnn-frontend")
+def test_cuda_engine_scales_its_first_batch_by_its_own_images_not_the_warm_ups():
+    """Compiling and capturing the tower runs it on made-up images: the engine forgets what its
+    attention saw then, and real batches fill it in."""
+    from wicore.models import DEMOCAP_DIR
+    from wicore.models.democap import evaluate
+
+    options = FastOptions(gemm_dtype="fp8", vision_attention_dtype="fp8", num_kv_blocks=4096, compile_vision=True,
+                          vision_compile_mode="default")  # fmt: skip
+    engine = FastEngine(
+        EngineConfig(str(DEMOCAP_DIR), dtype="bfloat16", max_batch_size=16, options=options, device="cuda")
+    )
+    try:
+        assert engine.runner.vision_graphs is not None  # the capture ran
+        seen = [layer.attention_seen for layer in engine.runner.parts.encoder.vision_tower.layers]
+        assert all(not s.any() for s in seen)
+        evaluate.engine_captions(engine, evaluate.main_samples(16, seed=1000))
+        assert all(bool((s > 0).all() and torch.isfinite(s).all()) for s in seen)
+    finally:
+        engine.close()

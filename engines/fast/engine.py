@@ -165,6 +165,7 @@ class FastEngine(Engine):
             runner.capture_graphs(
                 list(opts.graph_batch_sizes), list(opts.graph_prefill_tokens), opts.dense_prefill_graphs
             )
+        fp8_weights.forget_attention_scales(parts.encoder.vision_tower)  # what the warm-ups saw
         if opts.cuda:
             torch.cuda.synchronize()  # setup ran on the default stream; steps run on others
         return runner, BlockManager(num_pages, build_prefix_cache(opts, num_pages, layout))

@@ -40,6 +40,7 @@ from wicore.ops.fp8 import (
 from wicore.ops.fp8 import quantize as quantize_rows
 from wicore.ops.fp8_attention import fp8_attention as attend_fp8
 from wicore.ops.fp8_attention import load_cuda_kernels as load_attention_kernels
+from wicore.ops.fp8_attention import new_seen
 from wicore.ops.fp8_attention import prepare as prepare_fp8_attention
 from wicore.ops.fp8_attention import unsupported_reason as attention_unsupported_reason
 
@@ -101,13 +102,17 @@ class FP8SiglipLayer(nn.Module):
     and the MLP's output is left pending for the next layer's first norm (`forward_residual`).
     The same arithmetic as the SigLIP layer over the same FP8 modules. `fp8_attention`: the
     attention itself in e4m3 too (ops/fp8_attention.py), its output already quantized per row
-    for the out projection."""
+    for the out projection, scaled by the largest q, k and v of the layer's earlier calls (buffer
+    `attention_seen`; `forget_attention_scales` after a warm-up on made-up images)."""
 
     def __init__(self, layer: SiglipLayer, fp8_attention: bool = False):
         super().__init__()
         self.layer_norm1, self.self_attn = layer.layer_norm1, layer.self_attn
         self.layer_norm2, self.mlp = layer.layer_norm2, layer.mlp
         self.fp8_attention = fp8_attention
+        if fp8_attention:
+            with torch.inference_mode(False):  # updated in place under inference mode and outside it
+                self.register_buffer("attention_seen", new_seen(layer.layer_norm1.weight.device))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x, pending = self.forward_residual(x, None)
@@ -118,7 +123,7 @@ class FP8SiglipLayer(nn.Module):
         x, x_q, x_scale = add_layer_norm_quantize(x, pending, self.layer_norm1)
         qkv = scaled_mm(x_q, x_scale, qkv_proj.fp8, qkv_proj.bias, x.dtype, True, bias_in_epilogue=True)
         if self.fp8_attention:
-            o_q, o_scale = attend_fp8(qkv, x.shape[0], attention.heads, attention.head_dim)
+            o_q, o_scale = attend_fp8(qkv, x.shape[0], attention.heads, attention.head_dim, self.attention_seen)
             out_proj = attention.out_proj
             h = scaled_mm(o_q, o_scale, out_proj.fp8, out_proj.bias, x.dtype, True, bias_in_epilogue=True).view(x.shape)
         else:
@@ -208,6 +213,16 @@ def prepare_attention(tower: VisionTower, max_batch: int) -> None:
         device, list(range(1, max_batch + 1)), attention.heads, tower.num_patches, attention.head_dim
     )
     log.info("FP8 vision attention: cuDNN plans for batches of 1-%d images built in %.2f s", max_batch, seconds)
+
+
+def forget_attention_scales(tower: VisionTower) -> None:
+    """Drop what the FP8 attention layers have seen (warm-up and graph capture run the tower on
+    made-up images), so the first real batch scales by its own amax. In place: captured graphs
+    keep reading the same buffers."""
+    with torch.inference_mode():
+        for layer in tower.layers:
+            if getattr(layer, "fp8_attention", False):
+                layer.attention_seen.zero_()
 
 
 def quantize_vision(tower: VisionTower, report: FP8Report, fp8_attention: bool = False) -> None:
