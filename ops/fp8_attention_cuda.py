@@ -2,9 +2,9 @@
 lazily, it needs triton and cuDNN's frontend (`nvidia-cudnn-frontend`, imported as `cudnn`).
 
 Four launches, no host sync (so it runs inside CUDA graphs and as an opaque op under inductor):
-1. `_scale_source_kernel`: the amax each part is scaled by: the layer's `seen`, or on a first
-   call (`seen` zero) max |q|, |k|, |v| over the batch (atomic max into 3 floats); with `seen`
-   set its programs read one float each and nothing of q, k and v;
+1. `_scale_source_kernel`: the amax each part is scaled by: what the layer's `seen` holds, or on
+   a first call (`seen` zero) max |q|, |k|, |v| over the batch (atomic max into 3 floats); with
+   `seen` set its programs read `seen` (L2) and nothing of q, k and v;
 2. `_pad_quantize_kernel`: q, k, v in e4m3 into one [3, batch, length, heads, padded] buffer,
    the padding written as zeros, raising `seen` to the maxima it meets; its first program also
    writes the scalars cuDNN takes;
@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from wicore.ops.fp8 import AMAX_FLOOR, E4M3, E4M3_MAX
-from wicore.ops.fp8_attention import MARGIN, padded_head_dim
+from wicore.ops.fp8_attention import MARGIN, SEEN_SLOTS, padded_head_dim
 from wicore.ops.fp8_triton import empty_quantized_rows
 
 # One float32 buffer a call: the 3 amaxes the parts are scaled by, then the scalars cuDNN reads
@@ -44,27 +44,30 @@ REQUANTIZE_ROWS = 8
 
 @triton.jit
 def _scale_source_kernel(
-    qkv, seen, amax, rows, stride, width: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr
-):
-    """Program (row block, part, column block): atomic max into amax[part] of seen[part], or of
-    |x| over its block while seen[part] is zero (the masked loads then read nothing)."""
+    qkv, seen, amax, rows, stride, width: tl.constexpr, SLOTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr
+):  # fmt: skip
+    """Program (row block, part, column block): amax[part] = what seen[part] holds, written by
+    the part's first program; while seen[part] is zero, atomic max of |x| over the block instead
+    (the masked loads and atomics of the other case read and write nothing)."""
     part = tl.program_id(1)
-    earlier = tl.load(seen + part)
+    earlier = tl.max(tl.load(seen + part * SLOTS + tl.arange(0, SLOTS)), axis=0)
+    first = (tl.program_id(0) == 0) & (tl.program_id(2) == 0)
     r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     c = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
     inside = (r[:, None] < rows) & (c[None, :] < width) & (earlier <= 0.0)
     x = tl.load(qkv + r[:, None] * stride + part * width + c[None, :], mask=inside, other=0.0)
-    tl.atomic_max(amax + part, tl.maximum(earlier, tl.max(tl.max(tl.abs(x.to(tl.float32)), axis=1), axis=0)))
+    block = tl.max(tl.max(tl.abs(x.to(tl.float32)), axis=1), axis=0)
+    tl.atomic_max(amax + part, tl.maximum(earlier, block), mask=(earlier <= 0.0) | first)
 
 
 @triton.jit
 def _pad_quantize_kernel(
-    qkv, out, amax, seen, scalars, rows, stride, part_stride, floor, fp8_max, margin,
+    qkv, out, amax, seen, scalars, rows, stride, part_stride, floor, fp8_max, margin, SLOTS: tl.constexpr,
     HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PADDED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     """Program (row block, part * HEADS + head): one head of q, k or v for BLOCK_M rows -> e4m3
     [.., PADDED] at 448 / (margin * amax[part]), zeros past HEAD_DIM; seen[part] raised to the
-    block's max |x|. out is [3, rows, HEADS, PADDED]."""
+    block's max |x| (in a slot by row block). out is [3, rows, HEADS, PADDED]."""
     part = tl.program_id(1) // HEADS
     head = tl.program_id(1) % HEADS
     r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -74,7 +77,7 @@ def _pad_quantize_kernel(
                 mask=in_rows & (d[None, :] < HEAD_DIM), other=0.0)  # fmt: skip
     x = x.to(tl.float32)
     finite = tl.where(tl.abs(x) <= FINITE, tl.abs(x), 0.0)  # one inf or nan must not stick in `seen`
-    tl.atomic_max(seen + part, tl.max(tl.max(finite, axis=1), axis=0))
+    tl.atomic_max(seen + part * SLOTS + tl.program_id(0) % SLOTS, tl.max(tl.max(finite, axis=1), axis=0))
     part_amax = margin * tl.maximum(tl.load(amax + part), floor)
     y = tl.clamp(x * (fp8_max / part_amax), -fp8_max, fp8_max)
     tl.store(out + part * part_stride + (r[:, None] * HEADS + head) * PADDED + d[None, :], y.to(out.dtype.element_ty),
@@ -183,7 +186,7 @@ def fp8_attention(
     qkv: torch.Tensor, batch: int, heads: int, head_dim: int, seen: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """qkv [rows, 3 * heads * head_dim] -> (e4m3 [rows, heads * head_dim], float32 scale [rows, 1]);
-    seen [3] raised to this call's max |q|, |k|, |v|."""
+    seen [3, SEEN_SLOTS] raised to this call's max |q|, |k|, |v|."""
     if qkv.stride(-1) != 1:
         qkv = qkv.contiguous()
     rows, width = qkv.shape[0], heads * head_dim
@@ -199,10 +202,10 @@ def fp8_attention(
     o8 = torch.empty((rows, heads, padded), dtype=E4M3, device=device)
     block_m, block_c = AMAX_BLOCK
     _scale_source_kernel[(triton.cdiv(rows, block_m), 3, triton.cdiv(width, block_c))](
-        qkv, seen, amax, rows, qkv.stride(0), width, BLOCK_M=block_m, BLOCK_C=block_c
+        qkv, seen, amax, rows, qkv.stride(0), width, SLOTS=SEEN_SLOTS, BLOCK_M=block_m, BLOCK_C=block_c
     )
     _pad_quantize_kernel[(triton.cdiv(rows, QUANTIZE_ROWS), 3 * heads)](
-        qkv, qkv8, amax, seen, scalars, rows, qkv.stride(0), qkv8[0].numel(), AMAX_FLOOR, E4M3_MAX, MARGIN,
+        qkv, qkv8, amax, seen, scalars, rows, qkv.stride(0), qkv8[0].numel(), AMAX_FLOOR, E4M3_MAX, MARGIN, SLOTS=SEEN_SLOTS,
         HEADS=heads, HEAD_DIM=head_dim, PADDED=padded, BLOCK_M=QUANTIZE_ROWS, BLOCK_D=triton.next_power_of_2(padded),
     )  # fmt: skip
     pack = {plan.qkv[i]: qkv8[i] for i in range(3)}
