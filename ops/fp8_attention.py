@@ -42,8 +42,8 @@ from wicore.ops.fp8 import quantize as quantize_rows
 FP8_MULTIPLE = 16  # cuDNN's FP8 forward: head dims that are multiples of 16, up to 256
 PAD_TO = 128  # a head dim that is not padded to 128 when it is shorter (the kernels' tile width)
 MARGIN = 2.0  # headroom over the amax a call scales by (module docstring)
-# `seen` holds each part's maxima in this many slots (its value: their max), so the CUDA pass that
-# raises it spreads its atomics: 8,192 programs a part on one address cost ~30 us a call on an H100.
+# `seen` holds each part's maxima in this many slots (its value: their max), so the thousands of
+# programs of the CUDA pass that raises it spread their atomics over as many addresses.
 SEEN_SLOTS = 256
 MIN_CAPABILITY = (9, 0)  # cuDNN's FP8 attention forward: Hopper and newer
 
