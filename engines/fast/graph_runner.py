@@ -152,8 +152,14 @@ class ShapeGraphs:
         torch.cuda.empty_cache()  # as torch.cuda.graph does: what is reserved after it is the pools'
         reserved = torch.cuda.memory_reserved()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool, stream=self.capture_stream, capture_error_mode="thread_local"):
-            output = self.forward(static)
+        caller = torch.cuda.current_stream()
+        try:
+            with torch.cuda.graph(graph, pool=self.pool, stream=self.capture_stream, capture_error_mode="thread_local"):
+                output = self.forward(static)
+        except Exception:
+            # torch.cuda.graph leaves its capture stream current when ending a failed capture raises
+            torch.cuda.set_stream(caller)
+            raise
         self.pool = graph.pool()
         shapes = ", ".join(f"{name} {list(t.shape)}" for name, t in inputs.items())
         grown = (torch.cuda.memory_reserved() - reserved) / 2**30
