@@ -13,7 +13,7 @@ import torch
 
 from wicore.engines.fast.sequence import Sequence
 
-POLL_S = 0.0002  # CUDA events have no timed wait: a wait that may be cut short polls
+READ_POLL_S = 0.0002  # how often a token read that a vision batch may cut short polls
 
 
 @dataclass
@@ -56,12 +56,13 @@ class Readback:
         return self.host.tolist()
 
 
-def _lands_unless(readback: Readback, wake: Callable[[], bool]) -> bool:
-    """Polls until the readback lands (True) or `wake` says to stop waiting (False)."""
-    while not readback.ready():
-        if wake():
+def poll(done: Callable[[], bool], give_up: Callable[[], bool], interval: float) -> bool:
+    """Checks `done` every `interval` seconds until it holds (True) or `give_up` does (False):
+    CUDA events have no timed wait, so a wait that may end early polls them."""
+    while not done():
+        if give_up():
             return False
-        time.sleep(POLL_S)
+        time.sleep(interval)
     return True
 
 
@@ -82,7 +83,9 @@ class Readbacks:
         more) once this returns True."""
         while self._queue:
             step, readback = self._queue[0]
-            if not readback.ready() and (step > due or (wake is not None and not _lands_unless(readback, wake))):
+            if not readback.ready() and (
+                step > due or (wake is not None and not poll(readback.ready, wake, READ_POLL_S))
+            ):
                 return
             yield self._queue.popleft()[1]
 

@@ -23,7 +23,7 @@ from collections import deque
 import numpy as np
 import torch
 
-from wicore.engines.fast.device_handles import VisionJob
+from wicore.engines.fast.device_handles import VisionJob, poll
 from wicore.engines.fast.prompt_inputs import InputProcessor
 from wicore.engines.fast.sequence import SeqStatus, Sequence
 from wicore.engines.pending import Pending
@@ -31,6 +31,8 @@ from wicore.engines.vision_cache import EmbeddingStore, LocalVisionCache, Vision
 from wicore.errors import JobInputError
 from wicore.ops.image_preprocess import is_resized
 from wicore.priority_pool import PriorityPool
+
+WAIT_POLL_S = 0.0005  # how often an idle step's `wait` for a vision batch polls
 
 
 class ImageStage:
@@ -166,11 +168,9 @@ class ImageStage:
         return any(job.done() for job in self.jobs)
 
     def wait(self, timeout: float) -> None:
-        """Until a vision batch is done (polling: CUDA events have no timed wait), or `timeout`
-        seconds."""
+        """Until a vision batch is done, or `timeout` seconds."""
         deadline = time.perf_counter() + timeout
-        while self.jobs and not self.any_done() and time.perf_counter() < deadline:
-            time.sleep(0.0005)
+        poll(lambda: not self.jobs or self.any_done(), lambda: time.perf_counter() >= deadline, WAIT_POLL_S)
 
     def drop(self, seq: Sequence) -> None:
         """A sequence that stops: it leaves the vision batches it waits on (they still run and
