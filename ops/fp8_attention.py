@@ -122,13 +122,14 @@ def fp8_attention_reference(
     rows = qkv.shape[0]
     length = rows // batch
     parts = qkv.view(rows, 3, heads * head_dim).float()
-    amax = parts.abs().amax(dim=(0, 2))
+    magnitudes = parts.abs()
+    amax = magnitudes.amax(dim=(0, 2))
     earlier = seen_maxima(seen)
     by = torch.where(earlier > 0, earlier, amax)
     q, k, v = (tensor_quantize(parts[:, i], by[i]) for i in range(3))
     q, k, v = (t.view(batch, length, heads, head_dim).transpose(1, 2) for t in (q, k, v))
     out = F.scaled_dot_product_attention(q, k, v, scale=head_dim**-0.5)
     out = tensor_quantize(out, by[2])
-    finite = parts.abs().nan_to_num(0.0, posinf=0.0).amax(dim=(0, 2))  # an inf or nan must not stick
+    finite = magnitudes.nan_to_num(0.0, posinf=0.0).amax(dim=(0, 2))  # an inf or nan must not stick
     seen[:, 0] = torch.maximum(seen[:, 0], finite)
     return quantize_rows(out.transpose(1, 2).reshape(rows, heads * head_dim))
