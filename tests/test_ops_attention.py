@@ -243,6 +243,29 @@ def test_triton_kernel_reads_an_fp8_cache_as_the_reference_does(window, ring, so
         torch.testing.assert_close(out.float().cpu(), want, rtol=3e-2, atol=3e-2)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not fp8_gpu(), reason="needs a CUDA GPU of compute capability 8.9+")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, KV_FP8])
+def test_the_cuda_store_writes_the_bytes_the_cpu_store_writes(dtype):
+    # One launch for k and v on CUDA: the bytes two index_copy_ (and, for e4m3, a saturating
+    # cast) write on the CPU, on rows of a wider q/k/v output as the decoder hands them over;
+    # slots shared by several tokens (the null page's) are left to either.
+    gen = torch.Generator().manual_seed(3)
+    pages, kv_heads, dim, tokens = 40, 4, 256, 37
+    fused = torch.randn(tokens, 3 * kv_heads * dim, generator=gen) * 300
+    fused[0, :5] = torch.tensor([float("nan"), float("inf"), -float("inf"), 1e6, -1e-9])
+    k, v = (fused[:, i * kv_heads * dim : (i + 1) * kv_heads * dim].view(tokens, kv_heads, dim) for i in (1, 2))
+    k, v = k.to(torch.bfloat16), v.to(torch.bfloat16)  # views: rows contiguous, tokens strided
+    slots = torch.randperm(pages * BLOCK, generator=gen)[:tokens]
+    storage = torch.uint8 if dtype == KV_FP8 else dtype
+    caches = [torch.zeros(pages, BLOCK, kv_heads, dim, dtype=storage).view(dtype) for _ in range(4)]
+    store_kv(caches[0], caches[1], k, v, slots)
+    on_gpu = [c.cuda() for c in caches[2:]]
+    store_kv(*on_gpu, k.cuda(), v.cuda(), slots.cuda())
+    for cpu, gpu in zip(caches[:2], on_gpu, strict=True):
+        assert torch.equal(cpu.view(torch.uint8), gpu.cpu().view(torch.uint8))
+
+
 INTERPRETED = """
 import torch
 from tests.test_ops_attention import paged_setup, tiled_queries

@@ -40,6 +40,11 @@ def store_kv(
     Tokens a layer must not keep are given a slot in the reserved null page 0; several may land
     on the same slot, which is harmless since nothing ever reads page 0 for real.
     """
+    if k_cache.is_cuda:
+        from wicore.ops.attention.paged_triton import store_kv_triton
+
+        if store_kv_triton(k_cache, v_cache, k, v, slots):
+            return
     for cache, new in ((k_cache, k), (v_cache, v)):
         if cache.dtype == KV_FP8:
             new = new.clamp(-FP8_MAX, FP8_MAX).to(KV_FP8).view(torch.uint8)

@@ -17,6 +17,44 @@ import torch
 import triton
 import triton.language as tl
 
+FP8_MAX = tl.constexpr(448.0)  # e4m3's largest finite value (`paged.FP8_MAX`)
+
+
+@triton.jit
+def _store_kv_kernel(k_ptr, v_ptr, k_cache, v_cache, slots_ptr, stride_k, stride_v, ROW: tl.constexpr,
+                     BLOCK: tl.constexpr, FP8: tl.constexpr):  # fmt: skip
+    """Program t: token t's k and v rows (kv_heads * head_dim values each) into slot slots[t] of
+    each cache, saturated at +-448 and rounded to nearest when the cache is e4m3."""
+    token = tl.program_id(0)
+    slot = tl.load(slots_ptr + token).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    inside = offs < ROW
+    k = tl.load(k_ptr + token * stride_k + offs, mask=inside)
+    v = tl.load(v_ptr + token * stride_v + offs, mask=inside)
+    if FP8:
+        k = tl.clamp(k.to(tl.float32), -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
+        v = tl.clamp(v.to(tl.float32), -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
+    tl.store(k_cache + slot * ROW + offs, k.to(k_cache.dtype.element_ty), mask=inside)
+    tl.store(v_cache + slot * ROW + offs, v.to(v_cache.dtype.element_ty), mask=inside)
+
+
+def store_kv_triton(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor
+) -> bool:
+    """`paged.store_kv` in one launch for k and v (two `index_copy_` otherwise, and for an e4m3
+    cache a clamp and a cast of each before them). Returns False, having written nothing, where
+    a token's row is not contiguous or a cache is not laid out as rows of slots."""
+    row = k_cache.shape[2] * k_cache.shape[3]
+    rows_ok = all(t.stride(2) == 1 and t.stride(1) == t.shape[2] for t in (k, v))
+    if not (rows_ok and k_cache.is_contiguous() and v_cache.is_contiguous()):
+        return False
+    if slots.numel():
+        _store_kv_kernel[(slots.numel(),)](
+            k, v, k_cache, v_cache, slots, k.stride(0), v.stride(0), ROW=row, BLOCK=triton.next_power_of_2(row),
+            FP8=k_cache.dtype == torch.float8_e4m3fn, num_warps=4,
+        )  # fmt: skip
+    return True
+
 
 @triton.jit
 def _paged_attention_kernel(
@@ -55,6 +93,7 @@ def _paged_attention_kernel(
     USE_WINDOW: tl.constexpr,
     USE_SOFTCAP: tl.constexpr,
     PRECISION: tl.constexpr,
+    FP16_TILES: tl.constexpr,
 ):
     kv_head = tl.program_id(1)
     first_token, count, first, length = _tile_span(
@@ -71,6 +110,8 @@ def _paged_attention_kernel(
     q = tl.load(
         q_ptr + token[:, None] * stride_qb + heads[:, None] * stride_qh + offs_d[None, :], mask=q_mask, other=0.0
     )
+    if FP16_TILES:  # FP8 pages: e4m3 -> fp16 is one conversion for two values, -> bf16 is not
+        q = q.to(tl.float16)
     row_end = tl.load(ends_ptr + token, mask=row_valid, other=0)  # [BLOCK_Q]
     row_first = tl.zeros([BLOCK_Q], tl.int32)
     if USE_WINDOW:
@@ -175,6 +216,7 @@ def paged_attention_triton(
         *_strides(q, k_cache, v_cache, out, block_tables),
         **_constants(q, k_cache, tokens, window, softcap),
         num_warps=4,
+        num_stages=_tile(q, k_cache)[1],
     )
     return out
 
@@ -205,10 +247,29 @@ def _constants(
         "TOKENS": tokens,
         "BLOCK_Q": max(16, triton.next_power_of_2(qpk * tokens)),  # tl.dot needs 16 rows
         "PAGE": page,
-        # Keys per tile (any power of two >= 16; tokens map to pages one by one). 32 at head_dim 256
-        # keeps the pipelined K/V tiles (3 stages x 2 x 16 KiB in bf16) well inside shared memory.
-        "BLOCK_N": 64 if dim <= 128 else 32,
+        "BLOCK_N": _tile(q, k_cache)[0],
         "USE_WINDOW": window is not None,
         "USE_SOFTCAP": softcap is not None,
         "PRECISION": "ieee" if q.dtype == torch.float32 else "tf32",
+        "FP16_TILES": _fp16_tiles(q, k_cache),
     }
+
+
+# (keys per tile, pipeline stages) over FP8 pages with bf16 queries at head_dim > 128, whose tiles
+# are converted to fp16 (`_fp16_tiles`). H200, Gemma-3-4B's decode of 169 tokens: 66 us a layer,
+# against 76 at (32, 3), 79-84 at 128 keys, 86 with bf16 tiles, 68 over bf16 pages
+# (docs/performance.md).
+FP8_TILE = (64, 3)
+
+
+def _fp16_tiles(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    return k_cache.dtype == torch.float8_e4m3fn and q.dtype == torch.bfloat16
+
+
+def _tile(q: torch.Tensor, k_cache: torch.Tensor) -> tuple[int, int]:
+    """(keys per tile, pipeline stages): any power of two >= 16 keys (tokens map to pages one by
+    one). 32 at head_dim 256 keeps the pipelined K/V tiles (3 stages x 2 x 16 KiB in bf16) well
+    inside shared memory."""
+    if q.shape[2] <= 128:
+        return 64, 3
+    return FP8_TILE if _fp16_tiles(q, k_cache) else (32, 3)
