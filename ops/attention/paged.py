@@ -8,12 +8,13 @@ table entries a layer group cycles through: the table width for full-attention l
 wrap-around), ceil(window / block_size) + 1 for sliding-window layers, which then keep only the
 pages their window still needs.
 
-`paged_attention` picks the Triton kernel (`paged_triton`) on CUDA and the plain-torch reference
+`paged_attention` and `store_kv` pick the Triton kernels (`paged_triton`) on CUDA and plain torch
 elsewhere.
 
 An FP8 cache (`KV_FP8`, e4m3) holds K/V at scale 1, as vLLM's FP8 KV cache does by default: a
 value is rounded to 3 mantissa bits and saturates at +-448. Attention reads it back in the
-queries' dtype and computes as it does over a cache of that dtype.
+queries' dtype and computes as it does over a cache of that dtype (the CUDA kernel with bf16
+queries in fp16, which holds every e4m3 value exactly and q's with 3 more mantissa bits).
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Triton paged attention (imported lazily: only CUDA needs triton).
+"""Triton paged attention and the K/V store into the pages (imported lazily: only CUDA needs
+triton).
 
 Queries are packed tokens ([N, Hq, D]), each with the table row of its sequence and its context
 length (position + 1): a decode step's tokens, or the tokens of a prefill whose keys all sit in
@@ -8,7 +9,8 @@ heads ([TOKENS * QPK, D], GQA), it walks the keys the tile can see `BLOCK_N` at 
 block table, masks each row to its own range (causal; to the end of its image for an image's
 soft tokens, whose attention is bidirectional; a sliding window starts from the position) and
 keeps an online softmax in float32. Decode uses tiles of one token (the tile is then the token); the query tile
-is padded to 16 rows only to satisfy `tl.dot`.
+is padded to 16 rows only to satisfy `tl.dot`. Over FP8 pages with bf16 queries the tiles are fp16
+(`_fp16_tiles`): e4m3 -> fp16 is one instruction for two values and exact.
 """
 
 from __future__ import annotations
@@ -127,7 +129,7 @@ def _paged_attention_kernel(
         pages = tl.load(tables_ptr + table_row * stride_tr + (pos // PAGE) % ring, mask=in_range, other=0)
         pages = pages.to(tl.int64)
         kv_mask = in_range[:, None] & (offs_d[None, :] < HEAD_DIM)
-        # An FP8 cache's rows in the queries' dtype (scale 1: `paged.KV_FP8`); a no-op otherwise.
+        # An FP8 cache's rows in the tiles' dtype, q's (scale 1: `paged.KV_FP8`); a no-op otherwise.
         k = _page_rows(k_ptr, pages, pos % PAGE, kv_head, stride_kp, stride_ks, stride_kh, offs_d, kv_mask).to(q.dtype)
         s = _scores(q, k, scale, softcap, USE_SOFTCAP, PRECISION)
         visible = (pos[None, :] >= row_first[:, None]) & (pos[None, :] < row_end[:, None])
