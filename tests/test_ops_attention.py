@@ -246,16 +246,18 @@ def test_triton_kernel_reads_an_fp8_cache_as_the_reference_does(window, ring, so
 @pytest.mark.gpu
 @pytest.mark.skipif(not fp8_gpu(), reason="needs a CUDA GPU of compute capability 8.9+")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, KV_FP8])
-def test_the_cuda_store_writes_the_bytes_the_cpu_store_writes(dtype):
-    # One launch for k and v on CUDA: the bytes two index_copy_ (and, for e4m3, a saturating
-    # cast) write on the CPU, on rows of a wider q/k/v output as the decoder hands them over;
-    # slots shared by several tokens (the null page's) are left to either.
+def test_the_cuda_store_writes_the_values_the_cpu_store_writes(dtype):
+    # One launch for k and v on CUDA: the values two index_copy_ (and, for e4m3, a saturating
+    # cast) write on the CPU, on rows of a wider q/k/v output as the decoder hands them over.
+    # NaN stays NaN (its e4m3 sign bit may differ: the CPU writes 0xff, the GPU 0x7f).
     gen = torch.Generator().manual_seed(3)
     pages, kv_heads, dim, tokens = 40, 4, 256, 37
-    fused = torch.randn(tokens, 3 * kv_heads * dim, generator=gen) * 300
-    fused[0, :5] = torch.tensor([float("nan"), float("inf"), -float("inf"), 1e6, -1e-9])
-    k, v = (fused[:, i * kv_heads * dim : (i + 1) * kv_heads * dim].view(tokens, kv_heads, dim) for i in (1, 2))
-    k, v = k.to(torch.bfloat16), v.to(torch.bfloat16)  # views: rows contiguous, tokens strided
+    row = kv_heads * dim
+    fused = (torch.randn(tokens, 3 * row, generator=gen) * 300).to(torch.bfloat16)  # q, k, v
+    for start in (row, 2 * row):  # k's and v's first values: past e4m3's range, and not finite
+        fused[0, start : start + 5] = torch.tensor([float("nan"), float("inf"), -float("inf"), 1e6, -1e-9])
+    k, v = (fused[:, i * row : (i + 1) * row].view(tokens, kv_heads, dim) for i in (1, 2))
+    assert k.stride(0) == 3 * row, "views: rows contiguous, tokens strided"
     slots = torch.randperm(pages * BLOCK, generator=gen)[:tokens]
     storage = torch.uint8 if dtype == KV_FP8 else dtype
     caches = [torch.zeros(pages, BLOCK, kv_heads, dim, dtype=storage).view(dtype) for _ in range(4)]
@@ -263,7 +265,8 @@ def test_the_cuda_store_writes_the_bytes_the_cpu_store_writes(dtype):
     on_gpu = [c.cuda() for c in caches[2:]]
     store_kv(*on_gpu, k.cuda(), v.cuda(), slots.cuda())
     for cpu, gpu in zip(caches[:2], on_gpu, strict=True):
-        assert torch.equal(cpu.view(torch.uint8), gpu.cpu().view(torch.uint8))
+        torch.testing.assert_close(gpu.cpu().float(), cpu.float(), rtol=0, atol=0, equal_nan=True)
+        assert gpu.float().isnan().sum() == 1, "the NaN kept, as NaN"
 
 
 INTERPRETED = """

@@ -19,7 +19,9 @@ import torch
 import triton
 import triton.language as tl
 
-FP8_MAX = tl.constexpr(448.0)  # e4m3's largest finite value (`paged.FP8_MAX`)
+from wicore.ops.attention.paged import FP8_MAX as _FP8_MAX
+
+FP8_MAX = tl.constexpr(_FP8_MAX)  # a kernel reads module globals only as constexprs
 
 
 @triton.jit
