@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from wicore.ops.attention.paged import FP8_MAX as _FP8_MAX
+from wicore.ops.attention.paged import KV_FP8
 
 FP8_MAX = tl.constexpr(_FP8_MAX)  # a kernel reads module globals only as constexprs
 
@@ -55,7 +56,7 @@ def store_kv_triton(
     if slots.numel():
         _store_kv_kernel[(slots.numel(),)](
             k, v, k_cache, v_cache, slots, k.stride(0), v.stride(0), ROW=row, BLOCK=triton.next_power_of_2(row),
-            FP8=k_cache.dtype == torch.float8_e4m3fn, num_warps=4,
+            FP8=k_cache.dtype == KV_FP8, num_warps=4,
         )  # fmt: skip
     return True
 
@@ -220,7 +221,6 @@ def paged_attention_triton(
         *_strides(q, k_cache, v_cache, out, block_tables),
         **_constants(q, k_cache, tokens, window, softcap),
         num_warps=4,
-        num_stages=_tile(q, k_cache)[1],
     )
     return out
 
@@ -241,9 +241,10 @@ def _strides(
 def _constants(
     q: torch.Tensor, k_cache: torch.Tensor, tokens: int, window: int | None, softcap: float | None
 ) -> dict[str, int | bool | str]:
-    """The kernel's compile-time constants for these shapes and options."""
+    """The kernel's compile-time constants for these shapes and options, with its pipeline depth."""
     dim, page, kv_heads = q.shape[2], k_cache.shape[1], k_cache.shape[2]
     qpk = q.shape[1] // kv_heads  # query heads per kv head (GQA)
+    block_n, stages = _tile(q, k_cache)
     return {
         "HEAD_DIM": dim,
         "DIM_PAD": triton.next_power_of_2(dim),
@@ -251,11 +252,12 @@ def _constants(
         "TOKENS": tokens,
         "BLOCK_Q": max(16, triton.next_power_of_2(qpk * tokens)),  # tl.dot needs 16 rows
         "PAGE": page,
-        "BLOCK_N": _tile(q, k_cache)[0],
+        "BLOCK_N": block_n,
         "USE_WINDOW": window is not None,
         "USE_SOFTCAP": softcap is not None,
         "PRECISION": "ieee" if q.dtype == torch.float32 else "tf32",
         "FP16_TILES": _fp16_tiles(q, k_cache),
+        "num_stages": stages,
     }
 
 
@@ -267,7 +269,7 @@ FP8_TILE = (64, 3)
 
 
 def _fp16_tiles(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    return k_cache.dtype == torch.float8_e4m3fn and q.dtype == torch.bfloat16
+    return k_cache.dtype == KV_FP8 and q.dtype == torch.bfloat16
 
 
 def _tile(q: torch.Tensor, k_cache: torch.Tensor) -> tuple[int, int]:
