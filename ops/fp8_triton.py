@@ -127,12 +127,15 @@ def empty_quantized_rows(m: int, n: int, device) -> tuple[torch.Tensor, torch.Te
 
 def _row_split(n: int) -> dict[str, int]:
     """A row of n held in registers: the largest power of two <= n, the rest rounded up to a power
-    of two (0: none), and warps for the head (256 columns each, 1 to 8)."""
+    of two (0: none), and warps for the head (1,024 columns each, 1 to 8). Fewer warps a row keep
+    more rows in flight an SM: on an H200 at the tower's 32,768 rows, add + LayerNorm + quantize
+    (1,152 columns) took 71.5 us with 1 warp against 81.5 with 4, GELU + quantize (4,304) 133.8
+    with 4 against 146.3 with 8."""
     head = 1 << (n.bit_length() - 1)
     return {
         "HEAD": head,
         "TAIL": 0 if head == n else triton.next_power_of_2(n - head),
-        "num_warps": max(1, min(8, head // 256)),
+        "num_warps": max(1, min(8, head // 1024)),
     }
 
 
