@@ -174,6 +174,19 @@ def test_scaling_report_files_have_the_keys_and_a_plot(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
 
 
+def test_fp8_scaling_report_is_named_and_reruns_as_fp8(tmp_path):
+    options = {"gemm_dtype": "fp8", "vision_attention_dtype": "fp8"}
+    bench = CaptionBench(workdir=tmp_path, images=2048, gpus=2, engine_options=options)
+    report = scaling_report(bench, product_run(75.0), product_run(149.0), "NVIDIA H100 80GB HBM3")
+    json_path, png = write_scaling_report(report, tmp_path / "results")
+    assert (json_path.name, png.name) == ("caption-gemma3-4b-fp8-h100-x2.json", "caption-gemma3-4b-fp8-h100-x2.png")
+    assert report["gemm_dtype"] == "fp8" and report["engine_options"] == options, "both sides ran FP8 GEMMs"
+    assert report["command"] == (
+        "wicore bench caption --preset gemma3-4b --gpus 2 --images 2048 --dtype fp8"
+        " --engine-option vision_attention_dtype=fp8"
+    )
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 def test_bench_gpus_flag_is_checked_before_anything_runs(tmp_path):
     negative = wicore("bench", "caption", "--gpus", "-1", "--workdir", str(tmp_path), check=False)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 
 from wicore.bench.bench_images import make_images
-from wicore.bench.caption_bench import CaptionBench, device_name, run_product
+from wicore.bench.caption_bench import CaptionBench, device_name, engine_option_words, run_product
 from wicore.errors import ConfigError
 
 RUN_KEYS = ("images", "seconds", "images_per_s", "output_tokens_per_s", "latency_p50_s", "latency_p99_s",
@@ -51,8 +51,9 @@ def scaling_report(bench: CaptionBench, one: dict, many: dict, gpu: str) -> dict
     n = bench.gpus
     return {
         "gpu": gpu,
-        "command": f"wicore bench caption --preset gemma3-4b --gpus {n} --images {bench.images}",
+        "command": scaling_command(bench),
         "gpus": n,
+        "gemm_dtype": bench.engine_options.get("gemm_dtype", "model"),
         "images_per_s": many["images_per_s"],
         "images_per_s_1gpu": one["images_per_s"],
         **scaling(many["images_per_s"], one["images_per_s"], n),
@@ -66,3 +67,12 @@ def scaling_report(bench: CaptionBench, one: dict, many: dict, gpu: str) -> dict
         "run_ngpu": {key: many[key] for key in RUN_KEYS},
         "engine_stats_by_worker": many["engine_stats_by_worker"],
     }
+
+
+def scaling_command(bench: CaptionBench) -> str:
+    """The command line that runs this scaling benchmark again (`--dtype fp8` stands for the
+    `gemm_dtype` option it sets)."""
+    options = dict(bench.engine_options)
+    words = ["wicore bench caption --preset gemma3-4b", f"--gpus {bench.gpus}", f"--images {bench.images}"]
+    words += ["--dtype fp8"] if options.pop("gemm_dtype", None) == "fp8" else []
+    return " ".join(words + engine_option_words(options))

@@ -29,8 +29,9 @@ def write_fp8_report(report: dict, folder: Path) -> list[Path]:
 
 
 def write_scaling_report(report: dict, folder: Path) -> list[Path]:
-    """caption-gemma3-4b-<gpu>-x<N>.json and .png."""
-    stem = folder / f"caption-gemma3-4b-{gpu_slug(report['gpu'])}-x{report['gpus']}"
+    """caption-gemma3-4b-<gpu>-x<N>.json and .png (caption-gemma3-4b-fp8-<gpu>-x<N> with FP8 GEMMs)."""
+    dtype = "fp8-" if report.get("gemm_dtype") == "fp8" else ""
+    stem = folder / f"caption-gemma3-4b-{dtype}{gpu_slug(report['gpu'])}-x{report['gpus']}"
     return write_with_plot(report, stem, plot_scaling)
 
 
@@ -46,7 +47,8 @@ def plot_scaling(report: dict, path: Path) -> Path:
     gpus = f"{n} GPUs" if n > 1 else "1 GPU"
     labels = ["1 GPU\nwicore worker", f"{gpus}\nwicore worker --gpus", f"{n} x 1 GPU\n(perfect)"]
     title = (
-        f"Gemma-3-4B shape on {gpu_slug(report['gpu']).upper()}, {report['images_per_gpu']} images per GPU\n"
+        f"Gemma-3-4B shape{' (FP8 GEMMs)' if report.get('gemm_dtype') == 'fp8' else ''} on "
+        f"{gpu_slug(report['gpu']).upper()}, {report['images_per_gpu']} images per GPU\n"
         f"{report['scaling']:.2f}x on {gpus} ({100 * report['scaling_efficiency']:.0f}% of perfect)"
     )
     return bar_plot(path, title, labels, [one, report["images_per_s"], n * one], "images / s")

@@ -109,7 +109,8 @@ def caption(
     dtype: str = typer.Option(
         "bfloat16",
         help="bfloat16, or fp8: the product in bf16 and with FP8 GEMMs on the same images in the same run (HF "
-        "once), their token agreement and the demo captioner's accuracy in both: caption-gemma3-4b-fp8-<gpu>.json.",
+        "once), their token agreement and the demo captioner's accuracy in both: caption-gemma3-4b-fp8-<gpu>.json. "
+        "With --gpus N, both sides of the scaling run use FP8 GEMMs: caption-gemma3-4b-fp8-<gpu>-xN.json.",
     ),
     workdir: Path = typer.Option(Path("/tmp/wicore-bench"), help="Scratch folder (model config, images, logs)."),
     out: Path = typer.Option(Path("bench/results"), help="Folder for the JSON and the PNG."),
@@ -119,13 +120,14 @@ def caption(
     --gpus N, the whole product on N GPUs vs on one; with --dtype fp8, bf16 vs FP8 GEMMs."""
     require(PLOTS)
     from wicore.bench.caption_bench import CaptionBench
+    from wicore.bench.caption_fp8 import fp8_variant
     from wicore.cli.common import engine_options
     from wicore.errors import ConfigError
 
     if preset != "gemma3-4b":
         raise ConfigError(f"unknown preset {preset!r} (only gemma3-4b)")
-    if dtype not in ("bfloat16", "fp8") or (dtype == "fp8" and gpus):
-        raise ConfigError(f"--dtype {dtype}: use bfloat16, or fp8 without --gpus (it compares the two on one GPU)")
+    if dtype not in ("bfloat16", "fp8"):
+        raise ConfigError(f"--dtype {dtype}: use bfloat16 or fp8")
     bench = CaptionBench(
         workdir=workdir,
         images=images,
@@ -141,7 +143,7 @@ def caption(
         gpus=gpus,
     )
     if gpus:
-        report = caption_scaling(bench, out)
+        report = caption_scaling(fp8_variant(bench) if dtype == "fp8" else bench, out)
     else:
         report = caption_fp8(bench, out) if dtype == "fp8" else caption_vs_hf(bench, out)
     if as_json:
