@@ -47,9 +47,9 @@ def plot_scaling(report: dict, path: Path) -> Path:
     gpus = f"{n} GPUs" if n > 1 else "1 GPU"
     labels = ["1 GPU\nwicore worker", f"{gpus}\nwicore worker --gpus", f"{n} x 1 GPU\n(perfect)"]
     title = (
-        f"Gemma-3-4B shape{' (FP8 GEMMs)' if report.get('gemm_dtype') == 'fp8' else ''} on "
-        f"{gpu_slug(report['gpu']).upper()}, {report['images_per_gpu']} images per GPU\n"
-        f"{report['scaling']:.2f}x on {gpus} ({100 * report['scaling_efficiency']:.0f}% of perfect)"
+        f"Gemma-3-4B shape{', FP8 GEMMs' if report.get('gemm_dtype') == 'fp8' else ''} on "
+        f"{gpu_slug(report['gpu']).upper()}\n{report['scaling']:.2f}x on {gpus} "
+        f"({100 * report['scaling_efficiency']:.0f}% of perfect), {report['images_per_gpu']} images per GPU"
     )
     return bar_plot(path, title, labels, [one, report["images_per_s"], n * one], "images / s")
 
