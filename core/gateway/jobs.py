@@ -109,7 +109,7 @@ async def get_job(
     wait: float = Query(0.0, ge=0.0, le=MAX_WAIT_S, description="Seconds to wait for the job to end."),
 ) -> JobView:
     """The job's status and result; with `wait`, the answer comes when it ends (or at `wait`)."""
-    outcome = await request.app.state.gateway.wait(job_id, wait)
+    outcome = await request.app.state.gateway.wait(job_id, wait, request)
     return job_view(outcome)
 
 
