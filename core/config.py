@@ -110,6 +110,14 @@ class Settings(BaseSettings):
     api_keys: Annotated[list[SecretStr], NoDecode] = []  # bearer keys the gateway accepts; none: open
     max_request_bytes: int = Field(64 * 2**20, ge=1024)  # largest HTTP request body the gateway reads; 64 MiB
     request_timeout_s: float = Field(300.0, gt=0)  # longest a chat completion waits for its job; 5 min
+    # A client connection's limits at `wicore serve`: its request's headers arrive within header_timeout_s
+    # (else 408 and closed); a body that stalls body_timeout_s closes it; an idle keep-alive connection
+    # closes after keep_alive_s; past max_connections open ones (lowered to fit the descriptor limit) a
+    # new connection is answered 429 with Retry-After.
+    header_timeout_s: float = Field(10.0, gt=0)  # 10 s
+    body_timeout_s: float = Field(30.0, gt=0)  # 30 s
+    keep_alive_s: float = Field(5.0, gt=0)  # 5 s
+    max_connections: int = Field(2048, ge=1)  # 2048
 
     @field_validator("high_lane_slots")
     @classmethod

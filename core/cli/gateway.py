@@ -50,15 +50,20 @@ def serve(
         log_level=debug_level(debug),
     )
     connect(settings.redis_url)  # a bad URL or password fails here, before the server starts
-    import uvicorn
-
     from wicore.gateway.app import create_app
+    from wicore.gateway.server import ServerLimits, run
 
     gateway = gateway_config(settings)
     keys = f"{len(gateway.api_keys)} API keys" if gateway.api_keys else "no API key (open)"
     where = f"http://{settings.host}:{settings.port}/"
     console.print(f"gateway on {where} (docs at /docs), model {gateway.model}, {keys}", markup=False)
-    uvicorn.run(create_app(gateway), host=settings.host, port=settings.port, log_level=settings.log_level.lower())
+    limits = ServerLimits(
+        header_timeout_s=settings.header_timeout_s,
+        body_timeout_s=settings.body_timeout_s,
+        keep_alive_s=settings.keep_alive_s,
+        max_connections=settings.max_connections,
+    )
+    run(create_app(gateway), settings.host, settings.port, limits, settings.log_level.lower())
 
 
 def gateway_config(settings: Settings):

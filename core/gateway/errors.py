@@ -21,6 +21,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import MaxConnectionsError, OutOfMemoryError, ReadOnlyError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from wicore.errors import ImageTooLarge, JobInputError, UnknownJob, WicoreError
 from wicore.gateway.disconnect import CLIENT_CLOSED, ClientGone
@@ -158,5 +159,6 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(500, f"Redis refused a command: {exc}")
 
     @app.exception_handler(ClientGone)
-    async def client_gone(request: Request, exc: ClientGone) -> JSONResponse:
+    @app.exception_handler(ClientDisconnect)
+    async def client_gone(request: Request, exc: Exception) -> JSONResponse:
         return error_response(CLIENT_CLOSED, "the client closed the request")
