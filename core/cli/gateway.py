@@ -13,6 +13,7 @@ from wicore.cli.common import (
     ModelIdOption,
     ModelOption,
     RedisOption,
+    RedisPasswordFileOption,
     console,
     friendly_errors,
     model_dir_and_id,
@@ -27,6 +28,7 @@ from wicore.config import Settings
 @friendly_errors
 def serve(
     redis_url: str = RedisOption,
+    redis_password_file: Path = RedisPasswordFileOption,
     model: Path = ModelOption,
     model_id: str = ModelIdOption,
     host: str = typer.Option(None, help="Interface to listen on [127.0.0.1].", show_default=False),
@@ -41,6 +43,7 @@ def serve(
     settings = settings_from(
         config,
         redis_url=redis_url,
+        redis_password_file=redis_password_file,
         model=model,
         model_id=model_id,
         host=host,
@@ -92,6 +95,7 @@ def gateway_config(settings: Settings):
 def cancel(
     job_ids: list[str] = typer.Argument(..., help=ID_FILE_HELP),
     redis_url: str = RedisOption,
+    redis_password_file: Path = RedisPasswordFileOption,
     config: Path = ConfigOption,
     debug: bool = DebugOption,
 ) -> None:
@@ -101,7 +105,9 @@ def cancel(
     from wicore.producer import Producer
     from wicore.producer.client import MISSING, no_such_job
 
-    settings = settings_from(config, redis_url=redis_url, log_level=debug_level(debug))
+    settings = settings_from(
+        config, redis_url=redis_url, redis_password_file=redis_password_file, log_level=debug_level(debug)
+    )
     producer = Producer(connect(settings.redis_url), model="any")
     statuses = producer.cancel(list(read_job_ids(job_ids)))
     for job_id, status in statuses.items():
