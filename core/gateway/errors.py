@@ -146,7 +146,9 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RedisTimeoutError)
     async def redis_down(request: Request, exc: Exception) -> JSONResponse:
         if isinstance(exc, MaxConnectionsError):
-            return error_response(429, "the gateway is at its Redis connection limit; retry shortly", headers=RETRY_BUSY)
+            return error_response(
+                429, "the gateway is at its Redis connection limit; retry shortly", headers=RETRY_BUSY
+            )
         log.warning("Redis unavailable: %s", exc)
         return error_response(503, "Redis is unavailable; retry shortly", headers=RETRY_DOWN)
 
