@@ -42,12 +42,20 @@ RETRY_BUSY = {"Retry-After": "1"}  # every connection to Redis is taken: request
 REFUSAL_CODES = ("OOM", "READONLY", "MISCONF", "NOREPLICAS")
 
 
-def refuses_writes(exc: ResponseError) -> bool:
-    """Redis refused a write for its state (memory, replica role, persistence), not for the command."""
-    if isinstance(exc, OutOfMemoryError | ReadOnlyError):
-        return True
+def refusal_code(exc: ResponseError) -> str | None:
+    """OOM, READONLY, MISCONF or NOREPLICAS when Redis refused a write for its state (memory,
+    replica role, persistence) rather than for the command; else None."""
+    if isinstance(exc, OutOfMemoryError):
+        return "OOM"
+    if isinstance(exc, ReadOnlyError):
+        return "READONLY"
     text = str(exc)
-    return any(text.startswith(code) or f"-{code} " in text for code in REFUSAL_CODES)
+    return next((code for code in REFUSAL_CODES if text.startswith(code) or f"-{code} " in text), None)
+
+
+def refused_message(code: str, exc: ResponseError) -> str:
+    text = str(exc)
+    return f"Redis refuses writes ({text if text.startswith(code) else f'{code} {text}'})"
 
 
 class ApiError(Exception):
@@ -154,9 +162,9 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(ResponseError)
     async def redis_refused(request: Request, exc: ResponseError) -> JSONResponse:
-        if refuses_writes(exc):
-            log.warning("Redis refuses writes: %s", exc)
-            return error_response(503, f"Redis refuses writes ({exc}); retry shortly", headers=RETRY_REFUSED)
+        if code := refusal_code(exc):
+            log.warning("%s", refused_message(code, exc))
+            return error_response(503, f"{refused_message(code, exc)}; retry shortly", headers=RETRY_REFUSED)
         log.error("Redis refused a command", exc_info=exc)
         return error_response(500, f"Redis refused a command: {exc}")
 

@@ -14,7 +14,7 @@ from redis.exceptions import RedisError, ResponseError
 
 from wicore import keys
 from wicore.gateway.auth import require_key
-from wicore.gateway.errors import RETRY_DOWN, RETRY_REFUSED, refuses_writes
+from wicore.gateway.errors import RETRY_DOWN, RETRY_REFUSED, refusal_code, refused_message
 from wicore.worker.status import collect_status
 
 router = APIRouter(tags=["service"])
@@ -38,9 +38,9 @@ def ready(request: Request) -> JSONResponse:
         probe_write(gateway.connection)
         workers = gateway.live_models().get(model, 0)
     except ResponseError as exc:
-        if not refuses_writes(exc):
+        if not (code := refusal_code(exc)):
             raise
-        reason = f"Redis refuses writes ({exc})"
+        reason = refused_message(code, exc)
         return JSONResponse({"status": "unavailable", "reason": reason}, 503, headers=RETRY_REFUSED)
     except RedisError as exc:
         reason = f"Redis does not answer ({exc})"
