@@ -85,13 +85,20 @@ def chat_body(index: int) -> dict:
 # -- crowds ---------------------------------------------------------------------------------------
 
 
-def test_waiters_past_the_connection_pool_each_get_their_answer(tmp_path):
+@pytest.mark.parametrize("acl", ["default user", "user without CLIENT"])
+def test_waiters_past_the_connection_pool_each_get_their_answer(tmp_path, acl):
+    """Without CLIENT (an ACL that denies it), the gateway's result reader reads in short slices."""
     count = POOL + 60
     with EmbeddedRedis() as server, ExitStack() as stack:
         worker = start_worker("--redis-url", server.url, "--engine", "null", "--model-id", MODEL,
                               "--max-queue-delay-ms", "0", log=tmp_path / "worker.log")  # fmt: skip
         stack.callback(stop, worker, signal.SIGKILL)
-        process, url, log = gateway(server.url, tmp_path)
+        gateway_url = server.url
+        if acl != "default user":
+            Redis.from_url(server.url).acl_setuser("waiter", enabled=True, passwords=["+pw"], keys=["*"],
+                                                   channels=["*"], commands=["+@all", "-client"])  # fmt: skip
+            gateway_url = server.url.replace("redis://", "redis://waiter:pw@")
+        process, url, log = gateway(gateway_url, tmp_path)
         stack.callback(stop, process)
         wait_until(lambda: httpx.get(url + "/health/ready").status_code == 200, 60, 0.2, "a ready gateway")
         polls, chats, left = asyncio.run(crowd(url, count, worker))

@@ -84,7 +84,7 @@ class ResultReader:
 
     async def _read_once(self) -> None:
         if self.can_unblock and self._reader_id is None:
-            self._reader_id = await self.reader.client_id()
+            self._reader_id = await self._client_id()
         self.changed.clear()
         streams = {name: watch.last_seen for name, watch in self.watches.items()}
         block_ms = READ_SLICE_MS if self.can_unblock else SHORT_SLICE_MS
@@ -92,6 +92,18 @@ class ResultReader:
         if self.can_unblock:
             await self._unblock_on_change(read)
         self._deliver(await read)
+
+    async def _client_id(self) -> int | None:
+        """The reader connection's id, which CLIENT UNBLOCK names; None where CLIENT is refused."""
+        try:
+            return await self.reader.client_id()
+        except ResponseError as exc:
+            self._refused(exc)
+            return None
+
+    def _refused(self, exc: ResponseError) -> None:
+        log.warning("CLIENT refused (%s): result streams are read in short slices", exc)
+        self.can_unblock = False
 
     async def _unblock_on_change(self, read: asyncio.Future) -> None:
         """Once the registrations change, end the blocked read so that it starts again over them."""
@@ -102,8 +114,7 @@ class ResultReader:
             try:
                 await self.control.client_unblock(self._reader_id)
             except ResponseError as exc:
-                log.warning("CLIENT UNBLOCK refused (%s): result streams are read in short slices", exc)
-                self.can_unblock = False
+                self._refused(exc)
                 return
             await asyncio.wait({read}, timeout=UNBLOCK_RETRY_S)
 
