@@ -67,8 +67,8 @@ class Gateway:
 
     async def wait(self, job_id: str, seconds: float, request: Request | None = None) -> Outcome:
         """The job's outcome once it ends, or as it is after `seconds`; `ClientGone` as soon as
-        `request`'s client hangs up. The wait holds no thread and no pooled connection: the
-        gateway's one result reader wakes it (`ResultReader`)."""
+        `request`'s client hangs up. Between its reads of the job it holds no thread and no
+        pooled connection: the gateway's one result reader wakes it (`ResultReader`)."""
         deadline = time.monotonic() + seconds
         producer = self.producer()
         outcome, last_seen = await run_in_threadpool(producer.poll, job_id)
