@@ -18,6 +18,7 @@ import asyncio
 import base64
 import io
 import os
+import resource
 import shutil
 import signal
 import socket
@@ -63,11 +64,14 @@ def gateway(redis_url: str, folder: Path, *args: str, env: dict | None = None, l
     command = ["serve", "--redis-url", redis_url, "--port", str(port), "--model-id", MODEL, *args]
     if limit_fds is None:
         process = start_gateway(*command[1:], env=env, log=log)
-    else:  # the gateway under a descriptor limit, hard and soft
-        wrapper = ["prlimit", f"--nofile={limit_fds}:{limit_fds}", "--", sys.executable, "-m", "wicore.cli.main"]
+    else:  # the gateway under a descriptor limit, soft and hard
         with open(log, "wb") as sink:
             process = subprocess.Popen(
-                wrapper + command, env={**os.environ, **(env or {})}, stdout=sink, stderr=subprocess.STDOUT
+                [sys.executable, "-m", "wicore.cli.main", *command],
+                env={**os.environ, **(env or {})},
+                stdout=sink,
+                stderr=subprocess.STDOUT,
+                preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (limit_fds, limit_fds)),
             )
     url = f"http://127.0.0.1:{port}"
     wait_http(url + "/health/live", 60, process)
