@@ -89,12 +89,11 @@ async def poll_crowd(url: str, count: int, worker: subprocess.Popen) -> Counter:
         try:
             accepted = (await http.post("/v1/jobs/batch", json=jobs)).json()["jobs"]
             polls = [http.get(f"/v1/jobs/{line['job_id']}", params={"wait": POLL_WAIT_S}) for line in accepted]
-            waiting = asyncio.gather(gather_statuses(polls))
+            waiting = asyncio.ensure_future(gather_statuses(polls))
             await asyncio.sleep(3)  # every poll is waiting on its job
         finally:
             os.kill(worker.pid, signal.SIGCONT)
-        [statuses] = await waiting
-        return statuses
+        return await waiting
 
 
 def run_bench(redis_url: str, count: int, folder: Path) -> dict:
