@@ -23,7 +23,6 @@ from collections.abc import Callable
 from contextvars import ContextVar
 from pathlib import Path
 from typing import Annotated, Any, Literal
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from pydantic import (
     Field,
@@ -41,9 +40,13 @@ from wicore import defaults
 from wicore.engines import ENGINES
 from wicore.engines.fast.options import FastOptions
 from wicore.errors import ConfigError
+from wicore.redaction import redact, split_password, with_password
 
 CONFIG_ENV = "WICORE_CONFIG"  # path of a TOML file; `--config` wins over it
 ENGINE_NAMES = ("auto", *ENGINES)  # auto: fast on CUDA, else reference
+# Settings a child process is not handed: the dashboard's login (no child serves the dashboard),
+# and the Redis password, which redis_url carries already.
+NOT_INHERITED = {"dashboard_auth", "redis_password", "redis_password_file"}
 REVEAL_SECRETS = "reveal_secrets"  # a serialization context key: write the API keys themselves
 _config_file: ContextVar[Path | None] = ContextVar("config_file", default=None)  # `--config`, while loading
 
@@ -75,6 +78,11 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="WICORE_", env_nested_delimiter="__", extra="forbid", frozen=True)
 
     redis_url: str | None = None  # redis:// or rediss:// URL; None: `wicore caption` starts an embedded server
+    # The Redis password, when the URL does not carry it (so that it never shows in `ps`): given itself
+    # (WICORE_REDIS_PASSWORD) or as a file holding it (`--redis-password-file`, WICORE_REDIS_PASSWORD_FILE).
+    # Validation puts it into redis_url, which every connection is made from.
+    redis_password: SecretStr | None = None
+    redis_password_file: Path | None = None
     model: Path | None = None  # checkpoint directory; None: the bundled demo captioner
     model_id: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9_-]*$")  # name jobs use; default: from the dir
     engine: EngineSettings = EngineSettings()  # the engine and its options (`[engine]`, `WICORE_ENGINE__*`)
@@ -110,6 +118,27 @@ class Settings(BaseSettings):
     api_keys: Annotated[list[SecretStr], NoDecode] = []  # bearer keys the gateway accepts; none: open
     max_request_bytes: int = Field(64 * 2**20, ge=1024)  # largest HTTP request body the gateway reads; 64 MiB
     request_timeout_s: float = Field(300.0, gt=0)  # longest a chat completion waits for its job; 5 min
+    # A client connection's limits at `wicore serve`: its request's headers arrive within header_timeout_s
+    # (else 408 and closed); a body that stalls body_timeout_s closes it; an idle keep-alive connection
+    # closes after keep_alive_s; past max_connections open ones (lowered to fit the descriptor limit) a
+    # new connection is answered 429 with Retry-After.
+    header_timeout_s: float = Field(10.0, gt=0)  # 10 s
+    body_timeout_s: float = Field(30.0, gt=0)  # 30 s
+    keep_alive_s: float = Field(5.0, gt=0)  # 5 s
+    max_connections: int = Field(2048, ge=1)  # 2048
+
+    @model_validator(mode="before")
+    @classmethod
+    def _password_into_url(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        password = given_password(data.get("redis_password"), data.get("redis_password_file"))
+        if password is None or not data.get("redis_url"):
+            return data
+        url, in_url = split_password(str(data["redis_url"]))
+        if in_url is not None:
+            raise ValueError("the Redis password is given twice: in redis_url and as redis_password(_file)")
+        return {**data, "redis_url": with_password(url, password)}
 
     @field_validator("high_lane_slots")
     @classmethod
@@ -148,8 +177,25 @@ class Settings(BaseSettings):
         keys are masked."""
         values = self.model_dump(mode="json")
         if self.redis_url:
-            values["redis_url"] = redact_url(self.redis_url)
+            values["redis_url"] = redact(self.redis_url)
         return values
+
+
+def given_password(password: Any, password_file: Any) -> str | None:
+    """The password from `redis_password` or the first line of `redis_password_file`."""
+    if password is not None and password_file is not None:
+        raise ValueError("give redis_password or redis_password_file, not both")
+    if password_file is not None:
+        try:
+            lines = Path(password_file).read_text().splitlines()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(f"cannot read redis_password_file {password_file}: {exc}") from None
+        if not lines or not lines[0]:
+            raise ValueError(f"redis_password_file {password_file} is empty: write the password on its first line")
+        return lines[0]
+    if isinstance(password, SecretStr):
+        return password.get_secret_value()
+    return password
 
 
 class Environment(EnvSettingsSource):
@@ -193,16 +239,6 @@ def json_or_text(raw: Any) -> Any:
         return json.loads(raw)
     except json.JSONDecodeError:
         return raw
-
-
-def redact_url(url: str) -> str:
-    """`redis://user:secret@host/0?password=x` -> `redis://user:***@host/0?password=***`."""
-    parts = urlsplit(url)
-    netloc = parts.netloc
-    if parts.password is not None:
-        netloc = netloc.replace(f":{parts.password}@", ":***@", 1)
-    query = [(k, "***" if k.lower() == "password" else v) for k, v in parse_qsl(parts.query, keep_blank_values=True)]
-    return urlunsplit(parts._replace(netloc=netloc, query=urlencode(query, safe="*")))
 
 
 def environment_names() -> set[str]:
@@ -250,11 +286,10 @@ def _validated(build: Callable[[], Settings]) -> Settings:
 def write_settings_file(settings: Settings, folder: Path) -> Path:
     """The settings in a JSON file only this user can read (it may hold a Redis password): what a
     child process is started with instead of the parent's environment. The API keys are written
-    themselves (a child gateway needs them); the dashboard's login is left out: no child serves
-    the dashboard, and it never leaves the process that was given it."""
+    themselves (a child gateway needs them); the dashboard's login is left out (`NOT_INHERITED`)."""
     fd, name = tempfile.mkstemp(prefix="settings-", suffix=".json", dir=folder)  # mode 0600
     with os.fdopen(fd, "w") as sink:
-        sink.write(settings.model_dump_json(exclude={"dashboard_auth"}, context={REVEAL_SECRETS: True}))
+        sink.write(settings.model_dump_json(exclude=NOT_INHERITED, context={REVEAL_SECRETS: True}))
     return Path(name)
 
 

@@ -12,7 +12,7 @@ import time
 from enum import Enum
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
 DEFAULT_PROMPT = "Describe this image in detail."
 SHA256_HEX = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
@@ -31,6 +31,28 @@ def file_path(value: str) -> str:
     if "\x00" in value:
         raise ValueError("a path cannot hold a NUL byte")
     return unicode_text(value)
+
+
+MAX_METADATA_DEPTH = 32  # lists and objects inside each other; deeper JSON costs recursion in every reader
+
+
+def nesting_depth(value: Any, stop_after: int) -> int:
+    """How many lists/dicts deep `value` goes ({"a": [1]} is 2), counted up to `stop_after` + 1,
+    level by level (no recursion, however deep the value)."""
+    depth, level = 0, [value]
+    while depth <= stop_after:
+        level = [v for v in level if isinstance(v, dict | list | tuple)]
+        if not level:
+            break
+        depth += 1
+        level = [child for v in level for child in (v.values() if isinstance(v, dict) else v)]
+    return depth
+
+
+def shallow(value: Any) -> Any:
+    if nesting_depth(value, MAX_METADATA_DEPTH) > MAX_METADATA_DEPTH:
+        raise ValueError(f"nested deeper than {MAX_METADATA_DEPTH} levels of lists and objects")
+    return value
 
 
 Text = Annotated[str, AfterValidator(unicode_text)]
@@ -120,7 +142,7 @@ class CaptionJob(Strict):
     model: str = Field(pattern=MODEL_ID_PATTERN, max_length=64)
     priority: Lane = Lane.NORMAL
     deadline: float | None = None  # unix seconds; past it the job fails unrun
-    metadata: dict[str, Any] = {}
+    metadata: Annotated[dict[str, Any], BeforeValidator(shallow)] = {}
     submitted_at: float = Field(default_factory=time.time)
 
     @model_validator(mode="after")

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import hashlib
+import os
+import stat
 from pathlib import Path
 
 from wicore.errors import ImageError, ImageTooLarge
@@ -10,23 +12,48 @@ from wicore.schemas import ImageRef
 
 
 def read_bytes(path: Path, limit: int) -> bytes:
+    """The file's bytes, at most `limit`. Only a regular file is read: the descriptor is opened
+    without blocking (a FIFO would wait for a writer) and checked before any byte is read."""
     try:
-        size = path.stat().st_size
-        if size > limit:
-            raise ImageTooLarge(f"{path}: {size} bytes is over the {limit}-byte limit")
-        return path.read_bytes()
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as exc:
         raise ImageError(f"{path}: cannot read ({exc.strerror or exc})") from exc
+    with os.fdopen(fd, "rb") as file:
+        try:
+            return _read_regular(file, path, limit)
+        except OSError as exc:
+            raise ImageError(f"{path}: cannot read ({exc.strerror or exc})") from exc
+
+
+def _read_regular(file, path: Path, limit: int) -> bytes:
+    info = os.fstat(file.fileno())
+    if not stat.S_ISREG(info.st_mode):
+        raise ImageError(f"{path}: not a regular file")
+    if info.st_size > limit:
+        raise ImageTooLarge(f"{path}: {info.st_size} bytes is over the {limit}-byte limit")
+    data = file.read(limit + 1)  # the file may have grown since fstat
+    if len(data) > limit:
+        raise ImageTooLarge(f"{path}: over the {limit}-byte limit")
+    return data
+
+
+def resolved(image: str | Path) -> Path:
+    try:
+        return Path(image).resolve()
+    except (OSError, RuntimeError) as exc:  # RuntimeError: a symlink loop (Python < 3.13)
+        raise ImageError(f"{image}: cannot be resolved ({exc})") from exc
 
 
 def prepare_image(image: str | Path | bytes, *, by_path: bool, limit: int) -> tuple[ImageRef, bytes | None]:
     """(reference, bytes to store as a blob or None when the reference is a path)."""
     if isinstance(image, bytes | bytearray | memoryview):
         data = bytes(image)
+        if not data:
+            raise ImageError("the image is empty (0 bytes)")
         if len(data) > limit:
             raise ImageTooLarge(f"image of {len(data)} bytes is over the {limit}-byte limit")
         return ImageRef(sha256=hashlib.sha256(data).hexdigest()), data
-    path = Path(image).resolve()
+    path = resolved(image)
     data = read_bytes(path, limit)
     sha = hashlib.sha256(data).hexdigest()
     if by_path:

@@ -18,8 +18,8 @@ from rq.job import Job
 from rq.serializers import JSONSerializer
 
 from tests.helpers import wicore, write_images
-from wicore.cli.failures import redact
 from wicore.embedded import EmbeddedRedis, free_port
+from wicore.redaction import redact
 
 PASSWORD = "s3cret-Pw-for-the-tests"
 USAGE, REDIS = 2, 4

@@ -12,9 +12,10 @@ from redis import Redis
 
 from tests.helpers import wicore, write_images
 from wicore.cli.common import settings_from
-from wicore.config import load_settings, read_settings_file, redact_url, write_settings_file
+from wicore.config import load_settings, read_settings_file, write_settings_file
 from wicore.embedded import EmbeddedRedis
 from wicore.errors import ConfigError
+from wicore.redaction import redact, split_password
 
 
 @pytest.fixture(autouse=True)
@@ -176,13 +177,50 @@ def test_the_dashboard_login_stays_out_of_settings_files_and_error_lines(tmp_pat
 
 
 def test_credentials_are_masked():
-    assert redact_url("redis://user:secret@host:6379/0") == "redis://user:***@host:6379/0"
-    assert redact_url("rediss://:secret@host/0?password=also&ssl_cert_reqs=none") == (
+    assert redact("redis://user:secret@host:6379/0") == "redis://user:***@host:6379/0"
+    assert redact("rediss://:secret@host/0?password=also&ssl_cert_reqs=none") == (
         "rediss://:***@host/0?password=***&ssl_cert_reqs=none"
     )
-    assert redact_url("redis://host/0") == "redis://host/0"
-    public = load_settings(redis_url="redis://:secret@127.0.0.1:1/0", api_keys=["key-secret"]).public()
-    assert "secret" not in json.dumps(public) and public["api_keys"] == ["***"]
+    assert redact("redis://host/0?db=1&Password=secret") == "redis://host/0?db=1&Password=***"
+    assert redact("unix://:secret@/run/redis.sock") == "unix://:***@/run/redis.sock"
+    assert redact("redis://host/0") == "redis://host/0"
+    for url in ("redis://:secret@127.0.0.1:1/0", "redis://127.0.0.1:1/0?password=secret"):
+        public = load_settings(redis_url=url, api_keys=["key-secret"]).public()
+        assert "secret" not in json.dumps(public) and public["api_keys"] == ["***"]
+
+
+def test_a_url_splits_into_its_password_and_the_rest():
+    assert split_password("redis://u:p%40ss@h:1/0?password=x&db=2") == ("redis://u@h:1/0?db=2", "p@ss")
+    assert split_password("rediss://h/0?password=x") == ("rediss://h/0", "x")
+    assert split_password("unix://:pw@/run/r.sock") == ("unix:///run/r.sock", "pw")
+    assert split_password("redis://h/0") == ("redis://h/0", None)
+
+
+def test_the_redis_password_comes_from_a_file_or_the_environment(tmp_path, monkeypatch):
+    secret = tmp_path / "redis-password"
+    secret.write_text("p@ss/word\n")
+    by_file = load_settings(redis_url="redis://h:6379/0", redis_password_file=secret)
+    assert by_file.redis_url == "redis://:p%40ss%2Fword@h:6379/0"
+    assert "p@ss" not in json.dumps(by_file.public()) and "p%40ss" not in json.dumps(by_file.public())
+    child = read_settings_file(write_settings_file(by_file, tmp_path))
+    assert child.redis_url == by_file.redis_url and child.redis_password_file is None
+    monkeypatch.setenv("WICORE_REDIS_PASSWORD", "from-env")
+    assert load_settings(redis_url="redis://u@h/0").redis_url == "redis://u:from-env@h/0"
+    assert load_settings().redis_url is None, "no URL: nothing to put the password in"
+    empty = tmp_path / "empty"
+    empty.write_text("")
+    for flags, says in (
+        ({"redis_url": "redis://h/0", "redis_password_file": secret}, "not both"),
+        ({"redis_url": "redis://:other@h/0"}, "given twice"),
+        ({"redis_url": "redis://h/0?password=other"}, "given twice"),
+    ):
+        with pytest.raises(ConfigError, match=says) as error:
+            load_settings(**flags)
+        assert "from-env" not in str(error.value) and "other" not in str(error.value)
+    monkeypatch.delenv("WICORE_REDIS_PASSWORD")
+    for path, says in ((empty, "is empty"), (tmp_path / "missing", "cannot read")):
+        with pytest.raises(ConfigError, match=says):
+            load_settings(redis_url="redis://h/0", redis_password_file=path)
 
 
 def test_api_keys_from_the_environment_are_comma_separated(monkeypatch):
@@ -247,3 +285,25 @@ def test_high_lane_slots_leave_the_other_lanes_a_slot():
         ConfigError, match=r"^bad configuration: setting high_lane_slots: must be below batch_size \(4\)"
     ):
         load_settings(batch_size=4, high_lane_slots=4)
+
+
+def test_every_verb_takes_the_redis_password_from_a_file(tmp_path):
+    """Not on the command line (`ps` shows it), not in any output."""
+    with EmbeddedRedis(password="sesame-file") as server:
+        bare = server.url.replace(":sesame-file@", "")
+        secret = tmp_path / "pw"
+        secret.write_text("sesame-file\n")
+        status = wicore("status", "--redis-url", bare, "--redis-password-file", str(secret), "--json")
+        by_env = wicore("status", "--redis-url", bare, "--json", env={"WICORE_REDIS_PASSWORD_FILE": str(secret)})
+        refused = wicore("status", "--redis-url", bare, check=False)
+    assert "sesame" not in status.stdout + status.stderr + by_env.stdout + by_env.stderr
+    assert refused.returncode == 4 and "wants a password" in refused.stderr
+    import typer.main
+
+    from wicore.cli.main import app
+
+    commands = typer.main.get_command(app).commands
+    takes_url = sorted(name for name, cmd in commands.items() if any("--redis-url" in p.opts for p in cmd.params))
+    assert takes_url == ["cancel", "caption", "dashboard", "enqueue", "result", "serve", "status", "worker"]
+    for name in takes_url:
+        assert any("--redis-password-file" in p.opts for p in commands[name].params), name

@@ -10,6 +10,8 @@ leaves to its host.
   a page from another site can neither read that cookie nor set that header.
 - Optional HTTP basic auth over every route; credentials are compared in constant time and
   never logged.
+- rq-dashboard renders its Redis URL into every page (masking only a `user:password@`): it is
+  handed the URL without its password, and the password on the side.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from rq.registry import (
 from rq.serializers import JSONSerializer
 
 from wicore.errors import ConfigError
+from wicore.redaction import split_password
 
 CSRF_COOKIE, CSRF_HEADER = "_csrf_token", "X-CSRFToken"  # the names rq-dashboard's script uses
 PREFIX = "rq_dashboard."
@@ -85,7 +88,7 @@ def make_app(redis_url: str, auth: BasicAuth | None = None):
 
     app = Flask(__name__, static_folder=blueprint.static_folder)  # the pages' favicon.ico
     app.config.from_object(default_settings)
-    app.config["RQ_DASHBOARD_REDIS_URL"] = redis_url
+    app.config["RQ_DASHBOARD_REDIS_URL"], app.config["RQ_DASHBOARD_REDIS_PASSWORD"] = split_password(redis_url)
     app.register_blueprint(blueprint, url_prefix="")
     dashboard_config.serializer = JSONSerializer
     setup_rq_connection(app)

@@ -145,12 +145,12 @@ def start_gateway(redis_url: str, port: int) -> subprocess.Popen:
 
 
 def server_stack() -> str:
-    """uvicorn's event loop and HTTP parser as installed (uvloop/httptools when present)."""
+    """uvicorn's event loop as installed (uvloop when present) and its HTTP parser: h11 always,
+    under the gateway's read deadlines (`wicore.gateway.server`)."""
     import importlib.util
 
     loop = "uvloop" if importlib.util.find_spec("uvloop") else "asyncio"
-    parser = "httptools" if importlib.util.find_spec("httptools") else "h11"
-    return f"uvicorn ({loop}, {parser})"
+    return f"uvicorn ({loop}, h11)"
 
 
 def run_bench(redis_url: str, jobs: int) -> dict:

@@ -83,6 +83,28 @@ def http(
 
 @app.command()
 @friendly_errors
+def crowd(
+    requests: int = typer.Option(500, min=1, help="Concurrent requests of each kind."),
+    redis_url: str = typer.Option(None, help="Redis to use (default: a fresh embedded one)."),
+    out: Path = typer.Option(Path("bench/results/crowd"), help="Folder for the gateway's and worker's logs."),
+) -> None:
+    """Concurrent chat completions and long-polls on one gateway (`wicore serve`, a null-engine
+    worker): each must get its answer or a 429; the gateway's memory and descriptors before/after.
+    Prints one JSON line; exits 1 if any request got another answer."""
+    require("fastapi")  # the gateway it starts
+    from wicore.bench.crowd_bench import failures, run_bench
+    from wicore.embedded import redis_url_or_embedded
+
+    with redis_url_or_embedded(redis_url) as url:
+        report = run_bench(url, requests, out)
+    typer.echo(json.dumps(report))
+    if failures(report):
+        console.print("; ".join(failures(report)), markup=False)
+        raise typer.Exit(1)
+
+
+@app.command()
+@friendly_errors
 def caption(
     preset: str = typer.Option("gemma3-4b", help="Model shape (only gemma3-4b)."),
     images: int = typer.Option(1024, help="Timed images (distinct, mixed sizes); per GPU with --gpus."),

@@ -34,6 +34,7 @@ from wicore.cli.common import (
     ModelOption,
     NoCacheOption,
     RedisOption,
+    RedisPasswordFileOption,
     checked_model,
     console,
     friendly_errors,
@@ -53,7 +54,8 @@ from wicore.cli.pool import WorkerPool
 from wicore.cli.process_group import ProcessGroup
 from wicore.cli.result_lines import error_line, wait_lines
 from wicore.cli.worker_specs import WorkerSpec, plan_workers
-from wicore.config import Settings, redact_url
+from wicore.config import Settings
+from wicore.redaction import redact
 from wicore.schemas import ResultLine
 
 KEEP_RUN_LOGS = 20  # per-run log folders kept in the cache dir
@@ -69,6 +71,7 @@ def caption(
     model_id: str = ModelIdOption,
     engine: str = typer.Option(None, help="reference | fast (default: auto: fast on CUDA)", show_default=False),
     redis_url: str = RedisOption,
+    redis_password_file: Path = RedisPasswordFileOption,
     workers: int = typer.Option(
         None, min=1, help="Worker processes to start (each loads the model) [1].", show_default=False
     ),
@@ -90,7 +93,7 @@ def caption(
     to a folder per run under the cache dir (~/.cache/wicore/logs)."""
     raise_on_signals(signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
     settings = settings_from(
-        config, engine_option=engine_option, redis_url=redis_url, model=model, model_id=model_id, engine=engine,
+        config, engine_option=engine_option, redis_url=redis_url, redis_password_file=redis_password_file, model=model, model_id=model_id, engine=engine,
         device=device, dtype=dtype, batch_size=batch_size, no_cache=no_cache, log_level=debug_level(debug),
     )  # fmt: skip
     run_id = new_run_id()
@@ -271,7 +274,7 @@ class CaptionRun:
     def _take_back(self, producer, pending: list[str]) -> str:
         from redis.exceptions import RedisError
 
-        where = redact_url(self.config.settings.redis_url)
+        where = redact(self.config.settings.redis_url)
         try:
             statuses = producer.cancel(pending, own_queued_only=True)
         except RedisError as error:

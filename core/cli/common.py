@@ -17,6 +17,13 @@ console = Console(stderr=True, soft_wrap=True, width=None if sys.stderr.isatty()
 
 ConfigOption = typer.Option(None, "--config", help="TOML settings file (also WICORE_CONFIG).", show_default=False)
 RedisOption = typer.Option(None, "--redis-url", help="Redis URL (also WICORE_REDIS_URL).", show_default=False)
+RedisPasswordFileOption = typer.Option(
+    None,
+    "--redis-password-file",
+    help="File whose first line is the Redis password, when --redis-url carries none (also "
+    "WICORE_REDIS_PASSWORD_FILE, or WICORE_REDIS_PASSWORD itself): it stays out of `ps`.",
+    show_default=False,
+)
 ModelOption = typer.Option(
     None, "--model", help="Checkpoint directory (default: the bundled demo captioner).", show_default=False
 )

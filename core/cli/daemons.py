@@ -18,6 +18,7 @@ from wicore.cli.common import (
     ModelOption,
     NoCacheOption,
     RedisOption,
+    RedisPasswordFileOption,
     checked_model,
     console,
     friendly_errors,
@@ -26,8 +27,9 @@ from wicore.cli.common import (
 from wicore.cli.failures import DebugOption, debug_level
 from wicore.cli.logs import configure_logging, level_or, quiet_progress_bars
 from wicore.cli.redis_check import connect
-from wicore.config import Settings, redact_url
+from wicore.config import Settings
 from wicore.errors import ConfigError
+from wicore.redaction import redact
 
 # `wicore worker`'s own options (the shared ones live in cli/common.py).
 EngineNameOption = typer.Option(None, help="reference | fast | null (default: auto: fast on CUDA)", show_default=False)
@@ -54,6 +56,7 @@ SettingsFileOption = typer.Option(None, hidden=True, help="Settings from the par
 @friendly_errors
 def worker(
     redis_url: str = RedisOption,
+    redis_password_file: Path = RedisPasswordFileOption,
     model: Path = ModelOption,
     model_id: str = ModelIdOption,
     engine: str = EngineNameOption,
@@ -86,6 +89,7 @@ def worker(
         engine_option=engine_option,
         settings_file=settings_file,
         redis_url=redis_url,
+        redis_password_file=redis_password_file,
         model=model,
         model_id=model_id,
         engine=engine,
@@ -177,6 +181,7 @@ def supervised(settings: Settings, base: str, gpus: str | None, workers: int | N
 @friendly_errors
 def dashboard(
     redis_url: str = RedisOption,
+    redis_password_file: Path = RedisPasswordFileOption,
     host: str = typer.Option("127.0.0.1", help="Interface to listen on."),
     port: int = typer.Option(9181, help="Port to listen on."),
     auth: str = typer.Option(
@@ -187,7 +192,13 @@ def dashboard(
 ) -> None:
     """rq-dashboard on the same Redis, reading wicore's jobs as JSON only; write actions need
     the page's token, and every page the login when --auth is given."""
-    settings = settings_from(config, redis_url=redis_url, dashboard_auth=auth, log_level=debug_level(debug))
+    settings = settings_from(
+        config,
+        redis_url=redis_url,
+        redis_password_file=redis_password_file,
+        dashboard_auth=auth,
+        log_level=debug_level(debug),
+    )
     credentials = settings.dashboard_auth.get_secret_value() if settings.dashboard_auth else None
     if credentials is None and not is_loopback(host):
         raise ConfigError(
@@ -197,7 +208,7 @@ def dashboard(
     from wicore.worker.dashboard import BasicAuth, make_app, serve
 
     app = make_app(settings.redis_url, BasicAuth.parse(credentials) if credentials else None)
-    console.print(f"dashboard on http://{host}:{port}/ for {redact_url(settings.redis_url)}", markup=False)
+    console.print(f"dashboard on http://{host}:{port}/ for {redact(settings.redis_url)}", markup=False)
     serve(app, host, port)
 
 

@@ -18,6 +18,7 @@ from functools import wraps
 import typer
 
 from wicore.errors import ConfigError, RedisUnavailable, WicoreError
+from wicore.redaction import redact
 
 
 class ExitCode(IntEnum):
@@ -57,14 +58,6 @@ class Interrupted(BaseException):
     def __init__(self, signum: int):
         super().__init__(signal.Signals(signum).name)
         self.signum = signum
-
-
-_CREDENTIALS = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://[^/@\s:]*):[^/@\s]*@")
-
-
-def redact(text: str) -> str:
-    """'redis://user:secret@host/0' -> 'redis://user:***@host/0', anywhere in `text`."""
-    return _CREDENTIALS.sub(r"\1:***@", text)
 
 
 def one_line(text: str) -> str:

@@ -13,6 +13,7 @@ from wicore.cli.common import (
     ModelIdOption,
     ModelOption,
     RedisOption,
+    RedisPasswordFileOption,
     console,
     friendly_errors,
     model_dir_and_id,
@@ -27,6 +28,7 @@ from wicore.config import Settings
 @friendly_errors
 def serve(
     redis_url: str = RedisOption,
+    redis_password_file: Path = RedisPasswordFileOption,
     model: Path = ModelOption,
     model_id: str = ModelIdOption,
     host: str = typer.Option(None, help="Interface to listen on [127.0.0.1].", show_default=False),
@@ -41,6 +43,7 @@ def serve(
     settings = settings_from(
         config,
         redis_url=redis_url,
+        redis_password_file=redis_password_file,
         model=model,
         model_id=model_id,
         host=host,
@@ -50,15 +53,20 @@ def serve(
         log_level=debug_level(debug),
     )
     connect(settings.redis_url)  # a bad URL or password fails here, before the server starts
-    import uvicorn
-
     from wicore.gateway.app import create_app
+    from wicore.gateway.server import ServerLimits, run
 
     gateway = gateway_config(settings)
     keys = f"{len(gateway.api_keys)} API keys" if gateway.api_keys else "no API key (open)"
     where = f"http://{settings.host}:{settings.port}/"
     console.print(f"gateway on {where} (docs at /docs), model {gateway.model}, {keys}", markup=False)
-    uvicorn.run(create_app(gateway), host=settings.host, port=settings.port, log_level=settings.log_level.lower())
+    limits = ServerLimits(
+        header_timeout_s=settings.header_timeout_s,
+        body_timeout_s=settings.body_timeout_s,
+        keep_alive_s=settings.keep_alive_s,
+        max_connections=settings.max_connections,
+    )
+    run(create_app(gateway), settings.host, settings.port, limits, settings.log_level.lower())
 
 
 def gateway_config(settings: Settings):
@@ -87,6 +95,7 @@ def gateway_config(settings: Settings):
 def cancel(
     job_ids: list[str] = typer.Argument(..., help=ID_FILE_HELP),
     redis_url: str = RedisOption,
+    redis_password_file: Path = RedisPasswordFileOption,
     config: Path = ConfigOption,
     debug: bool = DebugOption,
 ) -> None:
@@ -96,7 +105,9 @@ def cancel(
     from wicore.producer import Producer
     from wicore.producer.client import MISSING, no_such_job
 
-    settings = settings_from(config, redis_url=redis_url, log_level=debug_level(debug))
+    settings = settings_from(
+        config, redis_url=redis_url, redis_password_file=redis_password_file, log_level=debug_level(debug)
+    )
     producer = Producer(connect(settings.redis_url), model="any")
     statuses = producer.cancel(list(read_job_ids(job_ids)))
     for job_id, status in statuses.items():

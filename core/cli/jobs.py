@@ -16,6 +16,7 @@ from wicore.cli.common import (
     ConfigOption,
     ModelIdOption,
     RedisOption,
+    RedisPasswordFileOption,
     console,
     friendly_errors,
     model_dir_and_id,
@@ -33,6 +34,7 @@ ID_FILE_HELP = "Job ids printed by `wicore enqueue`, or - to read its output (id
 def enqueue(
     inputs: list[str] = typer.Argument(..., help="Image files, folders (recursive) or JSONL manifests."),
     redis_url: str = RedisOption,
+    redis_password_file: Path = RedisPasswordFileOption,
     model_id: str = ModelIdOption,
     model: Path = typer.Option(None, help="Checkpoint dir (only its name is used, as the model id)."),
     prompt: str = typer.Option(None, help="Prompt (default: 'Describe this image in detail.')."),
@@ -49,7 +51,14 @@ def enqueue(
     (the same work gets the same id). Warns when no live worker serves the model."""
     from wicore.producer import Producer, ProducerConfig, Submission
 
-    settings = settings_from(config, redis_url=redis_url, model_id=model_id, model=model, log_level=debug_level(debug))
+    settings = settings_from(
+        config,
+        redis_url=redis_url,
+        redis_password_file=redis_password_file,
+        model_id=model_id,
+        model=model,
+        log_level=debug_level(debug),
+    )
     items = expand_inputs(inputs)
     producer_config = ProducerConfig(by_path=by_path, result_ttl_s=settings.result_ttl_s, retries=settings.retries)
     served_id = model_dir_and_id(settings)[1]
@@ -103,6 +112,7 @@ def result(
     job_ids: list[str] = typer.Argument(..., help=ID_FILE_HELP),
     wait: float = typer.Option(0.0, help="Wait up to this many seconds in all for the jobs to end."),
     redis_url: str = RedisOption,
+    redis_password_file: Path = RedisPasswordFileOption,
     config: Path = ConfigOption,
     debug: bool = DebugOption,
 ) -> None:
@@ -111,7 +121,9 @@ def result(
     from wicore.cli.result_lines import wait_lines
     from wicore.producer import Producer
 
-    settings = settings_from(config, redis_url=redis_url, log_level=debug_level(debug))
+    settings = settings_from(
+        config, redis_url=redis_url, redis_password_file=redis_password_file, log_level=debug_level(debug)
+    )
     inputs_by_job = read_job_ids(job_ids)
     producer = Producer(connect(settings.redis_url, write=False), model="any")
     statuses = set()
@@ -142,6 +154,7 @@ def _id_and_input(line: str) -> tuple[str, str | None]:
 @friendly_errors
 def status(
     redis_url: str = RedisOption,
+    redis_password_file: Path = RedisPasswordFileOption,
     as_json: bool = typer.Option(False, "--json", help="One JSON object instead of tables."),
     config: Path = ConfigOption,
     debug: bool = DebugOption,
@@ -150,7 +163,9 @@ def status(
     engine, device and state, and job counts."""
     from wicore.worker.status import collect_status
 
-    settings = settings_from(config, redis_url=redis_url, log_level=debug_level(debug))
+    settings = settings_from(
+        config, redis_url=redis_url, redis_password_file=redis_password_file, log_level=debug_level(debug)
+    )
     report = collect_status(connect(settings.redis_url, write=False))
     if as_json:
         typer.echo(json.dumps(report))

@@ -7,7 +7,7 @@ import logging
 import os
 import sys
 
-from wicore.cli.failures import redact
+from wicore.redaction import redact
 
 FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 

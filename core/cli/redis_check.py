@@ -12,9 +12,8 @@ from redis import Redis
 from redis.exceptions import AuthenticationError, ReadOnlyError, RedisError, ResponseError
 
 from wicore import keys
-from wicore.cli.failures import redact
-from wicore.config import redact_url
 from wicore.errors import ConfigError, RedisUnavailable
+from wicore.redaction import redact
 
 CONNECT_TIMEOUT_S = 5.0
 URL_FORM = "redis://HOST:6379/0 (a password goes before the host, as :PASSWORD@), rediss:// for TLS, or unix://PATH"
@@ -41,7 +40,7 @@ def connect(url: str | None, *, write: bool = True, **options: Any) -> Redis:
 
 
 def problem(url: str, exc: RedisError) -> str:
-    shown = redact_url(url)
+    shown = redact(url)
     if isinstance(exc, AuthenticationError):
         if urlsplit(url).password is None:
             return f"Redis at {shown} wants a password: put it in the URL before the host, as :PASSWORD@"

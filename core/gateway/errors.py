@@ -3,7 +3,9 @@
 
 A bad request is a 4xx, never a 500: FastAPI's validation errors, our own `ApiError`s, the
 producer's input errors (a bad image, a job pydantic rejects) and Starlette's 404/405 all end
-here. A 5xx means the service itself failed (Redis unreachable: 503).
+here. A 5xx means the service itself failed: Redis unreachable, or refusing writes (out of
+memory, a read-only replica, a failed snapshot), is a 503 with `Retry-After`. A gateway with more
+waiting requests than Redis connections answers 429 with `Retry-After`, never a 503.
 """
 
 from __future__ import annotations
@@ -16,14 +18,44 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import MaxConnectionsError, OutOfMemoryError, ReadOnlyError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from wicore.errors import ImageTooLarge, JobInputError, UnknownJob, WicoreError
+from wicore.gateway.disconnect import CLIENT_CLOSED, ClientGone
 
 log = logging.getLogger(__name__)
 
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error"}
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    429: "rate_limit_error",
+}
+RETRY_DOWN = {"Retry-After": "5"}  # Redis unreachable: a restart takes seconds
+RETRY_REFUSED = {"Retry-After": "2"}  # Redis refuses writes: memory frees as workers take jobs
+RETRY_BUSY = {"Retry-After": "1"}  # every connection to Redis is taken: requests end in milliseconds
+# The error codes Redis answers a write it refuses with; inside a Lua script the code is part of
+# the message (`... -OOM command not allowed ...` on Redis 6).
+REFUSAL_CODES = ("OOM", "READONLY", "MISCONF", "NOREPLICAS")
+
+
+def refusal_code(exc: ResponseError) -> str | None:
+    """OOM, READONLY, MISCONF or NOREPLICAS when Redis refused a write for its state (memory,
+    replica role, persistence) rather than for the command; else None."""
+    if isinstance(exc, OutOfMemoryError):
+        return "OOM"
+    if isinstance(exc, ReadOnlyError):
+        return "READONLY"
+    text = str(exc)
+    return next((code for code in REFUSAL_CODES if text.startswith(code) or f"-{code} " in text), None)
+
+
+def refused_message(code: str, exc: ResponseError) -> str:
+    text = str(exc)
+    return f"Redis refuses writes ({text if text.startswith(code) else f'{code} {text}'})"
 
 
 class ApiError(Exception):
@@ -121,5 +153,22 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RedisConnectionError)
     @app.exception_handler(RedisTimeoutError)
     async def redis_down(request: Request, exc: Exception) -> JSONResponse:
+        if isinstance(exc, MaxConnectionsError):
+            return error_response(
+                429, "the gateway is at its Redis connection limit; retry shortly", headers=RETRY_BUSY
+            )
         log.warning("Redis unavailable: %s", exc)
-        return error_response(503, "Redis is unavailable; retry shortly", headers={"Retry-After": "5"})
+        return error_response(503, "Redis is unavailable; retry shortly", headers=RETRY_DOWN)
+
+    @app.exception_handler(ResponseError)
+    async def redis_refused(request: Request, exc: ResponseError) -> JSONResponse:
+        if code := refusal_code(exc):
+            log.warning("%s", refused_message(code, exc))
+            return error_response(503, f"{refused_message(code, exc)}; retry shortly", headers=RETRY_REFUSED)
+        log.error("Redis refused a command", exc_info=exc)
+        return error_response(500, f"Redis refused a command: {exc}")
+
+    @app.exception_handler(ClientGone)
+    @app.exception_handler(ClientDisconnect)
+    async def client_gone(request: Request, exc: Exception) -> JSONResponse:
+        return error_response(CLIENT_CLOSED, "the client closed the request")

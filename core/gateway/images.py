@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 import binascii
 import re
+import stat
 from pathlib import Path
 
 from wicore.gateway.errors import ApiError
@@ -47,14 +48,24 @@ def allowed_path(raw: str, roots: tuple[Path, ...], field: str) -> Path:
     try:
         path = Path(text)
         resolved = path.resolve() if path.is_absolute() else None
-    except (OSError, ValueError):
-        resolved = None
+    except (OSError, ValueError, RuntimeError) as exc:  # RuntimeError: a symlink loop (Python < 3.13)
+        raise ApiError(400, f"{field}: {raw!r} cannot be resolved ({exc})", param=field) from None
     if resolved is None:
         raise ApiError(400, f"{field}: {raw!r} is not a valid absolute path", param=field)
     if not any(resolved.is_relative_to(root) for root in roots):
         listed = ", ".join(str(r) for r in roots)
         raise ApiError(400, f"{field}: {raw} is outside the allowed roots ({listed})", param=field)
+    if not regular_or_missing(resolved):  # a FIFO would block its reader; a folder or device is no image
+        raise ApiError(400, f"{field}: {raw} is not a regular file", param=field)
     return resolved
+
+
+def regular_or_missing(path: Path) -> bool:
+    """False for a FIFO, socket, device or folder (a missing file is reported when it is read)."""
+    try:
+        return stat.S_ISREG(path.stat().st_mode)
+    except OSError:
+        return True
 
 
 def image_from_url(url: str, roots: tuple[Path, ...], field: str) -> bytes | Path:

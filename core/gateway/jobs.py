@@ -79,7 +79,10 @@ async def multipart_job(request: Request) -> tuple[JobFields, bytes]:
         raise ApiError(400, "image: attach the image as a file part (curl -F image=@photo.png)", param="image")
     data = {key: value for key, value in form.items() if key != "image"}
     data.update({name: json_field(form, name) for name in JSON_FIELDS if name in form})
-    return JobFields.model_validate(data), await upload.read()
+    fields, image = JobFields.model_validate(data), await upload.read()
+    if not image:
+        raise ApiError(400, "image: the uploaded file is empty", param="image")
+    return fields, image
 
 
 @router.post("/jobs/batch", status_code=202, response_model=BatchReply, openapi_extra=BATCH_BODY)
@@ -109,7 +112,7 @@ async def get_job(
     wait: float = Query(0.0, ge=0.0, le=MAX_WAIT_S, description="Seconds to wait for the job to end."),
 ) -> JobView:
     """The job's status and result; with `wait`, the answer comes when it ends (or at `wait`)."""
-    outcome = await request.app.state.gateway.wait(job_id, wait)
+    outcome = await request.app.state.gateway.wait(job_id, wait, request)
     return job_view(outcome)
 
 

@@ -8,6 +8,7 @@ from typing import Any
 
 from fastapi import Request
 from starlette.datastructures import FormData, UploadFile
+from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from wicore.gateway.errors import ApiError, error_response
@@ -17,8 +18,12 @@ JSONL_TYPES = ("application/jsonl", "application/x-ndjson", "application/json-li
 MULTIPART = "multipart/form-data"
 
 
-class BodyTooLarge(Exception):
-    """Raised from `receive` once a body passes the limit, so the route stops reading it."""
+class BodyTooLarge(HTTPException):
+    """Raised from `receive` once a body passes the limit, so the route stops reading it. An
+    HTTPException: FastAPI's own body parsing (chat completions) passes those on unchanged."""
+
+    def __init__(self) -> None:
+        super().__init__(413)
 
 
 class BodyLimit:
@@ -70,6 +75,8 @@ async def json_body(request: Request) -> Any:
         return json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ApiError(400, f"the body is not valid JSON ({exc})") from None
+    except RecursionError:
+        raise ApiError(400, "the body is not valid JSON (nested too deeply)") from None
 
 
 async def form_body(request: Request, max_bytes: int) -> FormData:

@@ -43,7 +43,7 @@ async def chat_completions(request: Request, body: ChatCompletionRequest) -> Cha
     gateway = request.app.state.gateway
     submission = chat_submission(body, gateway.config.allowed_roots)
     accepted = await run_in_threadpool(enqueue_one, gateway, body.model, submission)
-    outcome = await gateway.wait(accepted.job_id, gateway.config.request_timeout_s)
+    outcome = await gateway.wait(accepted.job_id, gateway.config.request_timeout_s, request)
     return completion_of(outcome, accepted.model, gateway.config.request_timeout_s)
 
 

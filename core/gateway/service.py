@@ -3,14 +3,18 @@ of `wicore status`."""
 
 from __future__ import annotations
 
+import uuid
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST
-from redis.exceptions import RedisError
+from redis import Redis
+from redis.exceptions import RedisError, ResponseError
 
+from wicore import keys
 from wicore.gateway.auth import require_key
+from wicore.gateway.errors import RETRY_DOWN, RETRY_REFUSED, refusal_code, refused_message
 from wicore.worker.status import collect_status
 
 router = APIRouter(tags=["service"])
@@ -22,19 +26,34 @@ def live() -> dict[str, str]:
     return {"status": "ok"}
 
 
-@router.get("/health/ready", responses={503: {"description": "Redis down, or no live worker serves the model."}})
+@router.get(
+    "/health/ready",
+    responses={503: {"description": "Redis down or refusing writes, or no live worker serves the model."}},
+)
 def ready(request: Request) -> JSONResponse:
-    """Redis answers and at least one live worker serves the gateway's model."""
+    """Redis answers and takes writes, and at least one live worker serves the gateway's model."""
     gateway = request.app.state.gateway
     model = gateway.config.model
     try:
-        gateway.connection.ping()
+        probe_write(gateway.connection)
         workers = gateway.live_models().get(model, 0)
+    except ResponseError as exc:
+        if not (code := refusal_code(exc)):
+            raise
+        reason = refused_message(code, exc)
+        return JSONResponse({"status": "unavailable", "reason": reason}, 503, headers=RETRY_REFUSED)
     except RedisError as exc:
-        return JSONResponse({"status": "unavailable", "reason": f"Redis does not answer ({exc})"}, status_code=503)
+        reason = f"Redis does not answer ({exc})"
+        return JSONResponse({"status": "unavailable", "reason": reason}, 503, headers=RETRY_DOWN)
     if not workers:
         return JSONResponse({"status": "unavailable", "reason": f"no live worker serves model {model}"}, 503)
     return JSONResponse({"status": "ok", "model": model, "workers": workers})
+
+
+def probe_write(connection: Redis) -> None:
+    """A write Redis forgets by itself: refused while Redis is out of memory, a replica, or
+    failing its snapshots."""
+    connection.set(keys.probe(uuid.uuid4().hex), b"1", px=10_000)
 
 
 @router.get("/metrics", response_class=Response)

@@ -3,6 +3,7 @@ metrics, and the wait for a job's end."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -10,12 +11,14 @@ from pathlib import Path
 from redis import Redis
 from redis.asyncio import Redis as AsyncRedis
 from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
 
+from wicore.gateway.disconnect import ClientGone, client_gone
 from wicore.gateway.errors import ApiError
 from wicore.gateway.metrics import GatewayMetrics
+from wicore.gateway.results import ResultReader
 from wicore.gateway.workers import live_models
 from wicore.producer import Outcome, Producer, ProducerConfig
-from wicore.producer.client import result_stream
 
 WAIT_SLICE_S = 1.0  # a waiter re-reads the job's status this often (a cancel writes no result)
 WORKERS_TTL_S = 2.0  # how long a read of the live workers is reused by the per-request model check
@@ -36,7 +39,8 @@ class Gateway:
     def __init__(self, config: GatewayConfig):
         self.config = config
         self.connection = Redis.from_url(config.redis_url)
-        self.waiting = AsyncRedis.from_url(config.redis_url)  # blocking reads, off the thread pool
+        self.quick = AsyncRedis.from_url(config.redis_url)  # short commands from the event loop
+        self.results = ResultReader(AsyncRedis.from_url(config.redis_url, single_connection_client=True), self.quick)
         self.metrics = GatewayMetrics(self.connection)
         self._producers: dict[str, Producer] = {}
         self._models: tuple[float, dict[str, int]] = (float("-inf"), {})
@@ -61,19 +65,37 @@ class Gateway:
         self._models = (time.monotonic(), models)
         return models
 
-    async def wait(self, job_id: str, seconds: float) -> Outcome:
-        """The job's outcome once it ends, or as it is after `seconds`. Blocks on the job's RQ
-        result stream, the notification `Producer.result` waits on, without holding a thread."""
+    async def wait(self, job_id: str, seconds: float, request: Request | None = None) -> Outcome:
+        """The job's outcome once it ends, or as it is after `seconds`; `ClientGone` as soon as
+        `request`'s client hangs up. Between its reads of the job it holds no thread and no
+        pooled connection: the gateway's one result reader wakes it (`ResultReader`)."""
         deadline = time.monotonic() + seconds
         producer = self.producer()
-        while True:
-            outcome, last_seen = await run_in_threadpool(producer.poll, job_id)
-            left = deadline - time.monotonic()
-            if outcome.done or left <= 0:
-                return outcome
-            block_ms = max(1, int(min(left, WAIT_SLICE_S) * 1000))
-            await self.waiting.xread({result_stream(job_id): last_seen}, block=block_ms)
+        outcome, last_seen = await run_in_threadpool(producer.poll, job_id)
+        if outcome.done or seconds <= 0:
+            return outcome
+        async with self.results.watching(job_id, last_seen) as arrived, client_gone(request) as gone:
+            while (left := deadline - time.monotonic()) > 0:
+                await first_set((arrived, gone), min(left, WAIT_SLICE_S))
+                if gone.is_set():
+                    raise ClientGone()
+                arrived.clear()
+                outcome, _ = await run_in_threadpool(producer.poll, job_id)
+                if outcome.done:
+                    break
+        return outcome
 
     async def close(self) -> None:
-        await self.waiting.aclose()
+        await self.results.close()
+        await self.quick.aclose()
         self.connection.close()
+
+
+async def first_set(events: tuple[asyncio.Event, ...], timeout: float) -> None:
+    """Until one of `events` is set, or `timeout` seconds."""
+    waits = [asyncio.ensure_future(event.wait()) for event in events]
+    try:
+        await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for wait in waits:
+            wait.cancel()

@@ -85,6 +85,8 @@ def jsonl_objects(raw: bytes) -> list[Any]:
             objects.append(json.loads(text))
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             objects.append(NotJson(f"line {number} is not valid JSON ({exc})"))
+        except RecursionError:
+            objects.append(NotJson(f"line {number} is not valid JSON (nested too deeply)"))
     return objects
 
 
