@@ -9,11 +9,14 @@ from wicore.errors import ImageError, ImageTooLarge
 from wicore.schemas import ImageRef
 
 
+RAISE_BYTES = "; raise the setting max_image_bytes to allow it"
+
+
 def read_bytes(path: Path, limit: int) -> bytes:
     try:
         size = path.stat().st_size
         if size > limit:
-            raise ImageTooLarge(f"{path}: {size} bytes is over the {limit}-byte limit")
+            raise ImageTooLarge(f"{path}: {size} bytes is over the {limit}-byte limit{RAISE_BYTES}")
         return path.read_bytes()
     except OSError as exc:
         raise ImageError(f"{path}: cannot read ({exc.strerror or exc})") from exc
@@ -24,7 +27,7 @@ def prepare_image(image: str | Path | bytes, *, by_path: bool, limit: int) -> tu
     if isinstance(image, bytes | bytearray | memoryview):
         data = bytes(image)
         if len(data) > limit:
-            raise ImageTooLarge(f"image of {len(data)} bytes is over the {limit}-byte limit")
+            raise ImageTooLarge(f"image of {len(data)} bytes is over the {limit}-byte limit{RAISE_BYTES}")
         return ImageRef(sha256=hashlib.sha256(data).hexdigest()), data
     path = Path(image).resolve()
     data = read_bytes(path, limit)
