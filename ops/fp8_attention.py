@@ -20,7 +20,7 @@ Why padded: cuDNN's FP8 forward on Hopper takes head dims that are multiples of 
 is 72. Zero columns of q and k add nothing to q.k and zero columns of v give zero columns of O,
 which are dropped. Padded to 128, not 80: its kernels' tiles are 128 wide, and on an H200 (8
 images of 4,096 tokens, 16 heads) 80 ran in 1.33 ms and 128 in 1.10, against 1.56 for bf16 SDPA at
-72 (docs/performance.md, "The tower's attention in FP8").
+72 (docs/benchmarks.md, "The tower's attention in FP8").
 
 What it costs: the output's error against float32 attention was ~5.6% of its mean magnitude on
 random-weight activations and ~11% on peaked attention (bf16 SDPA with the same rowwise

@@ -185,7 +185,7 @@ def grouped_attention(q, k, v, mask, scale: float, softcap: float | None) -> tor
     if q.is_cuda:
         # The memory-efficient kernel, called directly: SDPA's dispatcher would pick cuDNN first,
         # which builds a graph for every new (B, Lq, Lk), tens of ms of host time, and prefill
-        # batches rarely repeat a shape (docs/performance.md, the cache benchmark).
+        # batches rarely repeat a shape (docs/benchmarks.md, the cache benchmark).
         bias = mask.expand(q.shape[0], q.shape[1], -1, -1)
         return torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, bias, False, scale=scale)[0]
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
