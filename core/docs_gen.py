@@ -150,7 +150,13 @@ def settings_page() -> str:
              "values are an error naming the key. See [configuration](../guides/configuration.md).\n\n"]  # fmt: skip
     comments = field_comments(Settings)
     rows = [
-        (f"`{name}`", f"`WICORE_{name.upper()}`", annotation(field.annotation), default_of(field), comments.get(name, ""))
+        (
+            f"`{name}`",
+            f"`WICORE_{name.upper()}`",
+            annotation(field.annotation),
+            default_of(field),
+            comments.get(name, ""),
+        )
         for name, field in Settings.model_fields.items()
     ]
     parts.append(table(("setting", "environment", "type", "default", "what"), rows))
@@ -216,7 +222,9 @@ def metric_families() -> list[tuple[str, str, str, str]]:
     with EmbeddedRedis() as server:
         gateway = list(GatewayMetrics(Redis.from_url(server.url)).registry.collect())
     families = [("worker", f) for f in worker.registry.collect()] + [("gateway", f) for f in gateway]
-    return sorted((who, f.name + ("_total" if f.type == "counter" else ""), f.type, f.documentation) for who, f in families)
+    return sorted(
+        (who, f.name + ("_total" if f.type == "counter" else ""), f.type, f.documentation) for who, f in families
+    )
 
 
 def metrics_page() -> str:
@@ -250,7 +258,9 @@ PAGES: dict[str, Callable[[], str]] = {
 
 def stale_pages(folder: Path) -> list[str]:
     """The pages whose file differs from what the code writes now."""
-    return [name for name, page in PAGES.items() if not (folder / name).exists() or (folder / name).read_text() != page()]
+    return [
+        name for name, page in PAGES.items() if not (folder / name).exists() or (folder / name).read_text() != page()
+    ]
 
 
 def write_pages(folder: Path) -> None:

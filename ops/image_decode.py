@@ -76,9 +76,7 @@ def check_byte_size(num_bytes: int, limits: ImageLimits) -> None:
     if num_bytes == 0:
         raise ImageError("image is empty (0 bytes)")
     if num_bytes > limits.max_bytes:
-        raise ImageTooLarge(
-            f"image is {num_bytes:,} bytes, over the limit of {limits.max_bytes:,} bytes{RAISE_BYTES}"
-        )
+        raise ImageTooLarge(f"image is {num_bytes:,} bytes, over the limit of {limits.max_bytes:,} bytes{RAISE_BYTES}")
 
 
 def pixel_limit(limits: ImageLimits) -> int:

@@ -8,7 +8,6 @@ from pathlib import Path
 from wicore.errors import ImageError, ImageTooLarge
 from wicore.schemas import ImageRef
 
-
 RAISE_BYTES = "; raise the setting max_image_bytes to allow it"
 
 

@@ -146,7 +146,9 @@ def test_serve_on_a_busy_port_names_the_port_and_starts_nothing(locked, env):
         port = taken.getsockname()[1]
         run = wicore("serve", "--redis-url", locked.url, "--port", str(port), env=env, check=False, timeout=120)
     assert run.returncode == USAGE, run.stderr
-    assert run.stderr.strip().splitlines() == [run.stderr.strip()] and f"cannot listen on 127.0.0.1:{port}" in run.stderr
+    assert (
+        run.stderr.strip().splitlines() == [run.stderr.strip()] and f"cannot listen on 127.0.0.1:{port}" in run.stderr
+    )
     assert "gateway on" not in run.stdout + run.stderr
 
 

@@ -57,7 +57,9 @@ def problem(url: str, exc: RedisError) -> str:
         return f"Redis at {shown} is a read-only replica: point --redis-url at the primary"
     if isinstance(exc, ResponseError) and "DB index" in str(exc):
         db = db_index(url)
-        return f"Redis at {shown} has no database {db} ({exc}): use a number below its `databases` setting (16 by default)"
+        return (
+            f"Redis at {shown} has no database {db} ({exc}): use a number below its `databases` setting (16 by default)"
+        )
     if isinstance(exc, ResponseError):
         return f"Redis at {shown} refuses writes ({exc}): check its memory limit and persistence errors"
     return f"cannot reach Redis at {shown} ({exc}): is redis-server running there? check --redis-url"
