@@ -14,6 +14,7 @@ Text, JSON, TOML and YAML blocks are shown, not run."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import redis
 
 from tests.helpers import start_gateway, start_worker, stop, wait_http
 from wicore.docs_gen import stale_pages
@@ -127,12 +129,29 @@ def service(tmp_path_factory):
 
 
 def run(block: Block, code: str, work: Path, env: dict, timeout: float = 300) -> subprocess.CompletedProcess:
+    """Run the block in a process group of its own; whatever it leaves running is killed after it,
+    and a Redis it started on `own_ports`' port is shut down."""
     command = [sys.executable, "-c", code] if block.python else ["bash", "-e", "-o", "pipefail", "-c", code]
-    done = subprocess.run(command, cwd=work, env=env, capture_output=True, text=True, timeout=timeout)
-    assert done.returncode == 0, f"{block.name} exited {done.returncode}:\n{code}\n{done.stdout}\n{done.stderr}"
+    process = subprocess.Popen(command, cwd=work, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               start_new_session=True)  # fmt: skip
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    finally:
+        reap(process, code)
+    assert process.returncode == 0, f"{block.name} exited {process.returncode}:\n{code}\n{stdout}\n{stderr}"
     if "red-star-on-purple" in code:
-        assert CAPTION in done.stdout, f"{block.name}: no caption in its output:\n{done.stdout}"
-    return done
+        assert CAPTION in stdout, f"{block.name}: no caption in its output:\n{stdout}"
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+
+
+def reap(process: subprocess.Popen, code: str) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+    started = re.search(r"redis-server --bind 127.0.0.1 --port (\d+)", code)
+    if started:  # daemonized: out of the group
+        with contextlib.suppress(redis.RedisError):
+            redis.Redis(port=int(started[1])).shutdown(nosave=True)
 
 
 def own_ports(code: str) -> str:
@@ -153,7 +172,9 @@ def resolved_only(code: str) -> str:
     the plain-PyPI index flag goes."""
     code = code.replace(PLAIN_PYPI_CPU_TORCH, "").replace("python3 -m venv .venv && . .venv/bin/activate && ", "")
     code = code.replace("pip install", f"{sys.executable} -m pip install --dry-run").replace("'.[", f"'{ROOT}[")
-    return code.replace("python -m pytest -q", f"{sys.executable} -m pytest -q --collect-only {ROOT}/tests/test_schemas.py")
+    return code.replace(
+        "python -m pytest -q", f"{sys.executable} -m pytest -q --collect-only {ROOT}/tests/test_schemas.py"
+    )
 
 
 @pytest.mark.slow
