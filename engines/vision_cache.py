@@ -8,8 +8,8 @@ Key by the image's sha256 within one model: a cache instance serves one model an
 
 Puts to the shared store are written behind (`WriteBehind`): the engine thread only queues a
 non-blocking copy to pinned host memory; a background thread waits for it and writes. Written
-inline, the copy synchronized the main stream and the store's round trip (~1.3 MB an image on
-the 4B) held the thread that launches kernels: 30% of its time on an H200 (docs/performance.md).
+inline, the copy synchronized the main stream and the store's round trip (an image's embeddings
+on the 4B) held the thread that launches kernels for much of its time.
 """
 
 from __future__ import annotations

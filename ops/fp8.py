@@ -8,10 +8,10 @@ Two scalings, picked by the weight's scale shape:
 Activation scales come from the data on the device (amax, no `.item()`), so the functions run
 inside CUDA graphs and compile with inductor, which fuses the quantization into the kernel
 that produces the activations (a norm). After a GELU, rows are wide (4,304 in SigLIP's MLP,
-10,240 in Gemma's), where inductor's fused kernel reads each row twice and ran at ~0.7 TB/s:
+10,240 in Gemma's), where inductor's fused kernel reads each row twice, far below bandwidth:
 `bias_gelu_quantize` and `gelu_mul_quantize` do that step in one Triton pass on CUDA
 (ops/fp8_triton.py) and in plain torch elsewhere, as `add_layer_norm_quantize` does for the
-vision tower's LayerNorms with the residual add before them (~1.2 TB/s inductor-fused).
+vision tower's LayerNorms with the residual add before them (inductor's fusion reads twice too).
 
 `_scaled_mm` wants mat1 [M, K] row-major, mat2 [K, N] column-major (a row-major [N, K] weight,
 transposed: no copy), K and N multiples of 16, and a bias in the output dtype. The same call
@@ -95,10 +95,10 @@ def scaled_mm(
 ) -> torch.Tensor:
     """The matmul alone: quantized x [M, K] and its scale ([M, 1] or []) -> [M, N] in out_dtype.
     By default the bias is added after it: cuBLASLt has no rowwise-scaled algorithm with a bias
-    for some shapes (H200: 7 x 10240 -> 2560), and inductor fuses the add into what follows.
+    for some shapes (a few rows of 10240 -> 2560), and inductor fuses the add into what follows.
     `bias_in_epilogue` for row counts where it has one (the vision tower's, multiples of an
     image's patches): the output then needs no pass of its own before a consumer that reads it
-    as strided views (the fused q/k/v into attention: 0.11 ms of 3.3 a layer for 8 images)."""
+    as strided views (the fused q/k/v into attention: a small share of a layer)."""
     epilogue = bias if bias_in_epilogue else None
     out = torch._scaled_mm(
         x_q,

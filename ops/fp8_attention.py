@@ -11,16 +11,15 @@ q/k/v GEMM's output to the out projection's rowwise e4m3 input.
 Which amax (delayed scaling, as Transformer Engine's amax history): a layer keeps `seen`, the
 largest |q|, |k|, |v| of its earlier calls, and scales by that; a call before any (`seen` zero)
 scales by its own. Each call raises `seen` to its own maxima. So the CUDA chain needs no pass
-over q, k and v before quantizing them (~0.2 ms an image of 13.6 on an H200), and a batch whose
+over q, k and v before quantizing them, and a batch whose
 values outgrow every earlier one by up to MARGIN still fits. MARGIN is a power of two: a scale
 halved shifts every e4m3 code's exponent and keeps its mantissa, so values round as at margin 1
 unless they are so small (below ~2^-13 of the amax scaled by) that e4m3 holds them as subnormals.
 
 Why padded: cuDNN's FP8 forward on Hopper takes head dims that are multiples of 16, and SigLIP's
 is 72. Zero columns of q and k add nothing to q.k and zero columns of v give zero columns of O,
-which are dropped. Padded to 128, not 80: its kernels' tiles are 128 wide, and on an H200 (8
-images of 4,096 tokens, 16 heads) 80 ran in 1.33 ms and 128 in 1.10, against 1.56 for bf16 SDPA at
-72 (docs/performance.md, "The tower's attention in FP8").
+which are dropped. Padded to 128, not 80: its kernels' tiles are 128 wide, so 128 runs faster
+than 80 (and than bf16 SDPA at 72; docs/benchmarks.md).
 
 What it costs: the output's error against float32 attention was ~5.6% of its mean magnitude on
 random-weight activations and ~11% on peaked attention (bf16 SDPA with the same rowwise

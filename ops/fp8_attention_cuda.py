@@ -11,9 +11,8 @@ Four launches, no host sync (so it runs inside CUDA graphs and as an opaque op u
 3. cuDNN's FP8 SDPA forward over [batch, heads, length, padded] views of that buffer, O in e4m3
    in the same layout (a graph built once per shape, then executed on the current stream);
 4. `_requantize_kernel`: O's real columns dequantized and quantized again per row.
-On an H200 (8 images of 4,096 tokens, 16 heads of 72) the chain takes ~1.28 ms of device time
-(scale source 0.004, q/k/v 0.13, cuDNN 1.10, rows 0.04) against 1.65 for bf16 SDPA followed by
-the rowwise quantization.
+cuDNN's kernel is most of the chain's device time; the whole chain takes less than bf16 SDPA
+followed by the rowwise quantization.
 """
 
 from __future__ import annotations
@@ -37,11 +36,10 @@ from wicore.ops.fp8_triton import empty_quantized_rows
 # amaxes cuDNN writes and nobody reads.
 AMAXES, SCALARS, UNUSED = 3, 6, 2
 AMAX_BLOCK = (64, 128)  # rows x columns the first call's amax pass reads at a time
-AMAX_PROGRAMS = 528  # programs a part of that pass (4 an H100's or H200's SM)
-QUANTIZE_ROWS = 8  # rows a program of the quantizing pass takes through every head (H200: 133 us
-# for 8 images at 8 rows and 4 warps, 140-148 at 16 or 32, 162 at 64)
+AMAX_PROGRAMS = 528  # programs a part of that pass (4 per SM of a 132-SM Hopper GPU)
+QUANTIZE_ROWS = 8  # rows a program of the quantizing pass takes through every head (faster than 16-64)
 FINITE = tl.constexpr(3.0e38)  # past bf16's largest finite value (3.39e38) only inf and nan
-REQUANTIZE_ROWS = 4  # rows a program of the requantizing pass takes (H200, 8 images: 35.8 us at 4, 40.1 at 8)
+REQUANTIZE_ROWS = 4  # rows a program of the requantizing pass takes (faster than 8)
 
 
 @triton.jit
@@ -52,7 +50,7 @@ def _scale_source_kernel(
     """Program (i < PROGRAMS, part): amax[part] = what seen[part] holds, written by the part's
     first program; while seen[part] is zero, every PROGRAMS-th row block from the i-th instead,
     atomic max of their |x|. A grid this small costs a few microseconds when there is nothing
-    to read (a grid of one program a block: ~24 us an H200)."""
+    to read (a grid of one program a block costs several times that)."""
     part = tl.program_id(1)
     earlier = tl.max(tl.load(seen + part * SLOTS + tl.arange(0, SLOTS)), axis=0)
     end = tl.where(earlier > 0.0, 0, tl.cdiv(rows, BLOCK_M))
@@ -76,8 +74,7 @@ def _pad_quantize_kernel(
     """Program (row block, part): every head of q, k or v for BLOCK_M rows -> e4m3 [.., PADDED]
     at 448 / (margin * amax[part]), zeros past HEAD_DIM, into out [3, rows, HEADS, PADDED];
     seen[part] raised to the block's max |x| (in a slot by row block). The max is kept per
-    element across heads and reduced once: with a program a head and a reduction each, the pass
-    took 142-152 us for 8 images on an H200 (123 without raising `seen`), this way 133."""
+    element across heads and reduced once: a program a head with a reduction each was slower."""
     part = tl.program_id(1)
     r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     d = tl.arange(0, BLOCK_D)

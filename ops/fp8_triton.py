@@ -5,9 +5,9 @@ The input of an FP8 GEMM that follows a GELU, quantized per row in the pass that
 - Gemma's gated MLP: the fused gate/up output [M, 2N] -> e4m3 of GELU-tanh(gate) * up [M, N];
 each with a float32 scale per row [M, 1]. Inductor compiles these chains as looped reductions
 over rows this long (4,304 and 10,240: past its persistent-reduction size), which read every
-row twice and ran at ~0.7-1 TB/s on an H200. Here a program holds its whole row in registers (a
+row twice, far below the memory's bandwidth. Here a program holds its whole row in registers (a
 power-of-two head and a short tail, so few lanes idle): the row is read once and written once
-as e4m3, ~3 TB/s. A custom op, so `torch.compile` and CUDA graphs call the kernel as it is.
+as e4m3, near the bandwidth. A custom op, so `torch.compile` and CUDA graphs call the kernel as it is.
 
 Rounding follows the eager chain in bf16 (`quantize(F.gelu(h + bias, approximate="tanh"))`,
 `quantize(F.gelu(gate, approximate="tanh") * up)`): the sum, the GELU and the product are
@@ -19,7 +19,7 @@ round the other way: ~0.15% of the e4m3 codes differ from eager's by one step.
 And the input of an FP8 GEMM that follows a LayerNorm (SigLIP's two a layer), with the residual
 add before the norm in the same pass: x [M, N] + pending [M, N] -> the new residual stream (bf16,
 written once) and e4m3 of LayerNorm(sum) with its row scale. Inductor's fused norm + quantize
-chain ran at ~1.2 TB/s at the tower's 1,152 columns. Rounding as eager's chain: the sum and the
+chain reads each row twice too at the tower's 1,152 columns. Rounding as eager's chain: the sum and the
 norm's output are rounded to x's dtype; the mean and variance are two-pass float32 sums where
 torch uses Welford, so a norm output next to a bf16 rounding boundary can round the other way.
 """
@@ -128,9 +128,8 @@ def empty_quantized_rows(m: int, n: int, device) -> tuple[torch.Tensor, torch.Te
 def _row_split(n: int) -> dict[str, int]:
     """A row of n held in registers: the largest power of two <= n, the rest rounded up to a power
     of two (0: none), and warps for the head (1,024 columns each, 1 to 8). Fewer warps a row keep
-    more rows in flight an SM: on an H200 at the tower's 32,768 rows, add + LayerNorm + quantize
-    (1,152 columns) took 71.5 us with 1 warp against 81.5 with 4, GELU + quantize (4,304) 133.8
-    with 4 against 146.3 with 8."""
+    more rows in flight an SM: at the tower's row counts, add + LayerNorm + quantize (1,152
+    columns) runs fastest with 1 warp, GELU + quantize (4,304) with 4."""
     head = 1 << (n.bit_length() - 1)
     return {
         "HEAD": head,

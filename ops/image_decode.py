@@ -68,11 +68,15 @@ def read_image_file(path: str | os.PathLike[str], limits: ImageLimits = DEFAULT_
     return data
 
 
+RAISE_BYTES = "; raise the setting max_image_bytes to allow it"
+RAISE_PIXELS = "; raise the setting max_image_pixels to allow it"
+
+
 def check_byte_size(num_bytes: int, limits: ImageLimits) -> None:
     if num_bytes == 0:
         raise ImageError("image is empty (0 bytes)")
     if num_bytes > limits.max_bytes:
-        raise ImageTooLarge(f"image is {num_bytes:,} bytes, over the limit of {limits.max_bytes:,} bytes")
+        raise ImageTooLarge(f"image is {num_bytes:,} bytes, over the limit of {limits.max_bytes:,} bytes{RAISE_BYTES}")
 
 
 def pixel_limit(limits: ImageLimits) -> int:
@@ -89,7 +93,7 @@ def _check_pixels(size: tuple[int, int], limits: ImageLimits) -> None:
     limit = pixel_limit(limits)
     if width * height > limit:
         raise ImageTooLarge(
-            f"image is {width}x{height} = {width * height:,} pixels, over the limit of {limit:,} pixels"
+            f"image is {width}x{height} = {width * height:,} pixels, over the limit of {limit:,} pixels{RAISE_PIXELS}"
         )
 
 
@@ -122,7 +126,8 @@ def _pillow_errors(data: bytes, limits: ImageLimits) -> Iterator[None]:
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as error:
         found = _PILLOW_PIXELS.search(str(error))
         size = f"{int(found[1]):,} pixels" if found else "too many pixels"
-        raise ImageTooLarge(f"image is {size}, over the limit of {pixel_limit(limits):,} pixels") from error
+        limit = pixel_limit(limits)
+        raise ImageTooLarge(f"image is {size}, over the limit of {limit:,} pixels{RAISE_PIXELS}") from error
     except UnidentifiedImageError as error:
         raise ImageError(
             f"not an image Pillow can identify: unknown format or broken header (starts with {data[:8]!r})"

@@ -10,6 +10,8 @@ from pathlib import Path
 from wicore.errors import ImageError, ImageTooLarge
 from wicore.schemas import ImageRef
 
+RAISE_BYTES = "; raise the setting max_image_bytes to allow it"
+
 
 def read_bytes(path: Path, limit: int) -> bytes:
     """The file's bytes, at most `limit`. Only a regular file is read: the descriptor is opened
@@ -30,10 +32,10 @@ def _read_regular(file, path: Path, limit: int) -> bytes:
     if not stat.S_ISREG(info.st_mode):
         raise ImageError(f"{path}: not a regular file")
     if info.st_size > limit:
-        raise ImageTooLarge(f"{path}: {info.st_size} bytes is over the {limit}-byte limit")
+        raise ImageTooLarge(f"{path}: {info.st_size} bytes is over the {limit}-byte limit{RAISE_BYTES}")
     data = file.read(limit + 1)  # the file may have grown since fstat
     if len(data) > limit:
-        raise ImageTooLarge(f"{path}: over the {limit}-byte limit")
+        raise ImageTooLarge(f"{path}: over the {limit}-byte limit{RAISE_BYTES}")
     return data
 
 
@@ -51,7 +53,7 @@ def prepare_image(image: str | Path | bytes, *, by_path: bool, limit: int) -> tu
         if not data:
             raise ImageError("the image is empty (0 bytes)")
         if len(data) > limit:
-            raise ImageTooLarge(f"image of {len(data)} bytes is over the {limit}-byte limit")
+            raise ImageTooLarge(f"image of {len(data)} bytes is over the {limit}-byte limit{RAISE_BYTES}")
         return ImageRef(sha256=hashlib.sha256(data).hexdigest()), data
     path = resolved(image)
     data = read_bytes(path, limit)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -128,6 +129,29 @@ def test_missing_inputs_are_an_error_before_anything_starts(tmp_path, locked, en
     )
 
 
+def test_an_output_folder_that_does_not_exist_is_a_usage_error(tmp_path, image, env):
+    out = tmp_path / "no-such-folder" / "out.jsonl"
+    fails("caption", image, "-o", str(out), code=USAGE, says=f"the folder {out.parent} does not exist", env=env)
+    assert not out.parent.exists()
+
+
+def test_a_database_index_out_of_range_is_named(locked, env):
+    url = locked.url.rsplit("/", 1)[0] + "/99"
+    line = fails("status", "--redis-url", url, code=REDIS, says="has no database 99", env=env)
+    assert "memory limit" not in line
+
+
+def test_serve_on_a_busy_port_names_the_port_and_starts_nothing(locked, env):
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        run = wicore("serve", "--redis-url", locked.url, "--port", str(port), env=env, check=False, timeout=120)
+    assert run.returncode == USAGE, run.stderr
+    assert (
+        run.stderr.strip().splitlines() == [run.stderr.strip()] and f"cannot listen on 127.0.0.1:{port}" in run.stderr
+    )
+    assert "gateway on" not in run.stdout + run.stderr
+
+
 def test_model_problems_are_one_line(tmp_path, image, locked, env):
     out = str(tmp_path / "out.jsonl")
     for verb, args in (("caption", [image, "-o", out]), ("worker", ["--redis-url", locked.url])):
@@ -196,6 +220,19 @@ def test_enqueue_names_each_input_and_reports_each_it_could_not_enqueue(tmp_path
     connection = Redis.from_url(locked.url)
     for job_id, item in pairs:  # rq-dashboard shows which input a job is
         assert Job.fetch(job_id, connection=connection, serializer=JSONSerializer).description == f"caption {item}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "setting, says", [("MAX_IMAGE_BYTES", "100 bytes; raise the setting max_image_bytes"),
+                      ("MAX_IMAGE_PIXELS", "100 pixels; raise the setting max_image_pixels")],
+)  # fmt: skip
+def test_size_limit_errors_name_the_setting_to_raise(setting, says, tmp_path, image, env):
+    out = tmp_path / "out.jsonl"
+    run = wicore("caption", image, "-o", str(out), env={**env, f"WICORE_{setting}": "100"}, check=False)
+    assert run.returncode == 1, run.stderr
+    [line] = [json.loads(line) for line in out.read_text().splitlines()]
+    assert f"over the limit of {says}" in line["error"]
 
 
 def without(module: str, *args: str, env: dict) -> subprocess.CompletedProcess:

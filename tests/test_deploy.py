@@ -32,11 +32,23 @@ def cli_command(words: list[str]):
     return command
 
 
-def test_compose_is_redis_one_gateway_one_worker():
+def test_compose_is_redis_one_gateway_one_worker_and_prometheus():
     services = compose()["services"]
-    assert set(services) == {"redis", "gateway", "worker"}
+    assert set(services) == {"redis", "gateway", "worker", "prometheus"}
     assert services["gateway"]["command"][:2] == ["wicore", "serve"]
     assert services["worker"]["command"][:2] == ["wicore", "worker"]
+    assert "./prometheus.yml:/etc/prometheus/prometheus.yml:ro" in services["prometheus"]["volumes"]
+
+
+def test_prometheus_scrapes_the_gateway_and_each_worker_metrics_port():
+    """deploy/prometheus.yml's targets are the compose services' ports that serve /metrics."""
+    jobs = {job["job_name"]: job for job in yaml.safe_load((DEPLOY / "prometheus.yml").read_text())["scrape_configs"]}
+    services = compose()["services"]
+    gateway = services["gateway"]["command"]
+    assert jobs["wicore-gateway"]["static_configs"][0]["targets"] == [f"gateway:{gateway[gateway.index('--port') + 1]}"]
+    worker = services["worker"]["command"]
+    [dns] = jobs["wicore-worker"]["dns_sd_configs"]
+    assert dns["names"] == ["worker"] and str(dns["port"]) == worker[worker.index("--metrics-port") + 1]
 
 
 def test_every_command_flag_and_setting_in_compose_exists():

@@ -1,17 +1,14 @@
 """`wicore serve` end to end: a real uvicorn server on a loopback port, a real redis-server and a
 CPU worker (fast engine) on the bundled demo captioner, whose captions of examples/images are
 their file names. Submit by JSON, multipart and batch; long-poll; cancel queued and running
-jobs; the OpenAI client; API keys; the README's examples run verbatim; metrics; readiness."""
+jobs; the OpenAI client; API keys; metrics; readiness (tests/test_docs.py runs the README's examples)."""
 
 from __future__ import annotations
 
 import base64
 import json
-import os
-import re
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -227,28 +224,6 @@ def test_api_keys(keyed):
     with httpx.Client(base_url=keyed, timeout=120, headers={"Authorization": f"Bearer {KEYS[1]}"}) as client:
         # it ends here, not inside a later test's count of the worker's jobs
         assert wait_job(client, ok.json()["job_id"])["status"] == "finished"
-
-
-def readme_example(name: str) -> str:
-    """The fenced block after `<!-- example: name -->` in README.md."""
-    readme = (ROOT / "README.md").read_text()
-    match = re.search(rf"<!-- example: {name} -->\n```\w+\n(.*?)```", readme, re.DOTALL)
-    assert match, f"README.md has no '{name}' example"
-    return match.group(1)
-
-
-def test_readme_examples_run_verbatim(keyed):
-    env = {**os.environ, "GATEWAY": keyed, "OPENAI_API_KEY": KEYS[0]}
-    curl = subprocess.run(
-        ["bash", "-c", readme_example("curl")], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
-    )
-    assert curl.returncode == 0, curl.stderr
-    assert json.loads(curl.stdout)["result"]["text"] == "a red star on a purple background"
-    python = subprocess.run(
-        [sys.executable, "-c", readme_example("openai")], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
-    )
-    assert python.returncode == 0, python.stderr
-    assert python.stdout.strip() == "a red star on a purple background"
 
 
 def test_metrics_count_the_jobs_of_a_run(gateway, worker):

@@ -246,7 +246,7 @@ def test_a_too_large_image_message_names_one_limit(size):
         decode_image(png_header_only(*size))
     message = str(refused.value)
     assert f"{size[0] * size[1]:,} pixels" in message and message.count("limit") == 1, message
-    assert message.endswith("over the limit of 50,000,000 pixels")
+    assert message.endswith("over the limit of 50,000,000 pixels; raise the setting max_image_pixels to allow it")
 
 
 def test_pixel_limit():

@@ -1,7 +1,7 @@
 """The Redis budget of the batching path, counted on a real redis-server with INFO commandstats
 (every command a Lua script runs counts): per job, enqueueing costs 2 commands, a claim 6 and a
 settle 5; whatever a batch writes to one key goes out once per batch. A change that adds a command
-per job fails here (docs/performance.md, the queue benchmark, has the breakdown)."""
+per job fails here (docs/benchmarks.md, the queue benchmark, has the breakdown)."""
 
 from __future__ import annotations
 

@@ -108,9 +108,8 @@ def attach_shared_caches(settings: Settings, connection: Redis, engine: Engine, 
 def decode_processes(settings: Settings, engine: Engine) -> int:
     """Processes that read, decode and resize images, for an engine that takes them resized: as
     set, else on a GPU one per two cores (`defaults.gpu_decode_processes`; `wicore worker --gpus`
-    gives each worker its share of the host), else none: threads. On an H200 the device idled
-    0.23 s of a bulk run's start against 0.73 s with the work in threads, whose GIL the launching
-    thread shares (48.2 against 46.6 images/s; docs/performance.md)."""
+    gives each worker its share of the host), else none: threads. In threads the work shares its
+    GIL with the launching thread, and the device idles longer at a bulk run's start."""
     if engine.pixel_spec() is None:
         return 0  # the engine resizes: images decode in threads
     if settings.decode_processes is not None:

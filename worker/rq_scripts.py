@@ -7,7 +7,7 @@ set still holds it (ZMSCORE finds it), so writing a result twice is a no-op and 
 a reaper is never also finished by the worker that lost it. Records follow RQ 3.0's (job hash,
 registries, executions, result stream); tests/test_rq_bridge.py reads them back with RQ.
 
-Redis commands are the budget (docs/performance.md, the queue benchmark): every command a script
+Redis commands are the budget (docs/benchmarks.md, the queue benchmark): every command a script
 runs counts, so per job a claim spends 6 (read the job, mark it started, its execution hash and
 index with their TTLs) and a settle 5 (read status, mark it ended, the result entry and its TTL,
 the job's TTL). Whatever several jobs of a batch write to one key (registries, the claims set,

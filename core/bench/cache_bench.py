@@ -58,7 +58,7 @@ class CacheBench:
     dup_images: int = 1024
     repeats: int = 3  # timed VQA runs per config, each on its own images; the median is reported
     # Sequences in flight. 1,024 (every request of a run) made decode batches larger but the
-    # cached run no faster over three runs, and left the restore probe no memory (docs/performance.md).
+    # cached run no faster over three runs, and left the restore probe no memory (docs/benchmarks.md).
     batch_size: int = 384
     small_gpu_pages: int = 16_384  # the deliberately small GPU pool of the tiered run (~100 sequences)
     host_cache_bytes: int = 16 * 2**30

@@ -41,7 +41,7 @@ class CaptionBench:
     # Timed passes of each batched peer; its fastest counts. A batch size's first pass pays its
     # first-call costs (the warm-up runs batch 2), and HF generate is host-bound (its processor
     # and per-step Python run on the CPU), so one pass can read tens of percent slow
-    # (docs/performance.md has the passes measured).
+    # (docs/benchmarks.md has the passes measured).
     hf_repeats: int = 3
     hf_single_images: int = 6  # the batch-1 peer
     warmup_images: int = 64

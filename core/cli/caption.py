@@ -55,6 +55,7 @@ from wicore.cli.process_group import ProcessGroup
 from wicore.cli.result_lines import error_line, wait_lines
 from wicore.cli.worker_specs import WorkerSpec, plan_workers
 from wicore.config import Settings
+from wicore.errors import ConfigError
 from wicore.redaction import redact
 from wicore.schemas import ResultLine
 
@@ -98,6 +99,7 @@ def caption(
     )  # fmt: skip
     run_id = new_run_id()
     specs = plan_workers(f"caption-{run_id}", settings, gpus=gpus, workers=workers)
+    check_output_folder(output)
     todo, done = plan(expand_inputs(inputs), output, skip_errors)
     if not todo:
         console.print(f"nothing to do: all {done} inputs already have a line in {output}", markup=False)
@@ -114,6 +116,11 @@ def caption(
     console.print(run.summary(len(todo), done), markup=False)
     if run.errors:
         raise typer.Exit(ExitCode.FAILED)
+
+
+def check_output_folder(output: Path) -> None:
+    if not output.parent.is_dir():
+        raise ConfigError(f"-o {output}: the folder {output.parent} does not exist; create it or write elsewhere")
 
 
 def plan(items: list[InputItem], output: Path, skip_errors: bool) -> tuple[list[InputItem], int]:

@@ -35,7 +35,7 @@ class ExitCode(IntEnum):
 EXIT_MEANING = {
     ExitCode.OK: "success",
     ExitCode.FAILED: "some jobs or inputs failed or were canceled (their lines say why)",
-    ExitCode.USAGE: "bad flag, argument, setting, input path or model directory, or a missing extra (pip install)",
+    ExitCode.USAGE: "bad flag, argument, setting, path, port or model directory, or a missing extra (pip install)",
     ExitCode.UNFINISHED: "some jobs had not ended when --wait ran out",
     ExitCode.REDIS: "Redis unreachable, refused the credentials, or refuses writes",
     ExitCode.WORKERS: "the worker processes exited before the work was done",

@@ -23,6 +23,7 @@ from wicore.cli.failures import DebugOption, ExitCode, debug_level
 from wicore.cli.jobs import ID_FILE_HELP, read_job_ids
 from wicore.cli.redis_check import connect
 from wicore.config import Settings
+from wicore.errors import ConfigError
 
 
 @friendly_errors
@@ -56,6 +57,7 @@ def serve(
     from wicore.gateway.app import create_app
     from wicore.gateway.server import ServerLimits, run
 
+    check_port_free(settings.host, settings.port)
     gateway = gateway_config(settings)
     keys = f"{len(gateway.api_keys)} API keys" if gateway.api_keys else "no API key (open)"
     where = f"http://{settings.host}:{settings.port}/"
@@ -67,6 +69,18 @@ def serve(
         max_connections=settings.max_connections,
     )
     run(create_app(gateway), settings.host, settings.port, limits, settings.log_level.lower())
+
+
+def check_port_free(host: str, port: int) -> None:
+    """A port another process listens on is a bad --port, said before the server starts (uvicorn
+    would log it and exit with its own status)."""
+    import socket
+
+    try:
+        socket.create_server((host, port)).close()
+    except OSError as exc:
+        reason = exc.strerror or exc
+        raise ConfigError(f"cannot listen on {host}:{port} ({reason}): free the port or pass another --port") from exc
 
 
 def gateway_config(settings: Settings):

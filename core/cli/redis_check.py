@@ -39,6 +39,13 @@ def connect(url: str | None, *, write: bool = True, **options: Any) -> Redis:
     return connection
 
 
+def db_index(url: str) -> str:
+    """The database number a Redis URL names: its path ('/3') or its ?db= query; '0' by default."""
+    parts = urlsplit(url)
+    query = dict(pair.split("=", 1) for pair in parts.query.split("&") if "=" in pair)
+    return parts.path.strip("/") or query.get("db", "0")
+
+
 def problem(url: str, exc: RedisError) -> str:
     shown = redact(url)
     if isinstance(exc, AuthenticationError):
@@ -47,6 +54,11 @@ def problem(url: str, exc: RedisError) -> str:
         return f"Redis at {shown} refused the user name or password in the URL"
     if isinstance(exc, ReadOnlyError):
         return f"Redis at {shown} is a read-only replica: point --redis-url at the primary"
+    if isinstance(exc, ResponseError) and "DB index" in str(exc):
+        db = db_index(url)
+        return (
+            f"Redis at {shown} has no database {db} ({exc}): use a number below its `databases` setting (16 by default)"
+        )
     if isinstance(exc, ResponseError):
         return f"Redis at {shown} refuses writes ({exc}): check its memory limit and persistence errors"
     return f"cannot reach Redis at {shown} ({exc}): is redis-server running there? check --redis-url"

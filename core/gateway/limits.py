@@ -59,7 +59,7 @@ def too_large(max_bytes: int):
     return error_response(
         413,
         f"request body is over the gateway's {max_bytes}-byte limit; send fewer or "
-        "smaller images per request (max_request_bytes)",
+        "smaller images per request, or raise the setting max_request_bytes",
     )
 
 

@@ -12,13 +12,13 @@ projector) runs on a side stream and records an event; the prefill that consumes
 waits on that event on the main (high-priority) stream, where prefill, decode, sampling and
 readbacks run. Decode steps replay CUDA graphs per batch bucket, and full vision batches on the
 side stream one graph of the (compiled) tower, captured at load: launched from Python, the FP8
-tower (its kernels, custom ops and their allocations) held the launching thread half of its time
-on an H200's host, ~70 ms a batch of 8, as long as the device takes to run it. Short prefill
+tower (its kernels, custom ops and their allocations) holds the launching thread about as long
+as the device takes to run it. Short prefill
 suffixes (a follow-up question over a cached image, the tail of an image the cached prefix
 splits, a short prompt) attend over their pages alone and replay CUDA graphs per token-count
 bucket: launched eagerly, they cost more host time than device time. So does a dense prefill of
-a few thousand tokens (~1.5 ms of host a layer against ~0.5 of device for 8 images on an H200 in
-FP8): one of at most `DENSE_GRAPH_TOKENS` replays a graph of its exact shape once that shape
+a few thousand tokens (in FP8 its launches take longer on the host than its kernels on the
+device): one of at most `DENSE_GRAPH_TOKENS` replays a graph of its exact shape once that shape
 repeats, as it does in bulk work (one prompt, one image size).
 """
 
@@ -118,7 +118,7 @@ class ModelRunner:
 
     def compile_vision(self, batch: int, mode: str = "default") -> None:
         """Inductor for full vision batches (fuses the tower's norms, GELUs and residual adds;
-        ~15% faster than eager on an H200 after ~30 s of compiling). `mode`: torch.compile's
+        faster than eager, for seconds of compiling at start-up). `mode`: torch.compile's
         ("max-autotune-no-cudagraphs" also benchmarks Triton templates for every GEMM: minutes
         more at start-up), or CUBLAS_AUTOTUNE (FastOptions.vision_compile_mode says what)."""
         import torch._inductor.config as inductor

@@ -46,8 +46,8 @@ class FastOptions(BaseModel):
     vision_graph: bool | None = Field(
         None,
         description="Replay the vision tower's full batches (vision_batch_size images) on the side stream as one CUDA "
-        "graph, captured at load: launched from Python, the FP8 tower held the launching thread half of its time on "
-        "an H200's host. Default: with cuda_graphs.",
+        "graph, captured at load: launched from Python, the FP8 tower holds the launching thread for much of its "
+        "device time. Default: with cuda_graphs.",
     )
     graph_batch_sizes: tuple[PositiveInt, ...] | None = Field(
         None, min_length=1, description="Decode batch-size buckets. Default: 1, 2, 4, 8, then multiples of 16."
@@ -62,8 +62,7 @@ class FastOptions(BaseModel):
         ge=0,
         description="Dense prefills (up to 4,096 tokens) of this many distinct shapes replay a CUDA graph once "
         "their shape repeats, as bulk work's do (one prompt, one image size): their eager launch costs more host "
-        "time than device time (docs/performance.md). The graphs keep their activations outside the KV budget "
-        "(0.23 GiB for 8 prompts of 281 tokens on the 4B in FP8). 0: always eager. CUDA graphs only. Default 4.",
+        "time than device time. The graphs keep their activations outside the KV budget. 0: always eager. CUDA graphs only. Default 4.",
     )
     paged_prefill_tokens: int | None = Field(
         None,
@@ -76,15 +75,14 @@ class FastOptions(BaseModel):
     vision_batch_size: int | None = Field(
         None,
         ge=1,
-        description="Images per vision-tower call. Default: 8 (on an H200 as fast as 32 for bulk work, and a "
-        "high-lane job waits behind a quarter of the work).",
+        description="Images per vision-tower call. Default: 8 (as fast as 32 for bulk work on a large GPU, "
+        "and a high-lane job waits behind a quarter of the work).",
     )
     vision_batches_queued: int = Field(
         1,
         ge=1,
         description="Vision batches queued on the side stream at once. 1 leaves a high-lane job's images behind "
-        "at most one bulk batch (its p99 beside bulk 1.8x idle against 2.5x with 2, on an H200, at the same bulk "
-        "rate). Default: 1.",
+        "at most one bulk batch (docs/benchmarks.md, interactive jobs beside bulk). Default: 1.",
     )
     decode_interval_ms: float = Field(
         0,
@@ -97,15 +95,15 @@ class FastOptions(BaseModel):
     compile_vision: bool | None = Field(
         None,
         description="Inductor for the vision tower's full batches. Default: on CUDA only, where the fused kernels "
-        "pay for the ~1 minute of compiling at start-up.",
+        "pay for the compiling at start-up.",
     )
     vision_compile_mode: Literal["default", "max-autotune-no-cudagraphs", "max-autotune-cublas"] | None = Field(
         None,
         description="torch.compile mode of the vision tower (with compile_vision). max-autotune-no-cudagraphs "
         "tunes the fused norm and GELU kernels and benchmarks Triton templates for the tower's GEMMs at start-up: "
-        "bulk captioning on an H200 ran 6% faster, for ~1.5 min more of the first start on a machine (inductor "
-        "caches the choices for the next). max-autotune-cublas: the same tuning with the GEMMs left to cuBLAS, "
-        "which max-autotune picked for every FP8 GEMM of the tower after ~5 min of benchmarking templates. "
+        "faster bulk captioning for minutes more of the first start on a machine (inductor caches the choices for "
+        "the next). max-autotune-cublas: the same tuning with the GEMMs left to cuBLAS, which max-autotune picks "
+        "for every FP8 GEMM of the tower anyway after minutes of benchmarking templates. "
         "default: the quickest start. Default: max-autotune-cublas with gemm_dtype=fp8, else "
         "max-autotune-no-cudagraphs.",
     )
@@ -115,7 +113,7 @@ class FastOptions(BaseModel):
     overlap_vision: bool = Field(
         True,
         description="Run the vision tower on a side stream beside prefill/decode. Its GEMMs slow the decode steps "
-        "they overlap, but the device idles less (the cached VQA benchmark ran ~5% faster; docs/performance.md). "
+        "they overlap, but the device idles less (the cached VQA benchmark runs faster with it). "
         "Off: one stream. Default on.",
     )
     max_prefill_tokens: int | None = Field(
@@ -130,15 +128,15 @@ class FastOptions(BaseModel):
     preprocess_threads: int | None = Field(
         None,
         ge=0,
-        description="Threads resizing images (PIL releases the GIL; ~25 ms of CPU per 896 px image, so a GPU serving "
-        "~60 images/s needs several cores). 0: inline. Default: 8 on CUDA, 0 on CPU.",
+        description="Threads resizing images (PIL releases the GIL; a GPU's bulk rate of 896 px images "
+        "needs several cores of resizing). 0: inline. Default: 8 on CUDA, 0 on CPU.",
     )
     torch_threads: int | None = Field(
         None,
         ge=1,
         description="torch's intra-op (OpenMP) threads in the engine's process. Default: 1 on CUDA, as vLLM's GPU "
         "workers do (OpenMP workers spinning after each host copy take cores from the pixel threads and the "
-        "launching thread; docs/performance.md); CPU engines keep torch's default.",
+        "launching thread); CPU engines keep torch's default.",
     )
     prefix_cache: bool = Field(
         True,
@@ -156,7 +154,7 @@ class FastOptions(BaseModel):
         None,
         description="Move KV blocks between the host tier and the GPU as one cuMemcpyBatchAsync per step (needs "
         "cuda-python and a CUDA >= 12.8 driver; without them, or off, each run of host slots is one copy and "
-        "restores go through a staging buffer and a scatter kernel). Default: off: on an H200 the batched copy restored at 0.54-0.64 of pinned bandwidth against 0.91 for the per-run copies (docs/performance.md).",
+        "restores go through a staging buffer and a scatter kernel). Default: off: the per-run copies restore closer to the pinned bandwidth.",
     )
     disk_cache_dir: str | None = Field(
         None,
@@ -174,7 +172,7 @@ class FastOptions(BaseModel):
         "q/k/v, o, gate/up and down). fp8: e4m3 weights (a scale per output channel, quantized once at load; the "
         "bf16 weights freed) and activations (a scale per token), bf16 out; the rest stays bf16. Needs a GPU of "
         "compute capability 8.9+ (Ada, Hopper) and dtype bfloat16; `--dtype fp8` sets both. Tokens differ from "
-        "bf16's (docs/performance.md has the agreement and the demo captioner's accuracy). Default model: the "
+        "bf16's (docs/benchmarks.md has the agreement and the demo captioner's accuracy). Default model: the "
         "model's dtype.",
     )
     vision_attention_dtype: Literal["model", "fp8"] = Field(
@@ -183,7 +181,7 @@ class FastOptions(BaseModel):
         "GEMMs it is the model's too). fp8: q, k and v in e4m3 "
         "(one scale each), cuDNN's fused FP8 attention (heads zero-padded to a multiple of 16, 128 for SigLIP's 72), "
         "its output requantized per row for the out projection. Needs compute capability 9.0+ (Hopper) and the "
-        "nvidia-cudnn-frontend package (the fp8 extra); its error and token agreement are in docs/performance.md. "
+        "nvidia-cudnn-frontend package (the fp8 extra); its error and token agreement are in docs/benchmarks.md. "
         "Default model: bf16 attention.",
     )
     kv_cache_dtype: Literal["model", "fp8"] = Field(
@@ -192,7 +190,7 @@ class FastOptions(BaseModel):
         "default: 3 mantissa bits, values past +-448 saturate), half the bytes a token: twice the pages in the same "
         "memory and half of decode's K/V reads; attention still computes in the model's dtype, and the prefix "
         "cache's tiers keep FP8 blocks apart from the model dtype's. Tokens differ from the model dtype's "
-        "(docs/performance.md). On CUDA needs compute capability 8.9+ (Ada, Hopper). Default model.",
+        "(docs/benchmarks.md). On CUDA needs compute capability 8.9+ (Ada, Hopper). Default model.",
     )
     prefix_split_images: bool = Field(
         False,

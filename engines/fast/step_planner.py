@@ -22,7 +22,7 @@ prefill waits until the blocks it reads are `ready` (computed by an earlier sequ
 or restored from a lower tier). The decode batch is ordered by pages, so the sharers of a prefix
 sit side by side: the attention kernel's neighbouring programs read those pages at about the
 same time, the later reads from L2 (~11% of the kernel's time for pairs, over sharers spread
-through the batch; docs/performance.md).
+through the batch; docs/benchmarks.md).
 
 Decode pacing (`decode_interval`, bulk throughput): a decode step costs a fixed part (the weights'
 reads, the launches) plus a part per sequence. While a vision batch keeps the device busy, the

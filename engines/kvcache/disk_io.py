@@ -4,9 +4,8 @@ Writes (blocks demoted from the host tier) queue on a writer thread, at most `ma
 at once (more are dropped and counted: the disk cannot keep up, and memory must stay bounded).
 Reads run on `readers` threads: `read_prefix` returns a Future of the leading blocks found, one
 sequence's prefix per task. The tier reads and writes its files outside its own lock, so reads
-run beside the write in progress and beside each other: one thread read ~0.46 GB/s of 2.2 MB
-blocks on an H200 machine's disk (a file read and a sha256 a block), four ~0.76 GB/s, and a
-sequence waiting for its blocks waits for that. `might_have` is a lock-free hint for the engine
+run beside the write in progress and beside each other: a block costs a file read and a sha256,
+so several readers read faster than one, and a sequence waiting for its blocks waits for that. `might_have` is a lock-free hint for the engine
 thread (a dict lookup, atomic under the GIL): a stale answer costs a wasted read or a missed
 hit, never a wrong block (reads check key, checksum, shape and dtype).
 """

@@ -262,9 +262,8 @@ def _constants(
 
 
 # (keys per tile, pipeline stages) over FP8 pages with bf16 queries at head_dim > 128, whose tiles
-# are converted to fp16 (`_fp16_tiles`). H200, Gemma-3-4B's decode of 169 tokens: 66 us a layer,
-# against 76 at (32, 3), 79-84 at 128 keys, 86 with bf16 tiles, 68 over bf16 pages
-# (docs/performance.md).
+# are converted to fp16 (`_fp16_tiles`): the fastest of (32 or 64 or 128 keys, stages) and of
+# bf16 tiles on Gemma-3-4B's decode, about as fast as over bf16 pages.
 FP8_TILE = (64, 3)
 
 

@@ -104,8 +104,7 @@ class GroupedBatch:
 def gather_rows(x: torch.Tensor, *index: torch.Tensor) -> torch.Tensor:
     """x[index] for index tensors over x's leading dims, each selected row of the last dim moved
     as 8-byte words where its layout allows: torch's index kernel copies one element per thread,
-    and bf16 rows moved as int64 take half the time (an H200: 23 against 44 us for a prefill
-    step's queries, 8 prompts of ~281 tokens). A pure copy, bit for bit."""
+    and bf16 rows moved as int64 take about half the time. A pure copy, bit for bit."""
     words = 8 // x.element_size() if x.element_size() < 8 else 1
     aligned = (
         words > 1
@@ -185,7 +184,7 @@ def grouped_attention(q, k, v, mask, scale: float, softcap: float | None) -> tor
     if q.is_cuda:
         # The memory-efficient kernel, called directly: SDPA's dispatcher would pick cuDNN first,
         # which builds a graph for every new (B, Lq, Lk), tens of ms of host time, and prefill
-        # batches rarely repeat a shape (docs/performance.md, the cache benchmark).
+        # batches rarely repeat a shape (docs/benchmarks.md, the cache benchmark).
         bias = mask.expand(q.shape[0], q.shape[1], -1, -1)
         return torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, bias, False, scale=scale)[0]
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)

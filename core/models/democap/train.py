@@ -171,7 +171,7 @@ def siglip_init(model, seed: int) -> None:
     """The tower's weights as SigLIP initialises them (lecun-normal patches, position embeddings
     of std 1/sqrt(width)), not Gemma-3's std 0.02 everywhere, which starts the positions ~6x
     weaker than the patches at width 64 and learned shapes slower (0.732 vs 0.836 probe accuracy at
-    3k steps; docs/performance.md)."""
+    3k steps; docs/benchmarks.md)."""
     from transformers import SiglipVisionModel
 
     torch.manual_seed(seed)
@@ -183,7 +183,7 @@ class Probes(torch.nn.Module):
     """Training-only linear heads on the tower's patch tokens. `loss`: shape, color and background
     from the max over tokens (a shape covers a few tokens among many of background, and a mean
     would dilute it: a mean-pooled probe stayed near chance for thousands of steps where the
-    max-pooled one learned; docs/performance.md). `dense_loss`: every patch token says which shape
+    max-pooled one learned; docs/benchmarks.md). `dense_loss`: every patch token says which shape
     covers it, or background: many labels an image instead of one, and a patch on an edge must
     look at its neighbours to answer (token labelling)."""
 

@@ -1,8 +1,8 @@
-"""Draws docs/architecture.png: one caption job's path through wicore's folders, as a sequence
-diagram: a column per folder, a row per step of docs/architecture-steps.txt (the step numbers are
-those of docs/architecture.md).
+"""Draws docs/design/architecture.png: one caption job's path through wicore's folders, as a sequence
+diagram: a column per folder, a row per step of docs/design/architecture-steps.txt (the step numbers are
+those of docs/design/architecture.md).
 
-    python docs/architecture_diagram.py          # needs matplotlib (the `bench` or `test` extra)
+    python docs/design/architecture_diagram.py          # needs matplotlib (the `bench` or `test` extra)
 """
 
 from __future__ import annotations
