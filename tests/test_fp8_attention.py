@@ -16,7 +16,7 @@ from wicore.engines.base import EngineConfig
 from wicore.engines.fast import FastEngine
 from wicore.engines.fast.model import fp8
 from wicore.engines.fast.model.vision_tower import VisionTower
-from wicore.engines.fast.options import FastOptions
+from wicore.engines.options import FastOptions
 from wicore.errors import ConfigError
 from wicore.ops.fp8_attention import (
     MARGIN,

@@ -48,6 +48,7 @@ from wicore.engines.kvcache.block_manager import BlockManager
 from wicore.engines.kvcache.kv_layout import KVLayout
 from wicore.engines.kvcache.kv_setup import build_prefix_cache, build_tiers
 from wicore.engines.kvcache.prefix_keys import PromptKeyer, model_fingerprint
+from wicore.engines.options import resolve_options
 from wicore.engines.pending import Pending
 from wicore.engines.text import finish_sequence, first_stop, stop_token_ids
 from wicore.errors import JobInputError, PromptTooLong
@@ -71,6 +72,13 @@ class FastEngine(Engine):
         """fp8_anywhere: run `gemm_dtype="fp8"` on any device torch's scaled matmul runs on (the
         CPU tests; slower than the model dtype there) instead of refusing all but FP8 GPUs."""
         super().__init__(config)
+        self.resolved = opts = resolve_options(
+            config.options,
+            config.model_dir,
+            device=config.device,
+            max_batch_size=config.max_batch_size,
+            cache=config.cache,
+        )
         device = torch.device(config.device)
         fp8 = config.options.gemm_dtype == "fp8"
         fp8_attention = config.options.fp8_vision_attention
@@ -87,13 +95,6 @@ class FastEngine(Engine):
         self.weights = (
             fp8_weights.quantize(parts, fp8_attention).as_dict() if fp8 else {"weight_bytes": weight_bytes(parts)}
         )
-        self.resolved = config.options.resolve(
-            cuda=device.type == "cuda",
-            model_limit=parts.config.text_config.max_position_embeddings,
-            max_batch_size=config.max_batch_size,
-            cache=config.cache,
-        )
-        opts = self.resolved
         if fp8_attention:
             fp8_weights.prepare_attention(parts.encoder.vision_tower, opts.vision_batch_size)
         self.max_len = opts.max_model_len
@@ -205,6 +206,9 @@ class FastEngine(Engine):
 
     def num_unfinished(self) -> int:
         return self.planner.num_unfinished
+
+    def handover_size(self) -> int:
+        return self.resolved.vision_batch_size
 
     def pixel_spec(self) -> PreprocessSpec:
         return self.inputs.pixel_spec
