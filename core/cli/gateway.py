@@ -15,13 +15,13 @@ from wicore.cli.common import (
     RedisOption,
     console,
     friendly_errors,
-    model_dir_and_id,
     settings_from,
 )
 from wicore.cli.failures import DebugOption, ExitCode, debug_level
 from wicore.cli.jobs import ID_FILE_HELP, read_job_ids
 from wicore.cli.redis_check import connect
 from wicore.config import Settings
+from wicore.models import model_dir_and_id
 
 
 @friendly_errors

@@ -13,15 +13,19 @@ Owners, one per concern:
 - `device_handles`: handles on asynchronous device work (vision batches, sampled tokens).
 - `sampler.Sampler`: greedy / seeded Gumbel-max sampling with top-k / top-p on the device.
 - `kv_budget`: how many KV pages fit; `engine_stats`: the engine's counters.
+- the KV cache's sequence-facing half: `prefix_admission` (admission with the prefix cache),
+  `sequence_tiers.SequenceTiers` (disk reads ahead, restores of admitted sequences), `kv_setup`
+  (the cache's parts from the resolved options).
 - `prompt_inputs`: chat -> token ids and pixels, identical to the HF processor.
 - `model/`: our own Gemma-3 modules and their loading.
 
-The KV cache itself (pages, prefix cache, tiers) lives in `wicore.engines.kvcache`.
+The KV cache's storage (pages, prefix cache, tiers) lives in `wicore.engines.kvcache` and imports
+nothing from here; the options in `wicore.engines.options`.
 """
 
 
 def __getattr__(name: str):
-    # Lazy, so that `wicore.engines.kvcache` may import this package's light modules.
+    # Lazy: a module of this package (`sequence`, `step_planner`) is imported without the engine's own.
     if name == "FastEngine":
         from wicore.engines.fast.engine import FastEngine
 

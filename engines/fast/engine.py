@@ -36,6 +36,7 @@ from wicore.engines.fast.device_handles import Readbacks
 from wicore.engines.fast.engine_stats import EngineStats
 from wicore.engines.fast.image_stage import ImageStage
 from wicore.engines.fast.kv_budget import plan_pages
+from wicore.engines.fast.kv_setup import build_prefix_cache, build_tiers
 from wicore.engines.fast.model import fp8 as fp8_weights
 from wicore.engines.fast.model.fp8 import weight_bytes
 from wicore.engines.fast.model.weights import load_gemma3
@@ -43,10 +44,10 @@ from wicore.engines.fast.model_runner import ModelRunner
 from wicore.engines.fast.prompt_inputs import InputProcessor
 from wicore.engines.fast.sampler import Sampler
 from wicore.engines.fast.sequence import SeqStatus, Sequence
+from wicore.engines.fast.sequence_tiers import SequenceTiers
 from wicore.engines.fast.step_planner import StepPlanner
 from wicore.engines.kvcache.block_manager import BlockManager
 from wicore.engines.kvcache.kv_layout import KVLayout
-from wicore.engines.kvcache.kv_setup import build_prefix_cache, build_tiers
 from wicore.engines.kvcache.prefix_keys import PromptKeyer, model_fingerprint
 from wicore.engines.options import resolve_options
 from wicore.engines.pending import Pending
@@ -105,6 +106,7 @@ class FastEngine(Engine):
         text = parts.config.text_config
         layout = self.runner.layout
         self.tiers = build_tiers(self.runner.cache, opts, text.num_key_value_heads, text.head_dim)
+        self.seq_tiers = SequenceTiers(self.tiers)
         # FP8 GEMMs (and attention) write other K/V; FP8 pages hold other bytes
         kv_tag = "kv-fp8" if config.options.fp8_kv_cache else None
         precision = "+".join(filter(None, (config.dtype, config.options.numerics_tag(), kv_tag)))
@@ -116,7 +118,7 @@ class FastEngine(Engine):
             config.max_batch_size,
             opts.vision_batch_size,
             opts.max_prefill_tokens,
-            self.tiers.holds,
+            self.seq_tiers.holds,
             opts.prefix_split_images,
             opts.decode_interval_s,
         )
@@ -274,14 +276,14 @@ class FastEngine(Engine):
         """Appends to `done` as sequences end, so a failure later in the step loses none."""
         self._fail_unreadable_images(done)
         self.images.collect()
-        self.tiers.prefetch(self.planner.waiting, self.blocks.cache)
+        self.seq_tiers.prefetch(self.planner.waiting, self.blocks.cache)
         # A full vision batch may queue behind another; a partial one only goes when no vision
         # work is queued (the device would idle), so the tower mostly runs full, compiled batches.
         queued = self.images.num_queued
         vision = self.planner.schedule_vision(self.resolved.vision_batches_queued - queued, allow_partial=not queued)
         for seq in self.planner.take_admitted():
             self.runner.set_table(seq.kv.row, seq.kv.table)
-            self.tiers.start(seq)  # pins its host blocks: `demote` cannot reuse their slots
+            self.seq_tiers.start(seq)  # pins its host blocks: `demote` cannot reuse their slots
         self.tiers.demote(self.blocks.take_evicted())  # before anything writes the reused pages
         if vision:  # a leading lane's batch is urgent (`StepPlanner`)
             self.counters.record_vision(self.images.launch(vision, urgent=self.planner.lead_rank is not None))

@@ -39,10 +39,10 @@ from collections import Counter, deque
 
 import numpy as np
 
+from wicore.engines.fast.prefix_admission import LowerTiers, place_cached
 from wicore.engines.fast.sequence import KVSlot, SeqStatus, Sequence
 from wicore.engines.kvcache.block_manager import BlockManager
 from wicore.engines.kvcache.kv_layout import KVLayout
-from wicore.engines.kvcache.prefix_admission import LowerTiers, place_cached
 from wicore.schemas import Lane
 
 # Key cells a prefill may gather per layer ([batch, longest prompt]), per token of its budget: a
