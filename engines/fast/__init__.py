@@ -1,10 +1,14 @@
 """The `fast` engine: Gemma-3 served with a paged KV cache, continuous batching, CUDA graphs.
 
 Owners, one per concern:
-- `engine.FastEngine`: the Engine interface; a step = plan -> launch -> read back.
+- `engine.FastEngine`: the Engine interface; a step = land -> plan -> run -> postprocess.
+- `engine_builder`: the parts built from the config, in the order the device needs.
 - `sequence.Sequence`: one request's state; `SeqStatus` and its transitions.
 - `step_planner.StepPlanner`: waiting / admitted sequences; FIFO admission by free rows and
-  pages; picks the vision, prefill and decode batches of a step.
+  pages; a step's `step_plan.StepPlan` (admissions, vision batch, blocks to copy down, prefill
+  and decode batches).
+- `step_runner.StepRunner`: takes in what landed on the device and launches a plan.
+- `postprocess.Postprocess`: a step's results: sequences prefilled, tokens read back, ends, counters.
 - `model_runner.ModelRunner`: the device: weights, cache, tables, streams, prefill, decode;
   `prefill_batch` builds a prefill's inputs (the uncached suffix of each prompt);
   `attention_backends` holds a forward pass's attention metadata.

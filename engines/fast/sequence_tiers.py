@@ -39,7 +39,8 @@ class SequenceTiers:
         for seq in itertools.islice(waiting, PREFETCH_AHEAD):
             state = seq.cache
             hashing = state.keys is not None and not state.keys.ready
-            if not state.disk_lookup or state.prefetched is not None or hashing:
+            unreadable = seq.vision.pixels.failed  # it fails before admission
+            if not state.disk_lookup or state.prefetched is not None or hashing or unreadable:
                 continue
             keys = seq.prompt_keys()
             if keys is None:

@@ -100,7 +100,7 @@ class Restorer:
     def land(self) -> None:
         """Scatter finished restores (main stream) and start queued ones; on CPU, until done."""
         while True:
-            self._scatter_finished()
+            self.land_finished()
             if not self.launch():
                 return
 
@@ -163,7 +163,8 @@ class Restorer:
         for restore in job.in_host:
             self.host.unpin(restore.key)
 
-    def _scatter_finished(self) -> None:
+    def land_finished(self) -> None:
+        """Scatter the restores whose copies completed (main stream); start none."""
         still = []
         for job in self.running:
             if not job.done():

@@ -94,6 +94,10 @@ class KVTiers:
         """Scatter finished restores into their pages and start queued ones (`Restorer`)."""
         self.restorer.land()
 
+    def land_finished(self) -> None:
+        """Scatter finished restores into their pages; start none (they start behind a demotion)."""
+        self.restorer.land_finished()
+
     # -- down -------------------------------------------------------------------------------
 
     def demote(self, victims) -> None:
