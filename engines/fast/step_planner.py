@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter, deque
+from collections.abc import Hashable
 
 import numpy as np
 
@@ -199,9 +200,10 @@ class StepPlanner:
 
     def _place(self, seq: Sequence) -> bool:
         """Pages and table for `seq`; False when they do not fit yet."""
-        keys = seq.prompt_keys() if self.blocks.cache is not None else None
-        if keys is not None:
-            with self.blocks.cache.stats.timed():  # the GPU tier's host time: matching, taking hits
+        cache = self.blocks.cache
+        keys = seq.prompt_keys() if cache is not None else None
+        if cache is not None and keys is not None:
+            with cache.stats.timed():  # the GPU tier's host time: matching, taking hits
                 return place_cached(seq, keys, self.blocks, self.layout, self.lower, self.split_images)
         need = self.layout.pages_for(seq.max_len)
         if not self.blocks.can_allocate(need):
@@ -223,7 +225,8 @@ class StepPlanner:
     def _vision_batch(self, lead: int | None) -> tuple[list[Sequence], int]:
         """(sequences, distinct images among them): an image several of them ask about is
         encoded once, so it counts once towards `vision_batch`."""
-        batch, images = [], set()
+        batch: list[Sequence] = []
+        images: set[Hashable] = set()
         for seq in self.admitted:
             if seq.status == SeqStatus.VISION and not seq.vision.launched and _runs(seq, lead):
                 new = _image_ids(seq) - images
@@ -237,7 +240,8 @@ class StepPlanner:
         """Ready sequences, oldest first, while the batch padded to its longest uncached suffix
         (the tokens it computes) stays within `prefill_tokens`, and padded to its longest
         prompt (the keys each layer gathers for attention) within KEY_CELLS x that."""
-        batch, suffix, prompt = [], 0, 0
+        batch: list[Sequence] = []
+        suffix, prompt = 0, 0
         for seq in self.admitted:
             if landing.prefill_ready(seq) and (lead is None or seq.rank <= lead or landing.others_wait(seq)):
                 suffix_next = max(suffix, seq.prompt_len - seq.cache.prefix_len)
@@ -309,7 +313,8 @@ def _runs(seq: Sequence, lead: int | None) -> bool:
 def _pages_key(seq: Sequence) -> bytes:
     """Orders sequences by their first group's pages: equal leading pages (a shared prefix) end
     up adjacent, like keys in a trie."""
-    return seq.kv.table[0].tobytes()
+    table = seq.kv.table
+    return table[0].tobytes() if table is not None else b""
 
 
 def _image_ids(seq: Sequence) -> set:
