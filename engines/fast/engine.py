@@ -44,7 +44,7 @@ class FastEngine(Engine):
         self.resolved, self.weights, self.tokenizer = parts.options, parts.weights, parts.tokenizer
         self.inputs, self.runner, self.blocks, self.tiers = parts.inputs, parts.runner, parts.blocks, parts.tiers
         self.keyer, self.planner, self.pool, self.images = parts.keyer, parts.planner, parts.pool, parts.images
-        self.stage, self.post, self.counters, self.rng = parts.stage, parts.post, parts.counters, parts.rng
+        self.step_runner, self.post, self.counters, self.rng = parts.step_runner, parts.post, parts.counters, parts.rng
 
     # -- the interface ----------------------------------------------------------------------
 
@@ -138,7 +138,7 @@ class FastEngine(Engine):
         self.images.close()
         if self.runner is not None:
             self.runner.release()
-        self.runner = self.images = self.tiers = self.stage = self.post = None
+        self.runner = self.images = self.tiers = self.step_runner = self.post = None
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
@@ -147,10 +147,10 @@ class FastEngine(Engine):
 
     def _step(self, done: list[Completion]) -> None:
         """Appends to `done` as sequences end, so a failure later in the step loses none."""
-        vision_queued = self.stage.land(self.planner.waiting, self.blocks.cache)
+        vision_queued = self.step_runner.land(self.planner.waiting, self.blocks.cache)
         plan = self.planner.plan(self.counters.steps, vision_queued)
         done += map(unreadable, plan.unreadable)
-        launched = self.stage.run(plan)
+        launched = self.step_runner.run(plan)
         self.post.book(plan, launched, done)
 
     # -- requests ---------------------------------------------------------------------------
@@ -185,7 +185,7 @@ class FastEngine(Engine):
 
     def _fail_all(self, error: Exception) -> list[Completion]:
         seqs = self.planner.fail_all()
-        self.stage.reset()
+        self.step_runner.reset()
         self.blocks.drop_cache()  # blocks being written when the step failed are suspect
         if self.resolved.cuda and is_out_of_memory(error):
             # The failed step's blocks stay cached in the allocator, split to the sizes it asked

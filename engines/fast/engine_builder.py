@@ -54,7 +54,7 @@ class EngineParts:
     planner: StepPlanner
     pool: PriorityPool | None  # the pixel threads (a better lane's images first); None: inline
     images: ImageStage
-    stage: StepRunner
+    step_runner: StepRunner
     post: Postprocess
     counters: EngineStats
     rng: random.Random  # seeds for sampled requests that bring none
@@ -82,14 +82,14 @@ def build(config: EngineConfig, fp8_anywhere: bool) -> EngineParts:
     tiers = build_tiers(allocated(runner), options, text.num_key_value_heads, text.head_dim)
     pool = PriorityPool(options.preprocess_threads, "wicore-pixels") if options.preprocess_threads else None
     images = ImageStage(runner, inputs, pool, options.vision_cache_bytes)
-    stage = StepRunner(runner, images, tiers, Readbacks())
-    planner = step_planner(config, options, runner.layout, blocks, stage)
+    step_runner = StepRunner(runner, images, tiers, Readbacks())
+    planner = step_planner(config, options, runner.layout, blocks, step_runner)
     counters = EngineStats()
-    post = Postprocess(planner, images, stage.readbacks, counters, runner.clock, processor.tokenizer, eos_ids)
+    post = Postprocess(planner, images, step_runner.readbacks, counters, runner.clock, processor.tokenizer, eos_ids)
     keyer = PromptKeyer(prefix_model_id(config, runner.layout), options.block_size, model.tokens_per_image)
     return EngineParts(
         options, processor.tokenizer, eos_ids, weights, inputs, runner, blocks, tiers, keyer, planner, pool, images,
-        stage, post, counters, random.Random(config.seed),
+        step_runner, post, counters, random.Random(config.seed),
     )  # fmt: skip
 
 
@@ -171,7 +171,7 @@ def allocated(runner: ModelRunner) -> KVCache:
 
 
 def step_planner(
-    config: EngineConfig, options: ResolvedFastConfig, layout: KVLayout, blocks: BlockManager, stage: StepRunner
+    config: EngineConfig, options: ResolvedFastConfig, layout: KVLayout, blocks: BlockManager, step_runner: StepRunner
 ) -> StepPlanner:
     return StepPlanner(
         layout,
@@ -179,7 +179,7 @@ def step_planner(
         config.max_batch_size,
         options.vision_batch_size,
         options.max_prefill_tokens,
-        stage.sequence_tiers.holds,
+        step_runner.sequence_tiers.holds,
         options.prefix_split_images,
         options.decode_interval_s,
         options.vision_batches_queued,
