@@ -38,7 +38,7 @@ from pydantic_settings import BaseSettings, EnvSettingsSource, NoDecode, Pydanti
 
 from wicore import defaults
 from wicore.engines import ENGINES
-from wicore.engines.fast.options import FastOptions
+from wicore.engines.options import FastOptions
 from wicore.errors import ConfigError
 from wicore.redaction import redact, split_password, with_password
 
@@ -70,8 +70,9 @@ class EngineSettings(FastOptions):
         return value
 
     def options(self) -> FastOptions:
-        """The fast engine's options (the section less its name)."""
-        return FastOptions.model_validate(self.model_dump(exclude={"name"}))
+        """The fast engine's options (the section less its name), validated once already: as the
+        section was read."""
+        return FastOptions.model_construct(**{name: getattr(self, name) for name in FastOptions.model_fields})
 
 
 class Settings(BaseSettings):

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from wicore import defaults
-from wicore.engines.fast.options import FastOptions
+from wicore.engines.options import FastOptions
 from wicore.errors import ConfigError
 from wicore.schemas import FinishReason, GenerationParams, Lane
 
@@ -131,6 +131,12 @@ class Engine(abc.ABC):
         """Cancel requests taken and not yet returned (call it between steps). Returns a
         completion (error `ABORTED`) for each request stopped now; an engine may stop one later
         instead, and then a later `step` returns it. Ids it does not hold are ignored."""
+
+    def handover_size(self) -> int:
+        """Requests the worker hands over in one `add` once all their images are ready, so the
+        engine starts on them while the rest of a claim loads: a vision batch for an engine with
+        a vision tower (its resolved `vision_batch_size`), else all it holds."""
+        return self.config.max_batch_size
 
     def free_slots(self) -> int:
         return max(0, self.config.max_batch_size - self.num_unfinished())

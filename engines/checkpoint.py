@@ -50,6 +50,13 @@ def check_model_dir(model_dir: str | Path, *, allow_random_weights: bool = True)
     return path
 
 
+def max_positions(model_dir: str | Path) -> int:
+    """The text model's position limit, from the checkpoint's config alone."""
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(model_dir).text_config.max_position_embeddings
+
+
 def load_processor(model_dir: str | Path):
     from transformers import AutoProcessor
 
@@ -70,7 +77,20 @@ def load_hf_model(model_dir: str | Path, device: str, dtype: str, seed: int = 0)
         # device_map would need accelerate; CPU -> device is one copy of the weights.
         model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch_dtype(dtype))
         return model.to(device).eval()
-    from wicore.models.gemma3 import seeded_model
-
     seed = json.loads((path / SEED_FILE).read_text()).get("seed", seed)
     return seeded_model(AutoConfig.from_pretrained(path), seed, torch_dtype(dtype), device)
+
+
+def seeded_model(config, seed: int, dtype: torch.dtype | None = None, device: str | torch.device = "cpu"):
+    """`Gemma3ForConditionalGeneration` of `config` with random weights from `seed` (float32
+    unless `dtype`), its projector non-zero (HF's init zeroes it)."""
+    import torch
+    from transformers import Gemma3ForConditionalGeneration
+
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = Gemma3ForConditionalGeneration._from_config(config, dtype=dtype or torch.float32)
+    projector = model.model.multi_modal_projector.mm_input_projection_weight
+    with torch.no_grad():
+        projector.normal_(0.0, config.text_config.hidden_size**-0.5)
+    return model.eval()

@@ -27,9 +27,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-E4M3 = torch.float8_e4m3fn
-E4M3_MAX = 448.0  # largest finite e4m3fn value
-AMAX_FLOOR = 1e-12  # an all-zero row (graph padding) gets a tiny scale, not a division by zero
+from wicore.ops.fp8_format import AMAX_FLOOR, E4M3, E4M3_MAX
+
 ALIGNMENT = 16  # K and N of every FP8 GEMM
 MIN_CAPABILITY = (8, 9)  # Ada and Hopper have e4m3 tensor cores
 

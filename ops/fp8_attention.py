@@ -35,24 +35,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from wicore.ops.fp8 import AMAX_FLOOR, E4M3, E4M3_MAX
 from wicore.ops.fp8 import quantize as quantize_rows
+from wicore.ops.fp8_format import AMAX_FLOOR, E4M3, E4M3_MAX, MARGIN, SEEN_SLOTS
 
-FP8_MULTIPLE = 16  # cuDNN's FP8 forward: head dims that are multiples of 16, up to 256
-PAD_TO = 128  # a head dim that is not padded to 128 when it is shorter (the kernels' tile width)
-MARGIN = 2.0  # headroom over the amax a call scales by (module docstring)
-# `seen` holds each part's maxima in this many slots (its value: their max), so the thousands of
-# programs of the CUDA pass that raises it spread their atomics over as many addresses.
-SEEN_SLOTS = 256
 MIN_CAPABILITY = (9, 0)  # cuDNN's FP8 attention forward: Hopper and newer
-
-
-def padded_head_dim(head_dim: int) -> int:
-    """The head dim cuDNN runs: head_dim when it is a multiple of 16, else 128 (or the next
-    multiple of 16 past 128)."""
-    if head_dim % FP8_MULTIPLE == 0:
-        return head_dim
-    return max(PAD_TO, -(-head_dim // FP8_MULTIPLE) * FP8_MULTIPLE)
 
 
 def unsupported_reason(device: torch.device) -> str | None:

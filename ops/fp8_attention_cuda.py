@@ -26,8 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from wicore.ops.fp8 import AMAX_FLOOR, E4M3, E4M3_MAX
-from wicore.ops.fp8_attention import MARGIN, SEEN_SLOTS, padded_head_dim
+from wicore.ops.fp8_format import AMAX_FLOOR, E4M3, E4M3_MAX, MARGIN, SEEN_SLOTS, padded_head_dim
 from wicore.ops.fp8_triton import empty_quantized_rows
 
 # One float32 buffer a call: the 3 amaxes the parts are scaled by, then the scalars cuDNN reads

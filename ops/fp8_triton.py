@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from wicore.ops.fp8 import AMAX_FLOOR, E4M3, E4M3_MAX
+from wicore.ops.fp8_format import AMAX_FLOOR, E4M3, E4M3_MAX
 
 SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)  # a constexpr: jit code reads no other globals
 

@@ -52,7 +52,7 @@ def fast_engine(tiny_model_dir):
     threads on a busy 2-core machine slow each step tenfold)."""
     from wicore.engines.base import EngineConfig
     from wicore.engines.fast import FastEngine
-    from wicore.engines.fast.options import FastOptions
+    from wicore.engines.options import FastOptions
 
     engine = FastEngine(
         EngineConfig(str(tiny_model_dir), max_batch_size=4, cache=False, options=FastOptions(torch_threads=1))

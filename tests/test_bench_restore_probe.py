@@ -9,8 +9,8 @@ from tests.test_kvcache_tiers import DIM, HEADS, kv_cache
 from wicore.bench.restore_probe import h2d_bandwidth, measure_h2d, measure_restores, restore_bandwidths
 from wicore.engines.base import EngineConfig
 from wicore.engines.fast import FastEngine
-from wicore.engines.fast.options import FastOptions
 from wicore.engines.kvcache.block_manager import BlockManager
+from wicore.engines.options import FastOptions
 
 
 def test_restore_probe_borrows_free_pages():

@@ -16,7 +16,7 @@ from rq.registry import CanceledJobRegistry, FailedJobRegistry, StartedJobRegist
 from tests.helpers import png_bytes, wait_until, wicore
 from wicore.engines import EngineConfig
 from wicore.engines.fast import FastEngine
-from wicore.engines.fast.options import FastOptions
+from wicore.engines.options import FastOptions
 from wicore.engines.reference import ReferenceEngine
 from wicore.errors import JobCanceled
 from wicore.producer import Producer, Submission

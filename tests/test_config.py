@@ -78,17 +78,17 @@ def test_engine_options_from_flags():
 
 
 def test_fp8_from_the_dtype_flag_the_environment_and_the_file(tmp_path, monkeypatch):
-    from wicore.worker.factory import engine_options, resolve_dtype
+    from wicore.worker.factory import fast_options, resolve_dtype
 
     for settings in (
         settings_from(None, dtype="fp8"),
         settings_from(None, engine_option=["gemm_dtype=fp8"], dtype="bfloat16"),
         load_settings(toml(tmp_path, '[engine]\ngemm_dtype = "fp8"\n'), dtype="bfloat16"),
     ):
-        assert engine_options(settings).gemm_dtype == "fp8" and resolve_dtype(settings.dtype, "cuda") == "bfloat16"
+        assert fast_options(settings).gemm_dtype == "fp8" and resolve_dtype(settings.dtype, "cuda") == "bfloat16"
     monkeypatch.setenv("WICORE_DTYPE", "fp8")
-    assert engine_options(load_settings()).gemm_dtype == "fp8"
-    assert engine_options(settings_from(None, dtype="bfloat16")).gemm_dtype == "model"  # the flag wins
+    assert fast_options(load_settings()).gemm_dtype == "fp8"
+    assert fast_options(settings_from(None, dtype="bfloat16")).gemm_dtype == "model"  # the flag wins
     with pytest.raises(ConfigError, match="gemm_dtype"):
         settings_from(None, engine_option=["gemm_dtype=fp16"])
 

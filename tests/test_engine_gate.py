@@ -79,7 +79,7 @@ def test_fast_engine_batch_past_free_gpu_memory_is_split_and_none_fail(redis_con
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     from wicore.engines.fast import FastEngine
-    from wicore.engines.fast.options import FastOptions
+    from wicore.engines.options import FastOptions
     from wicore.models.gemma3 import make_gemma3_4b
     from wicore.scheduler.policy import BatchPolicy
     from wicore.worker.loop import BatchingWorker

@@ -13,9 +13,9 @@ from tests.fast_requests import mismatches, mixed_requests, one_torch_thread, re
 from tests.test_fast_prefix_parity import vqa
 from wicore.engines.base import ABORTED, EngineConfig
 from wicore.engines.fast import FastEngine
-from wicore.engines.fast.options import FastOptions
 from wicore.engines.fast.sequence import SeqStatus
 from wicore.engines.null import NullEngine
+from wicore.engines.options import FastOptions
 
 pytestmark = pytest.mark.slow
 MAX_STEPS = 500  # far more than any run here needs: a sequence left waiting fails the test

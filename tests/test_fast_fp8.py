@@ -22,9 +22,9 @@ from wicore.engines.fast.model import fp8
 from wicore.engines.fast.model.vision_tower import SiglipLayer, VisionTower
 from wicore.engines.fast.model.weights import load_gemma3
 from wicore.engines.fast.model_runner import ModelRunner
-from wicore.engines.fast.options import FastOptions
 from wicore.engines.fast.sampler import Sampler
 from wicore.engines.kvcache.kv_layout import KVLayout
+from wicore.engines.options import FastOptions
 from wicore.errors import ConfigError
 from wicore.models import DEMOCAP_DIR
 from wicore.models.democap import evaluate

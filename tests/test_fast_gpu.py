@@ -13,7 +13,7 @@ import torch
 from tests.fast_requests import mismatches, mixed_requests, request
 from wicore.engines.base import EngineConfig
 from wicore.engines.fast import FastEngine
-from wicore.engines.fast.options import FastOptions
+from wicore.engines.options import FastOptions
 from wicore.engines.reference import ReferenceEngine
 from wicore.schemas import Lane
 

@@ -17,7 +17,7 @@ from tests.test_fast_fp8 import democap
 from tests.test_fast_prefix_parity import all_requests, engine, mixed_requests, model_dir, vqa  # noqa: F401
 from wicore.engines.base import EngineConfig
 from wicore.engines.fast import FastEngine
-from wicore.engines.fast.options import FastOptions
+from wicore.engines.options import FastOptions
 from wicore.errors import ConfigError
 from wicore.ops.attention import KV_FP8
 

@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from wicore.engines.fast.options import FastOptions
+from wicore.engines.options import FastOptions
 from wicore.errors import ConfigError
 
 

@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 from tests.fast_requests import mismatches, mixed_requests, one_torch_thread, request  # noqa: F401 (fixture)
 from wicore.engines.base import EngineConfig
 from wicore.engines.fast import FastEngine
-from wicore.engines.fast.options import FastOptions
+from wicore.engines.options import FastOptions
 from wicore.engines.reference import ReferenceEngine
 from wicore.errors import ConfigError
 

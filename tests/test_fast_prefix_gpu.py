@@ -13,7 +13,7 @@ from tests.test_fast_prefix_parity import several_images, vqa
 from wicore.bench.restore_probe import h2d_bandwidth, restore_bandwidths
 from wicore.engines.base import EngineConfig
 from wicore.engines.fast import FastEngine
-from wicore.engines.fast.options import FastOptions
+from wicore.engines.options import FastOptions
 from wicore.engines.reference import ReferenceEngine
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

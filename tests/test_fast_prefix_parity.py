@@ -13,7 +13,7 @@ import pytest
 from tests.fast_requests import image, mismatches, mixed_requests, one_torch_thread, request  # noqa: F401
 from wicore.engines.base import EngineConfig
 from wicore.engines.fast import FastEngine
-from wicore.engines.fast.options import FastOptions
+from wicore.engines.options import FastOptions
 from wicore.engines.reference import ReferenceEngine
 
 pytestmark = pytest.mark.slow

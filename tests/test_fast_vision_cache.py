@@ -11,7 +11,7 @@ import pytest
 from tests.fast_requests import image, mismatches, one_torch_thread  # noqa: F401 (fixture)
 from wicore.engines.base import EngineConfig, EngineRequest
 from wicore.engines.fast import FastEngine
-from wicore.engines.fast.options import FastOptions
+from wicore.engines.options import FastOptions
 from wicore.engines.reference import ReferenceEngine
 from wicore.schemas import GenerationParams
 from wicore.worker.shared_vision_cache import RedisVisionCache

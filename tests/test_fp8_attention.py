@@ -16,17 +16,16 @@ from wicore.engines.base import EngineConfig
 from wicore.engines.fast import FastEngine
 from wicore.engines.fast.model import fp8
 from wicore.engines.fast.model.vision_tower import VisionTower
-from wicore.engines.fast.options import FastOptions
+from wicore.engines.options import FastOptions
 from wicore.errors import ConfigError
 from wicore.ops.fp8_attention import (
-    MARGIN,
     fp8_attention,
     fp8_attention_reference,
     new_seen,
-    padded_head_dim,
     seen_maxima,
     unsupported_reason,
 )
+from wicore.ops.fp8_format import MARGIN, padded_head_dim
 
 FP8_ATTENTION = FastOptions(gemm_dtype="fp8", vision_attention_dtype="fp8")
 

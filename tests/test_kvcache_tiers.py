@@ -15,6 +15,7 @@ from tests.test_fast_prefix_cache import layout
 from wicore.engines.base import EngineRequest
 from wicore.engines.fast.prompt_inputs import Prompt
 from wicore.engines.fast.sequence import Sequence
+from wicore.engines.fast.sequence_tiers import SequenceTiers
 from wicore.engines.kvcache.disk_io import AsyncDiskTier
 from wicore.engines.kvcache.disk_tier import DiskTier
 from wicore.engines.kvcache.eviction import LRU
@@ -94,8 +95,8 @@ def test_demoted_blocks_come_back_into_other_pages_exactly(dtype):
     assert all(b.key in tier.host for b in blocks) and tier.demoted_blocks == 3
     target = [CachedBlock(b.key, (20 + 2 * i, 21 + 2 * i), 1.0) for i, b in enumerate(blocks)]
     seq = waiting_seq([b.key for b in blocks], [Restore(t.key, t.pages, t) for t in target])
-    assert tier.holds(seq, blocks[0].key)
-    tier.start(seq)
+    assert SequenceTiers(tier).holds(seq, blocks[0].key)
+    SequenceTiers(tier).start(seq)
     tier.land()
     assert seq.cache.restores == [] and all(t.ready for t in target)
     assert torch.equal(pages_of(cache, [p for t in target for p in t.pages]), before)
@@ -114,13 +115,13 @@ def test_overflow_goes_to_disk_and_comes_back_through_a_prefetch(tmp_path, dtype
     assert blocks[2].key in tier.host and all(disk.might_have(b.key) for b in blocks[:2])
     seq = waiting_seq([b.key for b in blocks])
     seq.cache.disk_lookup = True
-    tier.prefetch([seq], cache=None)  # no GPU tier: nothing to do
+    SequenceTiers(tier).prefetch([seq], cache=None)  # no GPU tier: nothing to do
     assert seq.cache.prefetched is None
-    tier.prefetch([seq], PrefixCache(LRU()))
+    SequenceTiers(tier).prefetch([seq], PrefixCache(LRU()))
     assert set(seq.cache.prefetched.value) == {blocks[0].key, blocks[1].key} and seq.cache.inputs_ready
     target = [CachedBlock(b.key, (20 + 2 * i, 21 + 2 * i), 1.0) for i, b in enumerate(blocks)]
     seq.cache.restores = [Restore(t.key, t.pages, t) for t in target]
-    tier.start(seq)
+    SequenceTiers(tier).start(seq)
     tier.land()
     assert torch.equal(pages_of(cache, [p for t in target for p in t.pages]), before)
     assert disk.stats.hits == 2
@@ -157,7 +158,7 @@ def test_restores_beyond_the_staging_budget_wait_with_their_host_blocks_pinned()
     targets = [CachedBlock(b.key, (20 + 2 * i, 21 + 2 * i), 1.0) for i, b in enumerate(blocks)]
     seqs = [waiting_seq([b.key], [Restore(t.key, t.pages, t)]) for b, t in zip(blocks, targets)]
     for seq in seqs:
-        tier.start(seq)
+        SequenceTiers(tier).start(seq)
     assert not tier.restorer.running and len(tier.restorer.queued) == 2  # they start at the step's `land`
     assert all(host.policy.is_pinned(b.key) for b in blocks)
     assert tier.restorer.launch() == 1 and len(tier.restorer.queued) == 1
@@ -204,11 +205,11 @@ def test_cuda_batched_copies_move_the_bytes_of_the_per_run_copies(tmp_path):
         tier.disk.flush()
         seq = waiting_seq([b.key for b in blocks])
         seq.cache.disk_lookup = True
-        tier.prefetch([seq], PrefixCache(LRU()))
+        SequenceTiers(tier).prefetch([seq], PrefixCache(LRU()))
         assert len(seq.cache.prefetched.value) == 2  # read from disk (pinned)
         target = [CachedBlock(b.key, (20 + 2 * i, 21 + 2 * i), 1.0) for i, b in enumerate(blocks)]
         seq.cache.restores = [Restore(t.key, t.pages, t) for t in target]
-        tier.start(seq)
+        SequenceTiers(tier).start(seq)
         while seq.cache.restores:
             tier.land()
         torch.cuda.synchronize()

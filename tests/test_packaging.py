@@ -1,5 +1,7 @@
 """The package layout (one import package `wicore` over the top-level folders) and the one-way
-dependencies between its parts."""
+dependencies between its parts: which third-party packages each part may load (imported for
+real), and wicore's own layers and the absence of import circles (read from the source,
+tests/import_graph.py)."""
 
 from __future__ import annotations
 
@@ -9,6 +11,8 @@ import sys
 import tomllib
 from collections.abc import Iterable
 from pathlib import Path
+
+from tests.import_graph import circles, import_graph, layer_of, upward_imports
 
 ROOT = Path(__file__).resolve().parents[1]
 GPU_ONLY = {
@@ -122,3 +126,32 @@ def test_the_wheel_ships_the_default_model(tmp_path):
     }
     assert {"config.json", "model.safetensors", "tokenizer.json", "README.md"} <= {n.rsplit("/", 1)[1] for n in shipped}
     assert shipped <= names
+
+
+def test_imports_never_run_back_up_a_layer():
+    """wicore's internal layers (tests/import_graph.py LAYERS, lowest first): base modules <- ops <-
+    the engines' foundations (interface, options, checkpoints) <- the KV cache's storage <- the
+    engines <- models, settings, scheduler, producer <- worker <- gateway <- bench <- cli."""
+    graph = import_graph()
+    assert {"wicore.engines.kvcache.tiers", "wicore.worker.loop", "wicore.cli.main"} <= set(graph)
+    assert all(layer_of(module) >= 0 for module in graph)  # every module is placed in a layer
+    assert upward_imports(graph) == [], "a lower layer imports a higher one (importer, imported)"
+
+
+def test_no_module_imports_itself_through_others():
+    assert circles(import_graph()) == [], "modules that import each other in a circle"
+
+
+def test_the_layering_check_sees_lazy_and_relative_imports(tmp_path):
+    """The checker itself: an import inside a function and a relative one are arrows too."""
+    (tmp_path / "pyproject.toml").write_text('[tool.setuptools]\npackage-dir = { "wicore" = "core" }\n')
+    package = tmp_path / "core"
+    (package / "cli").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "errors.py").write_text("def f():\n    from wicore.cli import main\n")
+    (package / "cli" / "__init__.py").write_text("")
+    (package / "cli" / "main.py").write_text("from .. import errors\n")
+    graph = import_graph(tmp_path)
+    assert graph["wicore.errors"] == {"wicore.cli.main"} and graph["wicore.cli.main"] == {"wicore.errors"}
+    assert upward_imports(graph) == [("wicore.errors", "wicore.cli.main")]
+    assert circles(graph) == [["wicore.cli.main", "wicore.errors"]]

@@ -330,19 +330,32 @@ def test_jobs_claimed_together_reach_the_engine_together(redis_conn):
     assert engine.adds == [8]
 
 
-def test_a_large_claim_reaches_the_engine_in_handover_groups(redis_conn):
-    """A claim of two groups goes to the engine as they load: the first alone (the second's
-    images are the slowest to decode) or both at once, never a group split."""
-    from wicore.worker.loop import HANDOVER_JOBS
+def test_a_large_claim_reaches_the_engine_in_groups_of_its_vision_batch(redis_conn, tiny_model_dir):
+    """A claim of two vision batches (the fast engine's vision_batch_size=16) goes to the engine
+    as they load: the first alone (the second's images are the slowest to decode) or both at
+    once, never a group split."""
+    from wicore.engines.fast import FastEngine
+    from wicore.engines.options import FastOptions
 
+    class RecordingFastEngine(FastEngine):
+        def add(self, requests):
+            self.adds.append(len(requests))
+            return super().add(requests)
+
+    options = FastOptions(vision_batch_size=16, torch_threads=1)
+    engine = RecordingFastEngine(EngineConfig(str(tiny_model_dir), max_batch_size=64, cache=False, options=options))
+    engine.adds = []
     producer = Producer(redis_conn, model=MODEL)
-    sizes = [(16, 16)] * HANDOVER_JOBS + [(1500, 1500)] * HANDOVER_JOBS
-    ids = producer.submit_many([Submission(png_bytes(i, size), "x") for i, size in enumerate(sizes)])
-    engine = recording_engine(64)
-    policy = BatchPolicy(max_batch_size=64, max_queue_delay_s=0.0)
-    BatchingWorker(redis_conn, engine, WorkerConfig(MODEL, policy=policy, burst=True)).run()
+    sizes = [(16, 16)] * 16 + [(1500, 1500)] * 16
+    params = GenerationParams(max_new_tokens=2)
+    ids = producer.submit_many([Submission(png_bytes(i, size), "x", params=params) for i, size in enumerate(sizes)])
+    policy = BatchPolicy(max_batch_size=64, max_queue_delay_s=0.0)  # room for the claim beside the high lane's
+    try:
+        BatchingWorker(redis_conn, engine, WorkerConfig(MODEL, policy=policy, burst=True)).run()
+    finally:
+        engine.close()
     assert all(o.result is not None for o in outcomes(producer, ids).values())
-    assert engine.adds in ([HANDOVER_JOBS, HANDOVER_JOBS], [2 * HANDOVER_JOBS])
+    assert engine.handover_size() == 16 and engine.adds in ([16, 16], [32])
 
 
 def test_a_worker_that_goes_idle_publishes_the_counters_of_its_last_jobs(redis_conn):

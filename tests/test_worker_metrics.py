@@ -7,7 +7,7 @@ from tests.helpers import metric_total, png_bytes, scrape_metrics
 from wicore.embedded import free_port
 from wicore.engines import EngineConfig
 from wicore.engines.fast import FastEngine
-from wicore.engines.fast.options import FastOptions
+from wicore.engines.options import FastOptions
 from wicore.producer import Producer, Submission
 from wicore.scheduler.policy import BatchPolicy
 from wicore.schemas import GenerationParams

@@ -13,7 +13,7 @@ from redis import Redis
 from wicore.config import Settings
 from wicore.defaults import gpu_decode_processes
 from wicore.engines import Engine, EngineConfig, create_engine
-from wicore.engines.fast.options import FastOptions
+from wicore.engines.options import FastOptions
 from wicore.errors import ConfigError
 from wicore.ops.image_decode import ImageLimits
 from wicore.scheduler.policy import BatchPolicy
@@ -52,13 +52,13 @@ def check_device(device: str) -> None:
 
 def resolve_dtype(dtype: str, device: str) -> str:
     if dtype == "fp8":
-        return "bfloat16"  # the activations'; the GEMMs' is the engine option (`engine_options`)
+        return "bfloat16"  # the activations'; the GEMMs' is the engine option gemm_dtype (`fast_options`)
     if dtype != "auto":
         return dtype
     return "bfloat16" if device.startswith("cuda") else "float32"
 
 
-def engine_options(settings: Settings) -> FastOptions:
+def fast_options(settings: Settings) -> FastOptions:
     """The engine's options, with `--dtype fp8` turned into gemm_dtype = "fp8"."""
     options = settings.engine.options()
     return options.model_copy(update={"gemm_dtype": "fp8"}) if settings.dtype == "fp8" else options
@@ -78,7 +78,7 @@ def build_engine(settings: Settings, model_dir: Path) -> Engine:
         dtype=resolve_dtype(settings.dtype, device),
         max_batch_size=settings.batch_size,
         cache=not settings.no_cache,
-        options=engine_options(settings),
+        options=fast_options(settings),
     )
     engine = resolve_engine(settings.engine.name, device)
     if config.options.gemm_dtype == "fp8" and engine != "fast":
@@ -95,7 +95,7 @@ def attach_shared_caches(settings: Settings, connection: Redis, engine: Engine, 
         return
     from wicore.worker.shared_vision_cache import RedisVisionCache
 
-    tag = engine_options(settings).numerics_tag()  # FP8 embeddings differ from bf16's: kept apart
+    tag = fast_options(settings).numerics_tag()  # FP8 embeddings differ from bf16's: kept apart
     store = RedisVisionCache(
         connection,
         namespace=f"{model_id}-{tag}" if tag else model_id,

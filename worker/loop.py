@@ -49,7 +49,6 @@ from wicore.worker.worker_config import InFlight, WorkerConfig, WorkerState, loa
 log = logging.getLogger(__name__)
 
 CANCELS_PER_TAKE = 1024  # cancel requests read per loop iteration (the rest wait for the next)
-HANDOVER_JOBS = 8  # a claim reaches the engine in groups this size (a vision batch): it starts while the rest decode
 REDIS_TIMEOUT_TICK_S = 0.1  # how finely Redis (hz 10, its default) ends BLPOP timeouts
 
 
@@ -318,8 +317,9 @@ class BatchingWorker:
         invalid += [(c, deadline_message(payload)) for c, payload in expired]
         self._end([Finished(c, error=reason) for c, reason in invalid])
         self.metrics.failed("input", len(invalid))
+        group = self.engine.handover_size()
         for index, (c, payload) in enumerate(live):
-            if index % HANDOVER_JOBS == 0:
+            if index % group == 0:
                 batch = next(self._batches)
             self.in_flight[c.id] = InFlight(c, payload, batch)
         self._fetch_images()
@@ -341,7 +341,7 @@ class BatchingWorker:
         return [f for f in self.in_flight.values() if f.loading is not None or not f.fetched]
 
     def _hand_over_loaded(self) -> None:
-        """The jobs of a handover group (`HANDOVER_JOBS` of a claim) go to the engine together,
+        """The jobs of a handover group (`Engine.handover_size` of a claim) go to the engine together,
         once all their images are ready; a bad image fails its job alone."""
         loading = self._loading()
         unready = {f.batch for f in self._before_engine() if f.loading is None or not f.loading.done()}

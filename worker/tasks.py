@@ -18,8 +18,8 @@ from wicore.worker.results import caption_result
 
 @cache
 def _engine():
-    from wicore.cli.common import model_dir_and_id
     from wicore.config import load_settings
+    from wicore.models import model_dir_and_id
     from wicore.worker.factory import build_engine
 
     settings = load_settings()

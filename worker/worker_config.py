@@ -53,7 +53,7 @@ class WorkerConfig:
 class InFlight:
     claimed: Claimed
     payload: CaptionJob
-    batch: int  # its handover group: jobs claimed together reach the engine in groups (`loop.HANDOVER_JOBS`)
+    batch: int  # its handover group: jobs claimed together reach the engine in groups (`Engine.handover_size`)
     fetched: bool = False  # its image bytes were asked of Redis (an outage can come between)
     loading: Future[Loaded] | None = None  # the image, until it reaches the engine
     preprocess_s: float = 0.0

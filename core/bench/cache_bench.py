@@ -34,7 +34,7 @@ from wicore.bench.bench_images import make_images
 from wicore.bench.caption_bench import busy_sampler, device_name
 from wicore.bench.gpu_busy import GpuBusySampler
 from wicore.engines.base import EngineConfig, EngineRequest
-from wicore.engines.fast.options import FastOptions
+from wicore.engines.options import FastOptions
 from wicore.ops.image_decode import decode_image
 from wicore.schemas import DEFAULT_PROMPT, GenerationParams
 

@@ -121,7 +121,7 @@ def democap_accuracy(
 def _democap_run(device: str, samples: list, fp8_anywhere: bool, options: dict) -> tuple[list, dict]:
     from wicore.engines.base import EngineConfig
     from wicore.engines.fast import FastEngine
-    from wicore.engines.fast.options import FastOptions
+    from wicore.engines.options import FastOptions
     from wicore.models import DEMOCAP_DIR
     from wicore.models.democap import evaluate
 

@@ -236,7 +236,7 @@ def _extend(inputs, generated: list[int]):
 def run_config(model_dir: Path, bench: FidelityBench, cache: bool, options: dict, samples: list[Sample]):
     """({id: Completion}, engine stats) of one config's engine on every sample, in order."""
     from wicore.engines.fast import FastEngine
-    from wicore.engines.fast.options import FastOptions
+    from wicore.engines.options import FastOptions
 
     config = EngineConfig(
         str(model_dir), device=bench.device, dtype=bench.dtype, max_batch_size=bench.batch_size, cache=cache,

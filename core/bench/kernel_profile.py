@@ -152,7 +152,7 @@ def run_kernel_profile(bench: KernelBench) -> dict:
     from wicore.bench.roofline import image_work, measure_ceilings
     from wicore.engines.base import EngineConfig
     from wicore.engines.fast import FastEngine
-    from wicore.engines.fast.options import FastOptions
+    from wicore.engines.options import FastOptions
     from wicore.models.gemma3 import make_gemma3_4b
 
     bench.workdir.mkdir(parents=True, exist_ok=True)

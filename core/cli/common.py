@@ -49,38 +49,17 @@ def settings_from(
     return settings
 
 
-def model_dir_and_id(settings: Settings) -> tuple[Path, str]:
-    """The checkpoint to serve and the id jobs name it by."""
-    from wicore.models import default_model
-
-    if settings.model is None:
-        path, default_id = default_model(settings.cache_dir)
-    else:
-        path, default_id = settings.model, model_id_of(settings.model)
-    return path, settings.model_id or default_id
-
-
 def checked_model(settings: Settings, allow_random_weights: bool) -> tuple[Path, str]:
     """`model_dir_and_id`, after checking (cheaply: nothing loads) that the model directory and
     the engine name are usable, so a typo fails in a second rather than after a model load."""
     from wicore.engines import check_engine_name
     from wicore.engines.checkpoint import check_model_dir
+    from wicore.models import model_dir_and_id
 
     model_dir, model_id = model_dir_and_id(settings)
     check_model_dir(model_dir, allow_random_weights=allow_random_weights)
     check_engine_name(settings.engine.name)
     return model_dir, model_id
-
-
-def model_id_of(model_dir: Path) -> str:
-    """A queue-safe id from the directory name (letters, digits, '_' and '-'); the bundled model
-    keeps its own id however its folder is named, so producer and worker agree on it."""
-    from wicore.models import DEMOCAP_DIR, DEMOCAP_ID
-
-    if Path(model_dir).resolve() == DEMOCAP_DIR.resolve():
-        return DEMOCAP_ID
-    name = "".join(c if c.isalnum() or c in "_-" else "-" for c in Path(model_dir).resolve().name).strip("-_")
-    return name or "model"
 
 
 AllowRandomWeightsOption = typer.Option(

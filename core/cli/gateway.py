@@ -16,7 +16,6 @@ from wicore.cli.common import (
     RedisPasswordFileOption,
     console,
     friendly_errors,
-    model_dir_and_id,
     settings_from,
 )
 from wicore.cli.failures import DebugOption, ExitCode, debug_level
@@ -24,6 +23,7 @@ from wicore.cli.jobs import ID_FILE_HELP, read_job_ids
 from wicore.cli.redis_check import connect
 from wicore.config import Settings
 from wicore.errors import ConfigError
+from wicore.models import model_dir_and_id
 
 
 @friendly_errors

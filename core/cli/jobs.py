@@ -19,12 +19,12 @@ from wicore.cli.common import (
     RedisPasswordFileOption,
     console,
     friendly_errors,
-    model_dir_and_id,
     settings_from,
 )
 from wicore.cli.failures import DebugOption, ExitCode, debug_level
 from wicore.cli.input_paths import InputItem, expand_inputs
 from wicore.cli.redis_check import connect
+from wicore.models import model_dir_and_id
 from wicore.schemas import GenerationParams, Lane
 
 ID_FILE_HELP = "Job ids printed by `wicore enqueue`, or - to read its output (id, tab, input per line) from stdin."

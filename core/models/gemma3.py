@@ -11,17 +11,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import torch
 from transformers import (
     Gemma3Config,
-    Gemma3ForConditionalGeneration,
     Gemma3Processor,
     Gemma3TextConfig,
     SiglipVisionConfig,
 )
 from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
 
-from wicore.engines.checkpoint import SEED_FILE
+from wicore.engines.checkpoint import SEED_FILE, seeded_model
 from wicore.models.corpus import tokenizer_corpus
 from wicore.models.tokenizer import BOI, EOI, IMAGE_SOFT, train_tokenizer
 
@@ -115,17 +113,6 @@ def make_processor(tokenizer, config: Gemma3Config) -> Gemma3Processor:
         chat_template=tokenizer.chat_template,
         image_seq_length=config.mm_tokens_per_image,
     )
-
-
-def seeded_model(config: Gemma3Config, seed: int, dtype=torch.float32, device="cpu"):
-    """Random weights from `seed`, with a non-zero projector (HF's init zeroes it)."""
-    torch.manual_seed(seed)
-    with torch.device(device):
-        model = Gemma3ForConditionalGeneration._from_config(config, dtype=dtype)
-    projector = model.model.multi_modal_projector.mm_input_projection_weight
-    with torch.no_grad():
-        projector.normal_(0.0, config.text_config.hidden_size**-0.5)
-    return model.eval()
 
 
 def make_tiny(out_dir: str | Path, *, seed: int = 0, sliding_window: int = 16) -> Path:

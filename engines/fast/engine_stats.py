@@ -32,6 +32,16 @@ class EngineStats:
     # their vision batch and to their first token (where an interactive job's time goes).
     high_lane_timelines: deque = field(default_factory=lambda: deque(maxlen=TIMELINES_KEPT))
 
+    def record_step(self, images: int, decode: list, graphed: bool, prefill: list) -> None:
+        """A step's launches: `images` encoded by its vision batch, its decode and prefill
+        batches (empty: not launched)."""
+        self.record_vision(images)
+        if decode:
+            self.record_decode(len(decode), graphed)
+        if prefill:
+            self.record_prefill(prefill)
+        self.steps += 1
+
     def record_prefill(self, seqs) -> None:
         self.prefill_batches += 1
         self.prefilled += len(seqs)

@@ -33,7 +33,6 @@ from wicore.engines.fast.attention_backends import PagedAttention, PrefillAttent
 from wicore.engines.fast.device_handles import PhaseClock, Readback
 from wicore.engines.fast.graph_runner import GraphRunner, ShapeGraphs
 from wicore.engines.fast.model.weights import Gemma3Parts
-from wicore.engines.fast.options import CUBLAS_AUTOTUNE
 from wicore.engines.fast.prefill_batch import (
     ENDS,
     IDS,
@@ -51,6 +50,7 @@ from wicore.engines.fast.prefill_batch import (
 from wicore.engines.fast.sampler import Sampler, SamplingBatch
 from wicore.engines.fast.sequence import Sequence
 from wicore.engines.kvcache.kv_layout import KVCache, KVLayout
+from wicore.engines.options import CUBLAS_AUTOTUNE
 from wicore.ops.attention import PackedBatch, gemma3_prefill_masks, group_batch
 from wicore.ops.attention.prefix_prefill import gemma3_prefix_masks, group_prefix
 from wicore.ops.image_preprocess import apply_lut

@@ -36,13 +36,15 @@ from __future__ import annotations
 
 import time
 from collections import Counter, deque
+from collections.abc import Hashable
 
 import numpy as np
 
+from wicore.engines.fast.prefix_admission import LowerTiers, place_cached
 from wicore.engines.fast.sequence import KVSlot, SeqStatus, Sequence
+from wicore.engines.fast.step_plan import Landing, StepPlan
 from wicore.engines.kvcache.block_manager import BlockManager
 from wicore.engines.kvcache.kv_layout import KVLayout
-from wicore.engines.kvcache.prefix_admission import LowerTiers, place_cached
 from wicore.schemas import Lane
 
 # Key cells a prefill may gather per layer ([batch, longest prompt]), per token of its budget: a
@@ -50,6 +52,7 @@ from wicore.schemas import Lane
 # warm-up measures a plain prefill (keys = tokens); the extra transient K/V copies (2 x 4 KiB a
 # cell on the 4B) fit in the memory the pool leaves free (`gpu_memory_utilization`).
 KEY_CELLS = 2
+NOTHING_LANDS = Landing()
 
 
 def _no_lower_tier(seq: Sequence, key: bytes) -> bool:
@@ -67,12 +70,15 @@ class StepPlanner:
         lower: LowerTiers = _no_lower_tier,  # whether the host / disk tier holds a block
         split_images: bool = False,  # a cached prefix may end inside an image (`usable_prefix`)
         decode_interval: float = 0.0,  # seconds (module docstring: decode pacing)
+        vision_batches_queued: int = 1,  # vision batches that may be on the device at once
+        synchronous: bool = False,  # the device finishes work as it is launched (CPU; `Landing`)
     ):
         self.layout, self.blocks, self.lower, self.split_images = layout, blocks, lower, split_images
         self.max_rows, self.decode_interval = max_rows, decode_interval
         self.last_decode = -float("inf")  # perf_counter of the last decode batch handed out
         self.decode_paced = False  # the last `schedule_model` held its decode batch back
         self.vision_batch, self.prefill_tokens = vision_batch, prefill_tokens
+        self.vision_batches_queued, self.synchronous = vision_batches_queued, synchronous
         self.key_cells = KEY_CELLS * prefill_tokens
         self.free_rows = deque(range(max_rows))
         self.waiting: deque[Sequence] = deque()  # by rank, then arrival
@@ -104,6 +110,20 @@ class StepPlanner:
     def fits_ever(self, num_tokens: int) -> bool:
         """Whether a sequence of `num_tokens` positions fits in the pool at all."""
         return self.layout.pages_for(num_tokens) <= self.blocks.num_pages - 1
+
+    def plan(self, number: int, vision_queued: int) -> StepPlan:
+        """Step `number`, with `vision_queued` vision batches on the device. A full vision batch
+        may queue behind another; a partial one goes only when none is queued (the device would
+        idle), so the tower mostly runs full, compiled batches. On a synchronous device the
+        step's vision batch and restores are done before its model batches launch (`Landing`)."""
+        unreadable = self.drop_unreadable()
+        vision = self.schedule_vision(self.vision_batches_queued - vision_queued, allow_partial=not vision_queued)
+        admitted = self.take_admitted()
+        landing = Landing.synchronous(vision, admitted) if self.synchronous else NOTHING_LANDS
+        vision_busy = not self.synchronous and vision_queued + bool(vision) > 0
+        prefill, decode = self.schedule_model(vision_busy, landing)
+        urgent = self.lead_rank is not None
+        return StepPlan(number, unreadable, admitted, self.blocks.take_evicted(), vision, urgent, decode, prefill)
 
     def schedule_vision(self, vision_slots: int, allow_partial: bool = True) -> list[Sequence]:
         """Admit what fits, then pick the next vision batch if `vision_slots` (batches that may
@@ -137,9 +157,12 @@ class StepPlanner:
         admitted, self.newly_admitted = self.newly_admitted, []
         return admitted
 
-    def schedule_model(self, vision_busy: bool = False) -> tuple[list[Sequence], list[Sequence]]:
+    def schedule_model(
+        self, vision_busy: bool = False, landing: Landing = NOTHING_LANDS
+    ) -> tuple[list[Sequence], list[Sequence]]:
         """(prefill batch, decode batch) of this step; `vision_busy`: a vision batch is on the
-        device, so the decode batch may wait (module docstring: decode pacing)."""
+        device, so the decode batch may wait (module docstring: decode pacing); `landing`: what
+        is done before they launch."""
         lead = self.lead_rank
         decode = [s for s in self.admitted if s.wants_decode and (lead is None or s.rank <= lead)]
         now = time.perf_counter()
@@ -150,7 +173,7 @@ class StepPlanner:
             self.last_decode = now
         if self.blocks.cache is not None:
             decode.sort(key=_pages_key)  # sharers of a prefix side by side (module docstring)
-        return self._take_prefill(lead), decode
+        return self._take_prefill(lead, landing), decode
 
     def decode_due_in(self) -> float:
         """Seconds until the decode batch this step held back goes anyway (inf: none held back)."""
@@ -177,9 +200,10 @@ class StepPlanner:
 
     def _place(self, seq: Sequence) -> bool:
         """Pages and table for `seq`; False when they do not fit yet."""
-        keys = seq.prompt_keys() if self.blocks.cache is not None else None
-        if keys is not None:
-            with self.blocks.cache.stats.timed():  # the GPU tier's host time: matching, taking hits
+        cache = self.blocks.cache
+        keys = seq.prompt_keys() if cache is not None else None
+        if cache is not None and keys is not None:
+            with cache.stats.timed():  # the GPU tier's host time: matching, taking hits
                 return place_cached(seq, keys, self.blocks, self.layout, self.lower, self.split_images)
         need = self.layout.pages_for(seq.max_len)
         if not self.blocks.can_allocate(need):
@@ -201,7 +225,8 @@ class StepPlanner:
     def _vision_batch(self, lead: int | None) -> tuple[list[Sequence], int]:
         """(sequences, distinct images among them): an image several of them ask about is
         encoded once, so it counts once towards `vision_batch`."""
-        batch, images = [], set()
+        batch: list[Sequence] = []
+        images: set[Hashable] = set()
         for seq in self.admitted:
             if seq.status == SeqStatus.VISION and not seq.vision.launched and _runs(seq, lead):
                 new = _image_ids(seq) - images
@@ -211,13 +236,14 @@ class StepPlanner:
                 images |= new
         return batch, len(images)
 
-    def _take_prefill(self, lead: int | None) -> list[Sequence]:
+    def _take_prefill(self, lead: int | None, landing: Landing) -> list[Sequence]:
         """Ready sequences, oldest first, while the batch padded to its longest uncached suffix
         (the tokens it computes) stays within `prefill_tokens`, and padded to its longest
         prompt (the keys each layer gathers for attention) within KEY_CELLS x that."""
-        batch, suffix, prompt = [], 0, 0
+        batch: list[Sequence] = []
+        suffix, prompt = 0, 0
         for seq in self.admitted:
-            if seq.status == SeqStatus.PREFILL and seq.cache.blocks_ready and _runs(seq, lead):
+            if landing.prefill_ready(seq) and (lead is None or seq.rank <= lead or landing.others_wait(seq)):
                 suffix_next = max(suffix, seq.prompt_len - seq.cache.prefix_len)
                 prompt_next = max(prompt, seq.prompt_len)
                 size = len(batch) + 1
@@ -287,7 +313,8 @@ def _runs(seq: Sequence, lead: int | None) -> bool:
 def _pages_key(seq: Sequence) -> bytes:
     """Orders sequences by their first group's pages: equal leading pages (a shared prefix) end
     up adjacent, like keys in a trie."""
-    return seq.kv.table[0].tobytes()
+    table = seq.kv.table
+    return table[0].tobytes() if table is not None else b""
 
 
 def _image_ids(seq: Sequence) -> set:

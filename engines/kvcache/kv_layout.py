@@ -22,10 +22,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from wicore.engines.fast.model.text_decoder import SLIDING
 from wicore.ops.attention import kv_storage_dtype
 
 NULL_PAGE = 0
+SLIDING, FULL = "sliding_attention", "full_attention"  # a Gemma-3 config's layer_types
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""Restores: blocks from the host tier (or read from disk) into an admitted sequence's pages.
+"""Restores: blocks from the host tier (or read from disk) into the pages of their owner (an
+admitted sequence).
 
 A restore is queued at admission, its host blocks pinned in the host tier (a demotion cannot
 reuse their slots), and starts at the step's `land`, after that step's demotion has queued its
@@ -27,7 +28,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -37,8 +38,12 @@ from wicore.engines.kvcache.host_tier import HostTier, Transfer
 from wicore.engines.kvcache.kv_layout import KVCache
 from wicore.ops.transfer import BatchCopier, upload
 
-if TYPE_CHECKING:
-    from wicore.engines.fast.sequence import Sequence
+
+class RestoreOwner(Protocol):
+    """Whoever waits for restores (a sequence's cache record): its `restores` are marked ready
+    and emptied once they land."""
+
+    restores: list[Restore]
 
 
 @dataclass
@@ -54,7 +59,7 @@ class Copy:
 
 @dataclass
 class RestoreJob:
-    seq: Sequence
+    owner: RestoreOwner
     in_host: list[Restore]
     from_disk: list[Restore]
     prefetched: dict  # key -> CPU block, for `from_disk`
@@ -84,18 +89,18 @@ class Restorer:
         self.queued: deque[RestoreJob] = deque()
         self.running: list[RestoreJob] = []
 
-    def queue(self, seq: Sequence, in_host: list[Restore], from_disk: list[Restore], prefetched: dict) -> None:
+    def queue(self, owner: RestoreOwner, in_host: list[Restore], from_disk: list[Restore], prefetched: dict) -> None:
         missing = [r.key.hex()[:16] for r in from_disk if r.key not in prefetched]
         if missing:
             raise RuntimeError(f"blocks to restore are in no tier: {missing}")
         for restore in in_host:
             self.host.pin(restore.key)
-        self.queued.append(RestoreJob(seq, in_host, from_disk, {r.key: prefetched[r.key] for r in from_disk}))
+        self.queued.append(RestoreJob(owner, in_host, from_disk, {r.key: prefetched[r.key] for r in from_disk}))
 
     def land(self) -> None:
         """Scatter finished restores (main stream) and start queued ones; on CPU, until done."""
         while True:
-            self._scatter_finished()
+            self.land_finished()
             if not self.launch():
                 return
 
@@ -158,7 +163,8 @@ class Restorer:
         for restore in job.in_host:
             self.host.unpin(restore.key)
 
-    def _scatter_finished(self) -> None:
+    def land_finished(self) -> None:
+        """Scatter the restores whose copies completed (main stream); start none."""
         still = []
         for job in self.running:
             if not job.done():
@@ -169,10 +175,10 @@ class Restorer:
                 if copy.data is not None:
                     pages = upload(copy.pages, self.kv.tensor.device, torch.int64)
                     self.kv.scatter_pages(pages, copy.data.view(-1, *copy.data.shape[2:]))
-            for restore in job.seq.cache.restores:
+            for restore in job.owner.restores:
                 if restore.block is not None:
                     restore.block.ready = True
-            job.seq.cache.restores = []
+            job.owner.restores = []
         self.running = still
 
     def _upload(self, restores: list[Restore], prefetched: dict) -> Copy:

@@ -11,35 +11,28 @@ the host tier evicts goes to the disk tier's writer thread (a CPU copy); blocks 
 has no room for at all go there straight from the staging buffer (`_spill`). Nothing here waits
 for the disk.
 
-Up: `prefetch` starts disk reads for waiting sequences (the reader thread, into pinned memory),
-so admission can count those blocks as hits; `start` queues an admitted sequence's restores and
-`land` starts them and lands finished ones in its pages (`restores.Restorer`).
+Up: `read_ahead` starts a disk read of a prompt's blocks (the reader thread, into pinned memory),
+so admission can count those blocks as hits; `queue_restores` queues the restores of an owner (an
+admitted sequence's cache record) and `land` starts them and lands finished ones in its pages
+(`restores.Restorer`). Which sequences read ahead and when is the engine's
+(`wicore.engines.fast.sequence_tiers`): nothing here knows a sequence.
 """
 
 from __future__ import annotations
 
-import itertools
-import logging
 from dataclasses import replace
-from typing import TYPE_CHECKING
 
 import torch
 
 from wicore.engines.kvcache.block_hashes import BlockHash
 from wicore.engines.kvcache.cache_stats import CacheStats
 from wicore.engines.kvcache.disk_io import AsyncDiskTier
-from wicore.engines.kvcache.gpu_tier import PrefixCache
+from wicore.engines.kvcache.gpu_tier import PrefixCache, Restore
 from wicore.engines.kvcache.host_tier import HostTier
 from wicore.engines.kvcache.kv_layout import KVCache
-from wicore.engines.kvcache.restores import Restorer
+from wicore.engines.kvcache.restores import RestoreOwner, Restorer
 from wicore.engines.pending import Pending
 from wicore.ops.transfer import upload
-
-if TYPE_CHECKING:
-    from wicore.engines.fast.sequence import Sequence
-
-log = logging.getLogger(__name__)
-PREFETCH_AHEAD = 64  # waiting sequences (from the head) whose disk blocks are read ahead
 
 
 class KVTiers:
@@ -68,68 +61,42 @@ class KVTiers:
 
     # -- lookups ----------------------------------------------------------------------------
 
-    def holds(self, seq: Sequence, key: BlockHash) -> bool:
-        """Whether the host tier, or the blocks prefetched from disk for `seq`, have `key`."""
-        return (self.host is not None and key in self.host) or key in self._prefetched(seq)
+    def in_host(self, key: BlockHash) -> bool:
+        return self.host is not None and key in self.host
 
-    def prefetch(self, waiting, cache: PrefixCache | None) -> None:
-        """Start disk reads for waiting sequences: the run of blocks on disk that starts at or
-        after their first block no upper tier holds now. Starting after it is useful too: a
-        sequence admitted earlier may compute the missing blocks first (after a restart the
-        hottest, first blocks of a prompt are usually nowhere, having never left the GPU). Only
-        the first PREFETCH_AHEAD are read: the blocks read wait in pinned memory until admission."""
-        if self.disk is None or cache is None:
-            return
-        for seq in itertools.islice(waiting, PREFETCH_AHEAD):
-            state = seq.cache
-            hashing = state.keys is not None and not state.keys.ready
-            if not state.disk_lookup or state.prefetched is not None or hashing:
-                continue
-            keys = seq.prompt_keys()
-            if keys is None:
-                state.disk_lookup = False
-                continue
-            start = len(cache.match(keys.keys))
-            while start < len(keys.keys) and self.host is not None and keys.keys[start] in self.host:
-                start += 1
-            rest = keys.keys[start:]
-            first = next((i for i, key in enumerate(rest) if self.disk.might_have(key)), None)
-            if first is None:
-                state.prefetched = Pending.now({})
-            else:
-                read = self.disk.read_prefix(rest[first:], self.block_shape, self.kv.tensor.dtype, self.cuda)
-                state.prefetched = Pending(read)
-
-    def _prefetched(self, seq: Sequence) -> dict:
-        """The blocks read from disk for `seq` (once ready); a failed read leaves none."""
-        read = seq.cache.prefetched
-        if read is not None and read.failed:
-            log.warning("disk tier: reading blocks for %s failed: %s", seq.id, read.error)
-            seq.cache.prefetched = read = Pending.now({})
-        return read.value if read is not None else {}
+    def read_ahead(self, keys: list[BlockHash], gpu_hits: int) -> Pending[dict]:
+        """Start reading from disk the run of a prompt's blocks that starts at or after its first
+        block no upper tier holds (`gpu_hits` lead it in the GPU pool); key -> CPU block."""
+        start = gpu_hits
+        while start < len(keys) and self.in_host(keys[start]):
+            start += 1
+        rest = keys[start:]
+        first = next((i for i, key in enumerate(rest) if self.disk.might_have(key)), None)
+        if first is None:
+            return Pending.now({})
+        return Pending(self.disk.read_prefix(rest[first:], self.block_shape, self.kv.tensor.dtype, self.cuda))
 
     # -- up ---------------------------------------------------------------------------------
 
-    def start(self, seq: Sequence) -> None:
-        """Queue the copies of an admitted sequence's `restores` (host or prefetched blocks)."""
-        prefetched, seq.cache.prefetched = self._prefetched(seq), None
-        restores = seq.cache.restores
-        in_host = [r for r in restores if self.host is not None and r.key in self.host]
-        from_disk = [r for r in restores if self.host is None or r.key not in self.host]
-        self._count_lookups(seq, len(in_host))
+    def queue_restores(self, owner: RestoreOwner, prefetched: dict, lookups: int) -> None:
+        """Queue the copies of `owner.restores` (host or `prefetched` blocks); `lookups`: the
+        blocks it looked for below the GPU pool (the host tier's hit rate)."""
+        restores: list[Restore] = owner.restores
+        in_host = [r for r in restores if self.in_host(r.key)]
+        from_disk = [r for r in restores if not self.in_host(r.key)]
+        if self.host is not None:
+            self.host.stats.record(hits=len(in_host), misses=max(0, lookups - len(in_host)))
         if restores:
-            self.restorer.queue(seq, in_host, from_disk, prefetched)
+            self.restorer.queue(owner, in_host, from_disk, prefetched)
             self.restored_bytes += len(restores) * self.block_bytes
 
     def land(self) -> None:
         """Scatter finished restores into their pages and start queued ones (`Restorer`)."""
         self.restorer.land()
 
-    def _count_lookups(self, seq: Sequence, host_hits: int) -> None:
-        if self.host is not None:
-            keys = seq.prompt_keys()
-            lookups = len(keys.keys) - len(seq.cache.reads) if keys is not None else 0
-            self.host.stats.record(hits=host_hits, misses=max(0, lookups - host_hits))
+    def land_finished(self) -> None:
+        """Scatter finished restores into their pages; start none (they start behind a demotion)."""
+        self.restorer.land_finished()
 
     # -- down -------------------------------------------------------------------------------
 
@@ -213,7 +180,7 @@ class KVTiers:
 
     def close(self) -> None:
         """Stop the disk tier's threads and let go of the KV pool and the pinned host pool: the
-        scheduler still holds `holds` after the engine closes, and the host tier's eviction
+        scheduler still holds `SequenceTiers.holds` after the engine closes, and the host tier's eviction
         hook points back here."""
         if self.disk is not None:
             self.disk.close()

@@ -21,8 +21,7 @@ from __future__ import annotations
 
 import torch
 
-KV_FP8 = torch.float8_e4m3fn
-FP8_MAX = torch.finfo(KV_FP8).max  # 448
+from wicore.ops.fp8_format import E4M3_MAX, KV_FP8
 
 
 def kv_storage_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -48,7 +47,7 @@ def store_kv(
             return
     for cache, new in ((k_cache, k), (v_cache, v)):
         if cache.dtype == KV_FP8:
-            new = new.clamp(-FP8_MAX, FP8_MAX).to(KV_FP8).view(torch.uint8)
+            new = new.clamp(-E4M3_MAX, E4M3_MAX).to(KV_FP8).view(torch.uint8)
         _slot_rows(cache).index_copy_(0, slots, new)
 
 

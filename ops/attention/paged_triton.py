@@ -19,10 +19,9 @@ import torch
 import triton
 import triton.language as tl
 
-from wicore.ops.attention.paged import FP8_MAX as _FP8_MAX
-from wicore.ops.attention.paged import KV_FP8
+from wicore.ops.fp8_format import E4M3_MAX, KV_FP8
 
-FP8_MAX = tl.constexpr(_FP8_MAX)  # a kernel reads module globals only as constexprs
+FP8_MAX = tl.constexpr(E4M3_MAX)  # a kernel reads module globals only as constexprs
 
 
 @triton.jit

@@ -18,8 +18,9 @@ from transformers import (
     SiglipVisionConfig,
 )
 
+from wicore.engines.checkpoint import seeded_model
 from wicore.models.corpus import tokenizer_corpus
-from wicore.models.gemma3 import joined_config, make_processor, seeded_model
+from wicore.models.gemma3 import joined_config, make_processor
 from wicore.models.tokenizer import END_OF_TURN, train_tokenizer
 from wicore.schemas import DEFAULT_PROMPT
 

@@ -18,10 +18,10 @@ import torch
 from torch import nn
 
 from wicore.engines.fast.model.layers import GatedMLP, GemmaRMSNorm, gelu_approximation
+from wicore.engines.kvcache.kv_layout import FULL, SLIDING
 from wicore.errors import ConfigError
 from wicore.ops.fp8 import FP8Weight, gated_gelu_linear, linear
 
-SLIDING, FULL = "sliding_attention", "full_attention"
 DENSE_WEIGHTS = ("qkv_weight", "o_weight", "gate_up_weight", "down_weight")  # a layer's GEMM weights, after fusing
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -27,7 +28,7 @@ _RENAMES = [
 
 @dataclass
 class Gemma3Parts:
-    config: object  # transformers Gemma3Config
+    config: Any  # transformers Gemma3Config
     encoder: ImageEncoder
     decoder: TextDecoder
 

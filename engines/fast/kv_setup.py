@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from wicore.engines.fast.options import ResolvedFastConfig
 from wicore.engines.kvcache.disk_io import AsyncDiskTier
 from wicore.engines.kvcache.disk_tier import DiskTier
 from wicore.engines.kvcache.eviction import A2CR, LRU, EvictionPolicy
@@ -13,6 +12,7 @@ from wicore.engines.kvcache.gpu_tier import PrefixCache
 from wicore.engines.kvcache.host_tier import HostTier
 from wicore.engines.kvcache.kv_layout import KVCache, KVLayout
 from wicore.engines.kvcache.tiers import KVTiers
+from wicore.engines.options import ResolvedFastConfig
 from wicore.errors import ConfigError
 from wicore.ops.transfer import batch_copier
 

@@ -1,10 +1,11 @@
-"""The `fast` engine's options and their resolution.
+"""Engine options and their resolution, beneath every engine (only `fast` takes any).
 
 `FastOptions` is what a user sets (the settings' `[engine]` section, core/config.py): typed,
 documented, strict (`true`, not `1` or `"yes"`), unknown keys rejected. A default that depends on
-the device or the model is `None` here; `FastOptions.resolve` fixes every one of them once, into
-a frozen `ResolvedFastConfig` of plain values that the engine and its parts read. This module
-imports neither torch nor Redis: the settings import it.
+the device or the model is `None` here; `resolve_options` fixes every one of them once, from the
+checkpoint's config before any weight loads, into a frozen `ResolvedFastConfig` of plain values
+that the engine, its parts and the worker read. This module imports neither torch nor Redis: the
+settings import it.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from wicore.engines.checkpoint import max_positions
 from wicore.errors import ConfigError
 
 CUBLAS_AUTOTUNE = "max-autotune-cublas"  # vision_compile_mode: max-autotune's fusion tuning, cuBLAS GEMMs
@@ -319,6 +321,16 @@ class FastOptions(BaseModel):
         if self.disk_cache_dir is not None and not cuda:
             raise ConfigError("disk_cache_dir on CPU needs host_cache_bytes (the disk tier sits below the host tier)")
         return DEFAULT_HOST_CACHE_BYTES if cuda else 0
+
+
+def resolve_options(
+    options: FastOptions, model_dir: str, *, device: str, max_batch_size: int, cache: bool = True
+) -> ResolvedFastConfig:
+    """`options` for one checkpoint on one device (`cpu`, `cuda`, `cuda:N`): its position limit
+    read from the checkpoint's config, no weights loaded."""
+    cuda = device.split(":")[0] == "cuda"
+    limit = max_positions(model_dir)
+    return options.resolve(cuda=cuda, model_limit=limit, max_batch_size=max_batch_size, cache=cache)
 
 
 @dataclass(frozen=True)

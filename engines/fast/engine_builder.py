@@ -1,0 +1,195 @@
+"""Building the fast engine's parts from its config, in the order the device needs.
+
+The options are resolved first, from the checkpoint's config (`resolve_options`); devices that
+cannot run the asked precision are refused before the slow load; the weights load (and are
+quantized for FP8 GEMMs); the model runner is built, compiled and captured before the KV budget
+is measured (graph pools stay taken); the pool is allocated and the prefix cache's parts built
+on it; then the step's owners: `StepPlanner`, `StepRunner`, `Postprocess`.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from wicore.engines.base import EngineConfig
+from wicore.engines.checkpoint import load_processor, torch_dtype
+from wicore.engines.fast.device_handles import Readbacks
+from wicore.engines.fast.engine_stats import EngineStats
+from wicore.engines.fast.image_stage import ImageStage
+from wicore.engines.fast.kv_budget import plan_pages
+from wicore.engines.fast.kv_setup import build_prefix_cache, build_tiers
+from wicore.engines.fast.model import fp8 as fp8_weights
+from wicore.engines.fast.model.weights import Gemma3Parts, load_gemma3
+from wicore.engines.fast.model_runner import ModelRunner
+from wicore.engines.fast.postprocess import Postprocess
+from wicore.engines.fast.prompt_inputs import InputProcessor
+from wicore.engines.fast.sampler import Sampler
+from wicore.engines.fast.step_planner import StepPlanner
+from wicore.engines.fast.step_runner import StepRunner
+from wicore.engines.kvcache.block_manager import BlockManager
+from wicore.engines.kvcache.kv_layout import KVCache, KVLayout
+from wicore.engines.kvcache.prefix_keys import PromptKeyer, model_fingerprint
+from wicore.engines.kvcache.tiers import KVTiers
+from wicore.engines.options import ResolvedFastConfig, resolve_options
+from wicore.engines.text import stop_token_ids
+from wicore.ops.attention import KV_FP8
+from wicore.priority_pool import PriorityPool
+
+
+@dataclass
+class EngineParts:
+    options: ResolvedFastConfig
+    tokenizer: Any
+    eos_ids: frozenset[int]
+    weights: dict  # what `stats` reports of the weights (bytes; FP8: the quantization's figures)
+    inputs: InputProcessor
+    runner: ModelRunner
+    blocks: BlockManager
+    tiers: KVTiers
+    keyer: PromptKeyer
+    planner: StepPlanner
+    pool: PriorityPool | None  # the pixel threads (a better lane's images first); None: inline
+    images: ImageStage
+    step_runner: StepRunner
+    post: Postprocess
+    counters: EngineStats
+    rng: random.Random  # seeds for sampled requests that bring none
+
+
+def build(config: EngineConfig, fp8_anywhere: bool) -> EngineParts:
+    device = torch.device(config.device)
+    check_device(config, device, fp8_anywhere)  # before the slow load
+    options = resolve_options(
+        config.options, config.model_dir, device=config.device, max_batch_size=config.max_batch_size, cache=config.cache
+    )
+    processor = load_processor(config.model_dir)
+    eos_ids = stop_token_ids(config.model_dir, processor.tokenizer)
+    model = load_gemma3(config.model_dir, device, config.dtype, config.seed)
+    weights = load_precision(config, options, model)
+    if options.torch_threads is not None:
+        torch.set_num_threads(options.torch_threads)  # process-wide: a worker process runs one engine
+    inputs = InputProcessor(processor, model.image_token_id, model.tokens_per_image)
+    runner = model_runner(config, options, model, inputs, Sampler(model.config.text_config.vocab_size, eos_ids, device))
+    blocks = kv_pool(config, options, runner)
+    fp8_weights.forget_attention_scales(model.encoder.vision_tower)  # what the warm-ups saw
+    if options.cuda:
+        torch.cuda.synchronize()  # setup ran on the default stream; steps run on others
+    text = model.config.text_config
+    tiers = build_tiers(allocated(runner), options, text.num_key_value_heads, text.head_dim)
+    pool = PriorityPool(options.preprocess_threads, "wicore-pixels") if options.preprocess_threads else None
+    images = ImageStage(runner, inputs, pool, options.vision_cache_bytes)
+    step_runner = StepRunner(runner, images, tiers, Readbacks())
+    planner = step_planner(config, options, runner.layout, blocks, step_runner)
+    counters = EngineStats()
+    post = Postprocess(planner, images, step_runner.readbacks, counters, runner.clock, processor.tokenizer, eos_ids)
+    keyer = PromptKeyer(prefix_model_id(config, runner.layout), options.block_size, model.tokens_per_image)
+    return EngineParts(
+        options, processor.tokenizer, eos_ids, weights, inputs, runner, blocks, tiers, keyer, planner, pool, images,
+        step_runner, post, counters, random.Random(config.seed),
+    )  # fmt: skip
+
+
+def check_device(config: EngineConfig, device: torch.device, fp8_anywhere: bool) -> None:
+    """Refuse FP8 GEMMs, attention or KV pages on a device without them. `fp8_anywhere`: the
+    GEMMs run wherever torch's scaled matmul does (the CPU tests)."""
+    options = config.options
+    if options.gemm_dtype == "fp8" and not fp8_anywhere:
+        fp8_weights.check_device(device, config.dtype)
+        if options.fp8_vision_attention:
+            fp8_weights.check_attention_device(device)
+    if options.fp8_kv_cache:
+        fp8_weights.check_kv_device(device)
+
+
+def load_precision(config: EngineConfig, options: ResolvedFastConfig, model: Gemma3Parts) -> dict:
+    """FP8 GEMMs: the weights quantized (and the tower's FP8 attention prepared); returns what
+    `stats` reports of them."""
+    if config.options.gemm_dtype != "fp8":
+        return {"weight_bytes": fp8_weights.weight_bytes(model)}
+    attention = config.options.fp8_vision_attention
+    report = fp8_weights.quantize(model, attention).as_dict()
+    if attention:
+        fp8_weights.prepare_attention(model.encoder.vision_tower, options.vision_batch_size)
+    return report
+
+
+def model_runner(
+    config: EngineConfig, options: ResolvedFastConfig, model: Gemma3Parts, inputs: InputProcessor, sampler: Sampler
+) -> ModelRunner:
+    """The model runner, compiled and its vision graph captured (before the KV budget: the
+    graph's memory pool stays taken)."""
+    text = model.config.text_config
+    runner = ModelRunner(
+        model,
+        KVLayout.build(text, options.block_size, options.max_model_len),
+        config.max_batch_size,
+        sampler,
+        torch.device(config.device),
+        torch_dtype(config.dtype),
+        options.overlap_vision,
+        pixel_lut=inputs.pixel_spec.lut,
+        paged_suffix=options.paged_prefill_tokens,
+        kv_dtype=KV_FP8 if config.options.fp8_kv_cache else None,
+    )
+    if options.compile_vision:
+        runner.compile_vision(options.vision_batch_size, options.vision_compile_mode)
+    if options.compile_text:
+        runner.compile_text()
+    if options.vision_graph:
+        runner.capture_vision(options.vision_batch_size)
+    return runner
+
+
+def kv_pool(config: EngineConfig, options: ResolvedFastConfig, runner: ModelRunner) -> BlockManager:
+    """The KV pages that fit beside everything else, allocated, their graphs captured."""
+    num_pages = plan_pages(
+        runner,
+        override=options.num_kv_blocks,
+        max_batch=config.max_batch_size,
+        max_len=options.max_model_len,
+        vision_batch=options.vision_batch_size,
+        prefill_tokens=options.max_prefill_tokens,
+        utilization=options.gpu_memory_utilization,
+        reserve=options.vision_cache_bytes,
+    )
+    runner.allocate_cache(num_pages)
+    if options.cuda_graphs:
+        runner.capture_graphs(
+            list(options.graph_batch_sizes), list(options.graph_prefill_tokens), options.dense_prefill_graphs
+        )
+    return BlockManager(num_pages, build_prefix_cache(options, num_pages, runner.layout))
+
+
+def allocated(runner: ModelRunner) -> KVCache:
+    if runner.cache is None:
+        raise RuntimeError("the KV pool is built before the prefix cache's tiers")
+    return runner.cache
+
+
+def step_planner(
+    config: EngineConfig, options: ResolvedFastConfig, layout: KVLayout, blocks: BlockManager, step_runner: StepRunner
+) -> StepPlanner:
+    return StepPlanner(
+        layout,
+        blocks,
+        config.max_batch_size,
+        options.vision_batch_size,
+        options.max_prefill_tokens,
+        step_runner.sequence_tiers.holds,
+        options.prefix_split_images,
+        options.decode_interval_s,
+        options.vision_batches_queued,
+        synchronous=not options.cuda,
+    )
+
+
+def prefix_model_id(config: EngineConfig, layout: KVLayout) -> str:
+    """What salts every prefix key: the checkpoint and its numbers (FP8 GEMMs and attention write
+    other K/V; FP8 pages hold other bytes)."""
+    kv_tag = "kv-fp8" if config.options.fp8_kv_cache else None
+    precision = "+".join(filter(None, (config.dtype, config.options.numerics_tag(), kv_tag)))
+    return model_fingerprint(config.model_dir, precision, layout)
