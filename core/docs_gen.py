@@ -163,11 +163,11 @@ def settings_page() -> str:
     parts.append("\n## Engine options\n\nThe `[engine]` section: `name` and the fast engine's options. Flags: "
                  "`--engine NAME`, `--engine-option KEY=VALUE` (repeatable); environment: `WICORE_ENGINE__KEY`. "
                  "Values are read as JSON, else as a string.\n\n")  # fmt: skip
-    rows = [
+    options = [
         (f"`{name}`", annotation(field.annotation), default_of(field), field.description or "")
         for name, field in EngineSettings.model_fields.items()
     ]
-    parts.append(table(("option", "type", "default", "what"), rows))
+    parts.append(table(("option", "type", "default", "what"), options))
     return "".join(parts)
 
 

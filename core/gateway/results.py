@@ -86,7 +86,7 @@ class ResultReader:
         if self.can_unblock and self._reader_id is None:
             self._reader_id = await self._client_id()
         self.changed.clear()
-        streams = {name: watch.last_seen for name, watch in self.watches.items()}
+        streams: dict = {name: watch.last_seen for name, watch in self.watches.items()}
         block_ms = READ_SLICE_MS if self.can_unblock else SHORT_SLICE_MS
         read = asyncio.ensure_future(self.reader.xread(streams, block=block_ms))
         if self.can_unblock:
@@ -110,9 +110,10 @@ class ResultReader:
         changed = asyncio.ensure_future(self.changed.wait())
         await asyncio.wait({read, changed}, return_when=asyncio.FIRST_COMPLETED)
         changed.cancel()
-        while not read.done():
+        reader_id = self._reader_id
+        while reader_id is not None and not read.done():
             try:
-                await self.control.client_unblock(self._reader_id)
+                await self.control.client_unblock(reader_id)
             except ResponseError as exc:
                 self._refused(exc)
                 return

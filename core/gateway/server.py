@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import resource
 from dataclasses import dataclass, replace
 
@@ -149,7 +150,7 @@ def run(app, host: str, port: int, limits: ServerLimits, log_level: str) -> None
         log_level=log_level,
         http=guarded_protocol(replace(limits, max_connections=cap)),
         backlog=BACKLOG,
-        timeout_keep_alive=limits.keep_alive_s,
+        timeout_keep_alive=math.ceil(limits.keep_alive_s),  # uvicorn takes whole seconds
         h11_max_incomplete_event_size=MAX_HEADER_BYTES,
     )
     server = server_class()(config)
