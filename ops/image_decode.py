@@ -83,17 +83,19 @@ def shrink_factors(size: tuple[int, int], fit: tuple[int, int]) -> tuple[int, in
 
 
 def working_bytes(image: Image.Image) -> int:
-    """Bytes a decode of `image` (opened, not loaded) holds at its peak: Pillow's buffer (4 bytes
-    a pixel in every mode wider than 8 bits) and the full-size conversion made before it is
-    shrunk (`_reducible`): an RGBA copy and its premultiplied one for transparency, float64
-    arrays for deep gray (`rgb.deep_gray_to_l`), RGB for other modes."""
+    """Bytes a decode of `image` (opened, not loaded) holds at its peak when it shrinks it:
+    Pillow's buffer (4 bytes a pixel in every mode wider than 8 bits) and the full-size copies
+    made before the reduce (`_reducible`): float64 arrays for deep gray (`rgb.deep_gray_to_l`),
+    RGBA for a transparency key and its premultiplied copy for any alpha, RGB for other modes."""
     width, height = image.size
     stored = 1 if image.mode in ("1", "L", "P") else 4
     if is_deep_gray(image):
-        return width * height * (stored + 3 * 8)
-    if has_alpha(image):
-        return width * height * (stored + 4 + 4)
-    return width * height * (stored + (0 if image.mode in _REDUCIBLE_MODES else 4))
+        copies = 3 * 8
+    elif has_alpha(image):
+        copies = (0 if image.mode in ("LA", "RGBA") else 4) + 4
+    else:
+        copies = 0 if image.mode in _REDUCIBLE_MODES else 4
+    return width * height * (stored + copies)
 
 
 def _opened(data: bytes, limits: ImageLimits, fit: tuple[int, int] | None) -> Image.Image:
