@@ -1,11 +1,13 @@
-"""How much full-size pixel memory a process's image decodes may hold at once.
+"""How much full-size pixel memory image decodes may hold at once: in one process's threads, or
+across the decode processes a budget is handed to when they start.
 
 A decode reserves what it will need (`image_decode.working_bytes`, judged from the header before
-any pixel is decoded) and waits until that fits under the budget beside the decodes already running; one
-that needs more than the whole budget runs alone. Waiters go in arrival order, so a large image
-is not overtaken forever by small ones. When the last decode of a busy spell ends, memory that
-glibc's allocator kept (Pillow's 16 MB blocks fall under glibc's adaptive mmap threshold and
-stay in its heaps) goes back to the operating system (`malloc_trim`).
+any pixel is decoded), in units, and waits until they are free; one that needs more than the
+whole budget takes all of it and runs alone. One reservation collects its units at a time, so
+two never wait on each other half-served, and a large image is not overtaken by small ones.
+After a large decode, memory glibc's allocator kept goes back to the operating system
+(`malloc_trim`): Pillow allocates images in 16 MB blocks, which fall under glibc's adaptive mmap
+threshold once one has been freed and then stay in its heaps.
 """
 
 from __future__ import annotations
@@ -13,60 +15,61 @@ from __future__ import annotations
 import ctypes
 import functools
 import threading
-from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
+from multiprocessing.context import BaseContext
 
-# Returning memory to the OS costs a walk of the heap: only after spells that held this much.
+UNIT = 2**20  # bytes per unit reserved
+# Returning memory to the OS costs a walk of the heap: only after decodes that held this much.
 TRIM_AFTER_BYTES = 64 * 2**20
 
 
 class DecodeBudget:
-    def __init__(self, capacity: int):
-        self.capacity = capacity
-        self._in_use = 0
-        self._spell_peak = 0  # most bytes held since the budget was last idle
-        self._waiting: deque[object] = deque()  # a ticket per waiter, by arrival
-        self._changed = threading.Condition()
+    def __init__(self, capacity: int, context: BaseContext | None = None, unit: int = UNIT):
+        """`context`: a multiprocessing context, for a budget that processes of that context share
+        (pass it to them as they start: `use_budget`); None: this process's threads only."""
+        self.capacity, self.unit = capacity, unit
+        self.units = max(1, capacity // unit)
+        sync = threading if context is None else context
+        self._turn = sync.Lock()  # held while one reservation collects its units
+        self._free = sync.Semaphore(self.units)
 
     @contextmanager
     def reserve(self, num_bytes: int) -> Iterator[None]:
-        """Hold `num_bytes` of the budget for the block (all of it, when `num_bytes` is more)."""
-        need = min(num_bytes, self.capacity)
-        self._acquire(need)
+        """Hold `num_bytes` of the budget (all of it, when `num_bytes` is more) for the block."""
+        units = min(self.units, max(1, -(-num_bytes // self.unit)))
+        taken = 0
         try:
+            with self._turn:
+                for _ in range(units):
+                    self._free.acquire()
+                    taken += 1
             yield
         finally:
-            self._release(need)
-
-    def _acquire(self, need: int) -> None:
-        ticket = object()
-        with self._changed:
-            self._waiting.append(ticket)
-            try:
-                self._changed.wait_for(lambda: self._waiting[0] is ticket and self._in_use + need <= self.capacity)
-            finally:  # a waiter that gives up (an exception in its thread) passes its turn on too
-                self._waiting.remove(ticket)
-                self._changed.notify_all()
-            self._in_use += need
-            self._spell_peak = max(self._spell_peak, self._in_use)
-
-    def _release(self, need: int) -> None:
-        with self._changed:
-            self._in_use -= need
-            trim = self._in_use == 0 and self._spell_peak >= TRIM_AFTER_BYTES
-            if self._in_use == 0:
-                self._spell_peak = 0
-            self._changed.notify_all()
-        if trim:
-            release_free_memory()
+            for _ in range(taken):
+                self._free.release()
+            if taken * self.unit >= TRIM_AFTER_BYTES:
+                release_free_memory()
 
 
-@functools.cache
+_budgets: dict[int, DecodeBudget] = {}  # this process's, by capacity
+_budgets_lock = threading.Lock()
+
+
 def budget_of(capacity: int) -> DecodeBudget:
-    """This process's budget of that size: every decode thread of a worker (or of one decode
-    process) shares it."""
-    return DecodeBudget(capacity)
+    """The budget of that capacity that this process's decodes share: the one handed over by
+    `use_budget`, else one for its threads."""
+    with _budgets_lock:
+        if capacity not in _budgets:
+            _budgets[capacity] = DecodeBudget(capacity)
+        return _budgets[capacity]
+
+
+def use_budget(budget: DecodeBudget) -> None:
+    """In a decode process as it starts: decodes here take their memory from `budget`, which
+    other processes share."""
+    with _budgets_lock:
+        _budgets[budget.capacity] = budget
 
 
 def release_free_memory() -> None:

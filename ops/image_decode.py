@@ -4,7 +4,8 @@ Every failure is one of ours (`ImageError`, `ImageTooLarge`) with a one-line mes
 exception type escapes. Orientation: EXIF is applied (transformers does not, so for a rotated
 photo we give the model the upright image the user saw).
 
-Memory: a decode waits for its share of the process's `DecodeBudget`. Given the size the image
+Memory: a decode waits for its share of its `DecodeBudget` (a worker's threads, or its decode
+processes, share one). Given the size the image
 will be resized to (`fit`), an image more than `REDUCING_GAP` times larger on an axis is shrunk
 on load by whole factors to no less than `REDUCING_GAP` times it: a JPEG in its decoder (DCT
 scaling, `Image.draft`), any image by box averaging (`Image.reduce`) right after it is decoded,
@@ -36,8 +37,8 @@ from wicore.ops.rgb import deep_gray_to_l, has_alpha, is_deep_gray, to_rgb
 class ImageLimits:
     max_bytes: int = defaults.MAX_IMAGE_BYTES  # encoded size
     max_pixels: int = defaults.MAX_IMAGE_PIXELS  # per image, width * height, judged from the header
-    # full-size pixel memory a process's decodes hold at once (`working_bytes`); one image
-    # that needs more decodes alone
+    # full-size pixel memory decodes sharing a budget hold at once (`working_bytes`,
+    # `decode_budget`); one image that needs more decodes alone
     budget_bytes: int = defaults.DECODE_BUDGET_BYTES
 
     def __post_init__(self) -> None:

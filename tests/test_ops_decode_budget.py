@@ -1,15 +1,16 @@
-"""wicore.ops.decode_budget: reservations from real threads, and memory given back to the OS
-by a real process."""
+"""wicore.ops.decode_budget: reservations from real threads and spawned processes, and memory
+given back to the OS by a real process."""
 
 from __future__ import annotations
 
+import multiprocessing
 import subprocess
 import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from wicore.ops.decode_budget import DecodeBudget, budget_of
+from wicore.ops.decode_budget import DecodeBudget, budget_of, use_budget
 
 
 class Holdings:
@@ -30,7 +31,7 @@ class Holdings:
 
 
 def test_concurrent_reservations_stay_within_the_capacity():
-    budget, held = DecodeBudget(100), Holdings()
+    budget, held = DecodeBudget(100, unit=1), Holdings()
     sizes = [10, 60, 30, 45, 5, 90, 20, 55, 35, 70] * 3
     with ThreadPoolExecutor(8) as pool:
         list(pool.map(lambda n: held.hold(budget, n), sizes))
@@ -38,14 +39,14 @@ def test_concurrent_reservations_stay_within_the_capacity():
 
 
 def test_a_reservation_over_the_capacity_runs_alone():
-    budget, held = DecodeBudget(100), Holdings()
+    budget, held = DecodeBudget(100, unit=1), Holdings()
     with ThreadPoolExecutor(4) as pool:
         list(pool.map(lambda n: held.hold(budget, n), [10, 500, 10, 10, 500, 10]))
     assert held.most == 100
 
 
 def test_waiters_go_in_arrival_order():
-    budget, started = DecodeBudget(100), []
+    budget, started = DecodeBudget(100, unit=1), []
     release = threading.Event()
 
     def take(name: str, num_bytes: int, wait: threading.Event | None = None) -> None:
@@ -73,6 +74,40 @@ def test_waiters_go_in_arrival_order():
 
 def test_one_budget_per_capacity_in_a_process():
     assert budget_of(123) is budget_of(123) and budget_of(123) is not budget_of(124)
+
+
+def test_a_reservation_counts_whole_units():
+    budget = DecodeBudget(10 * 2**20)
+    assert budget.units == 10
+    one_more = threading.Thread(target=lambda: budget.reserve(1).__enter__())
+    with budget.reserve(1), budget.reserve(2**20 + 1), budget.reserve(7 * 2**20):  # 1 + 2 + 7 units
+        one_more.start()
+        one_more.join(0.2)
+        assert one_more.is_alive()  # waits: all ten units are held
+    one_more.join(10)
+    assert not one_more.is_alive()
+
+
+def hold_shared(budget: DecodeBudget, spans) -> None:
+    """In a spawned process: hold the whole budget for 0.3 s, noting when."""
+    use_budget(budget)
+    with budget_of(budget.capacity).reserve(budget.capacity):
+        start = time.monotonic()
+        time.sleep(0.3)
+        spans.put((start, time.monotonic()))
+
+
+def test_processes_handed_one_budget_share_it():
+    context = multiprocessing.get_context("spawn")
+    budget, spans = DecodeBudget(4 * 2**20, context), context.Queue()
+    processes = [context.Process(target=hold_shared, args=(budget, spans)) for _ in range(3)]
+    for process in processes:
+        process.start()
+    found = sorted(spans.get(timeout=60) for _ in processes)
+    for process in processes:
+        process.join(30)
+    assert all(process.exitcode == 0 for process in processes)
+    assert all(end <= next_start for (_, end), (next_start, _) in zip(found, found[1:])), found
 
 
 GIVE_BACK = """

@@ -16,7 +16,14 @@ from PIL import Image
 from transformers.image_transforms import convert_to_rgb
 
 from wicore.errors import ConfigError, ImageError, ImageTooLarge
-from wicore.ops.image_decode import REDUCING_GAP, ImageLimits, decode_image, read_image_file, shrink_factors, working_bytes
+from wicore.ops.image_decode import (
+    REDUCING_GAP,
+    ImageLimits,
+    decode_image,
+    read_image_file,
+    shrink_factors,
+    working_bytes,
+)
 
 RNG = np.random.default_rng(0)
 RGBA = Image.fromarray(RNG.integers(0, 256, (30, 40, 4), dtype=np.uint8))  # 40 x 30, random alpha
