@@ -5,12 +5,12 @@ exception type escapes. Orientation: EXIF is applied (transformers does not, so 
 photo we give the model the upright image the user saw).
 
 Memory: a decode waits for its share of its `DecodeBudget` (a worker's threads, or its decode
-processes, share one). Given the size the image
-will be resized to (`fit`), an image more than `REDUCING_GAP` times larger on an axis is shrunk
-on load by whole factors to no less than `REDUCING_GAP` times it: a JPEG in its decoder (DCT
-scaling, `Image.draft`), any image by box averaging (`Image.reduce`) right after it is decoded,
-before its mode is converted or it is turned upright, so no full-size copy is made; the
-full-size buffer is freed before the decode's share of the budget is.
+processes, share one). Given the size the image will be resized to (`fit`), an image more than
+`REDUCING_GAP` times larger on an axis is shrunk on load by whole factors to no less than
+`REDUCING_GAP` times it: a JPEG in its decoder (DCT scaling, `Image.draft`), any image by box
+averaging (`Image.reduce`) right after it is decoded, before its mode is converted or it is
+turned upright, so no further full-size copy is made (a palette or a transparency key becomes
+RGBA first); the full-size buffer is freed before the decode's share of the budget is.
 """
 
 from __future__ import annotations

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import io
+import struct
 import threading
+import zlib
 from pathlib import Path
 
 import pytest
@@ -34,14 +36,21 @@ SETTLED_GROWTH_MB = 32  # what the worker keeps once the batch is done
 TIGHT_BUDGET = 256 * 2**20  # one such decode at a time: what two decode processes must share
 
 
-def big_png(seed: int) -> bytes:
-    """A 7000 x 7000 shape on a plain background: ~150 KB of PNG, 147 MB of RGB pixels."""
+def big_png() -> bytes:
+    """A red square on black, 7000 x 7000: ~150 KB of PNG, 147 MB of RGB pixels."""
     image = Image.new("RGB", (SIDE, SIDE), (0, 0, 0))
-    inset = 1000 + 50 * seed
-    ImageDraw.Draw(image).rectangle([inset, inset, SIDE - inset, SIDE - inset], fill=(255, 0, 0))
+    ImageDraw.Draw(image).rectangle([1000, 1000, SIDE - 1000, SIDE - 1000], fill=(255, 0, 0))
     buffer = io.BytesIO()
     image.save(buffer, format="PNG", compress_level=9)
     return buffer.getvalue()
+
+
+def with_text(png: bytes, text: bytes) -> bytes:
+    """The same PNG with a tEXt chunk after its header: other bytes (another job), same pixels."""
+    body = b"Comment\x00" + text
+    chunk = struct.pack(">I", len(body)) + b"tEXt" + body + struct.pack(">I", zlib.crc32(b"tEXt" + body))
+    header_end = 8 + 25  # signature, IHDR
+    return png[:header_end] + chunk + png[header_end:]
 
 
 def memory_kb(pid: int) -> dict[str, int]:
@@ -60,7 +69,8 @@ def reset_peak(pid: int) -> None:
 
 @pytest.fixture(scope="module")
 def images() -> list[bytes]:
-    return [big_png(seed) for seed in range(BATCH)]
+    png = big_png()
+    return [with_text(png, b"%d" % n) for n in range(BATCH)]
 
 
 def start_worker(workers: Workers, connection: Redis) -> tuple[int, Producer]:
