@@ -85,9 +85,10 @@ def shrink_factors(size: tuple[int, int], fit: tuple[int, int]) -> tuple[int, in
 
 def working_bytes(image: Image.Image) -> int:
     """Bytes a decode of `image` (opened, not loaded) holds at its peak when it shrinks it:
-    Pillow's buffer (4 bytes a pixel in every mode wider than 8 bits) and the full-size copies
-    made before the reduce (`_reducible`): float64 arrays for deep gray (`rgb.deep_gray_to_l`),
-    RGBA for a transparency key and its premultiplied copy for any alpha, RGB for other modes."""
+    Pillow's buffer (4 bytes a pixel in every mode wider than 8 bits), the full-size copies
+    made before the reduce (`_reducible`: float64 arrays for deep gray (`rgb.deep_gray_to_l`),
+    RGBA for a transparency key and its premultiplied copy for any alpha, RGB for other modes)
+    and the reduced image (at most a quarter of the pixels, 4 bytes each)."""
     width, height = image.size
     stored = 1 if image.mode in ("1", "L", "P") else 4
     if is_deep_gray(image):
@@ -96,7 +97,7 @@ def working_bytes(image: Image.Image) -> int:
         copies = (0 if image.mode in ("LA", "RGBA") else 4) + 4
     else:
         copies = 0 if image.mode in _REDUCIBLE_MODES else 4
-    return width * height * (stored + copies)
+    return width * height * (stored + copies + 1)
 
 
 def _opened(data: bytes, limits: ImageLimits, fit: tuple[int, int] | None) -> Image.Image:
@@ -122,8 +123,9 @@ def _upright_rgb(image: Image.Image, fit: tuple[int, int] | None) -> Image.Image
     if factors == (1, 1):
         ImageOps.exif_transpose(image, in_place=True)
         return to_rgb(image)
-    small = _reducible(image).reduce(factors)
-    return to_rgb(ImageOps.exif_transpose(small))
+    small = _reducible(image).reduce(factors)  # a new image: turned and converted in place
+    ImageOps.exif_transpose(small, in_place=True)
+    return small if small.mode == "RGB" else to_rgb(small)  # RGB here has no transparency key
 
 
 def _as_stored(fit: tuple[int, int], image: Image.Image) -> tuple[int, int]:

@@ -74,10 +74,12 @@ def images() -> list[bytes]:
 
 
 def start_worker(workers: Workers, connection: Redis) -> tuple[int, Producer]:
-    """The worker's pid, once its engine has run a first batch (which allocates for good)."""
+    """The worker's pid, once its engine has run a first full batch of small images (what it
+    allocates for a batch, it keeps)."""
     process = workers.start("big-images")
     producer = Producer(connection, model="democap")
-    wait_all_ended(connection, [producer.submit(png_bytes(0))], timeout=120)
+    warm_up = producer.submit_many(Submission(png_bytes(n, (400, 300))) for n in range(BATCH))
+    wait_all_ended(connection, warm_up, timeout=120)
     return process.pid, producer
 
 

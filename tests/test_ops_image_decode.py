@@ -422,7 +422,7 @@ def test_a_turned_image_shrinks_along_its_upright_axes(fmt):
 
 @pytest.mark.parametrize(
     ("mode", "per_pixel"),
-    [("RGB", 4), ("L", 1), ("RGBA", 8), ("LA", 8), ("P", 5), ("1", 5), ("I;16", 28)],
+    [("RGB", 5), ("L", 2), ("RGBA", 9), ("LA", 9), ("P", 6), ("1", 6), ("I;16", 29)],
 )
 def test_working_bytes_count_the_buffer_and_its_full_size_copies(mode, per_pixel):
     image = Image.open(io.BytesIO(encode(Image.new(mode, (30, 20)), "PNG" if mode != "1" else "BMP")))
@@ -431,4 +431,4 @@ def test_working_bytes_count_the_buffer_and_its_full_size_copies(mode, per_pixel
 
 def test_a_palette_with_transparency_counts_its_rgba_copies():
     image = Image.open(io.BytesIO(MODE_CASES["P png with transparency"]()))
-    assert working_bytes(image) == 40 * 30 * (1 + 4 + 4)
+    assert working_bytes(image) == 40 * 30 * (1 + 4 + 4 + 1)
