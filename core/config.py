@@ -96,6 +96,9 @@ class Settings(BaseSettings):
     allowed_roots: list[Path] = []  # path-referenced images must live under one of these; none by default
     max_image_bytes: int = Field(defaults.MAX_IMAGE_BYTES, ge=1)  # an image's encoded size; 32 MiB
     max_image_pixels: int = Field(defaults.MAX_IMAGE_PIXELS, ge=1)  # width x height of an image; 50 M
+    # Full-size pixel memory a worker's concurrent image decodes hold, in its threads or its decode
+    # processes together; an image that needs more decodes alone. 512 MiB: two 50 Mpx RGB at once.
+    decode_budget_bytes: int = Field(defaults.DECODE_BUDGET_BYTES, ge=2**20)
     # Processes a worker reads, decodes and resizes images in, off the GIL of the thread that launches
     # kernels (engines that take resized images: fast); 0: threads. Default: on a GPU one per two cores of the
     # worker's share of the host, at most 8 (`defaults.gpu_decode_processes`), else 0.

@@ -7,6 +7,7 @@ BATCH_SIZE = 8  # most jobs in one engine batch
 MAX_QUEUE_DELAY_S = 0.005  # longest a partial batch waits to fill
 MAX_IMAGE_BYTES = 32 * 2**20  # an image's encoded size
 MAX_IMAGE_PIXELS = 50_000_000  # width x height, judged from the header (decompression bombs)
+DECODE_BUDGET_BYTES = 512 * 2**20  # full-size pixel memory a worker's concurrent image decodes hold
 LIVENESS_TTL_S = 15.0  # a worker silent this long is dead; its jobs are requeued
 RESULT_TTL_S = 86_400  # a finished job's result (and its dedup mark) lives this long
 RETRIES = 2  # re-runs of a job after a transient failure or a dead worker

@@ -146,6 +146,12 @@ class Engine(abc.ABC):
         decode processes); None: it takes decoded images only."""
         return None
 
+    def image_size(self) -> tuple[int, int] | None:
+        """The (height, width) this engine resizes every image to, if one; the worker's decoders
+        shrink far larger images to near it as they decode. None: images are decoded whole."""
+        spec = self.pixel_spec()
+        return None if spec is None else spec.size
+
     def attach_vision_cache(self, store) -> None:
         """A shared image-embedding store (the worker's Redis layer). Engines without a vision
         cache ignore it."""

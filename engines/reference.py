@@ -24,7 +24,8 @@ from wicore.engines.base import (
 )
 from wicore.engines.checkpoint import load_hf_model, load_processor
 from wicore.engines.text import finish_sequence, stop_token_ids
-from wicore.errors import JobInputError, PromptTooLong
+from wicore.errors import ConfigError, JobInputError, PromptTooLong
+from wicore.ops.image_preprocess import PreprocessSpec
 from wicore.schemas import GenerationParams
 
 log = logging.getLogger(__name__)
@@ -41,6 +42,10 @@ class ReferenceEngine(StaticBatchEngine):
         self.model = load_hf_model(config.model_dir, config.device, config.dtype, config.seed)
         self.eos_ids = stop_token_ids(config.model_dir, self.tokenizer)
         self.max_len = self.model.config.text_config.max_position_embeddings
+        self._image_size = plain_resize_size(self.processor)
+
+    def image_size(self) -> tuple[int, int] | None:
+        return self._image_size
 
     def step(self) -> list[Completion]:
         requests = self.take_pending()
@@ -130,6 +135,17 @@ class ReferenceEngine(StaticBatchEngine):
             ids, text, reason = finish_sequence(self.tokenizer, tokens, request.params, self.eos_ids)
             completions.append(Completion(request.id, text, ids, reason, prompt_tokens=prompt_len, engine_s=engine_s))
         return completions
+
+
+def plain_resize_size(processor) -> tuple[int, int] | None:
+    """The (height, width) the processor resizes every image to, when resizing is all it does
+    to an image's size (what `PreprocessSpec` reproduces, as the fast engine does): a far larger
+    image may then come shrunk near it, as it does to the fast engine. None for any other
+    processor (pan-and-scan crops need the full image)."""
+    try:
+        return PreprocessSpec.from_hf(processor.image_processor).size
+    except (ConfigError, AttributeError, TypeError, ValueError):  # not one PreprocessSpec reads
+        return None
 
 
 def sampling_key(params: GenerationParams) -> tuple:

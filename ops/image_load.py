@@ -36,14 +36,15 @@ class LoadRules:
     limits: ImageLimits = field(default_factory=lambda: DEFAULT_LIMITS)
 
 
-def load_image(source: ImageSource, rules: LoadRules) -> Image.Image:
-    """The decoded RGB image; raises an `ImageError` (or another `JobInputError`)."""
+def load_image(source: ImageSource, rules: LoadRules, fit: tuple[int, int] | None = None) -> Image.Image:
+    """The decoded RGB image, shrunk on load when far larger than `fit` (`decode_image`); raises
+    an `ImageError` (or another `JobInputError`)."""
     data = source.data if source.path is None else read_allowed_file(source.path, rules)
     if data is None:
         raise ImageError("image source has neither bytes nor a path")
     if hashlib.sha256(data).hexdigest() != source.sha256:
         raise ImageError("image bytes do not match the sha256 they were submitted with (file changed?)")
-    return decode_image(data, rules.limits)
+    return decode_image(data, rules.limits, fit)
 
 
 def load_pixels(source: ImageSource, rules: LoadRules, spec: PreprocessSpec) -> tuple[np.ndarray | None, str, float]:
@@ -52,7 +53,7 @@ def load_pixels(source: ImageSource, rules: LoadRules, spec: PreprocessSpec) -> 
     an array and a string."""
     start = time.perf_counter()
     try:
-        pixels = resized_images([load_image(source, rules)], spec)[0]
+        pixels = resized_images([load_image(source, rules, spec.size)], spec)[0]
     except Exception as error:  # whatever an input does to the decoders is that job's alone
         return None, input_error_message(error), time.perf_counter() - start
     return pixels, "", time.perf_counter() - start

@@ -7,6 +7,9 @@ decoded and resized (`image_load.load_pixels`, ~20 ms of CPU for a 0.8 MP photo 
 a spawned process; the caller's process only sends a source (bytes or a path) and receives the
 uint8 [H, W, 3] array (2.4 MB at 896 px: ~0.1 ms of unpickling in the pool's result thread).
 
+The processes of a pool share one decode memory budget (`decode_budget`): together they hold no
+more full-size pixels at once than one worker's threads would.
+
 At most two tasks per process are in the executor at once; the rest wait here. A process that
 dies (a decoder crash, the OOM killer, a signal) breaks a ProcessPoolExecutor and fails every task
 in it: the pool is replaced, and each of those tasks runs again alone, before anything else. One
@@ -31,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from wicore.errors import ImageError
+from wicore.ops.decode_budget import DecodeBudget, use_budget
 from wicore.ops.image_load import ImageSource, LoadRules, input_error_message, load_pixels
 from wicore.ops.image_preprocess import PreprocessSpec
 
@@ -82,7 +86,8 @@ class PixelPool:
     def _start(self) -> ProcessPoolExecutor:
         # spawn: never fork a process that holds a CUDA context and threads
         context = multiprocessing.get_context("spawn")
-        return ProcessPoolExecutor(self.processes, mp_context=context, initializer=_ignore_stop_signals)
+        budget = DecodeBudget(self.rules.limits.budget_bytes, context)  # one per pool: a crash may leak it
+        return ProcessPoolExecutor(self.processes, mp_context=context, initializer=_start_decoding, initargs=(budget,))
 
     def _pump(self) -> None:
         """Move waiting tasks into the executor while it has room (a suspect only into an empty one)."""
@@ -167,8 +172,10 @@ def _failed(error: BaseException) -> Future:
     return future
 
 
-def _ignore_stop_signals() -> None:
-    """Decode processes stop when their pool closes or their parent dies, never on the Ctrl-C
-    or SIGTERM meant for the worker (which finishes its jobs in hand with them)."""
+def _start_decoding(budget: DecodeBudget) -> None:
+    """Decode processes share their pool's memory budget. They stop when their pool closes or
+    their parent dies, never on the Ctrl-C or SIGTERM meant for the worker (which finishes its
+    jobs in hand with them)."""
+    use_budget(budget)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)

@@ -8,6 +8,9 @@ at different lengths.
 
 from __future__ import annotations
 
+import copy
+import hashlib
+import io
 import shutil
 from collections import Counter
 
@@ -15,12 +18,14 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.fast_requests import mismatches, mixed_requests, one_torch_thread, request  # noqa: F401 (fixture)
-from wicore.engines.base import EngineConfig
+from tests.fast_requests import image, mismatches, mixed_requests, one_torch_thread, request  # noqa: F401 (fixture)
+from wicore.engines.base import EngineConfig, EngineRequest
 from wicore.engines.fast import FastEngine
 from wicore.engines.options import FastOptions
-from wicore.engines.reference import ReferenceEngine
+from wicore.engines.reference import ReferenceEngine, plain_resize_size
 from wicore.errors import ConfigError
+from wicore.ops.image_decode import decode_image
+from wicore.ops.image_load import ImageSource, LoadRules, load_pixels
 
 pytestmark = pytest.mark.slow
 
@@ -258,3 +263,36 @@ def test_torch_threads_option_sets_the_process_threads(tiny_model_dir):
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(saved)
+
+
+def test_a_far_larger_image_shrunk_on_load_gives_both_engines_the_same_tokens(fast, reference):
+    """The worker's decoders shrink an image far larger than the model's input near it
+    (`decode_image(fit=)`); both engines then resize the same smaller image, to the same tokens,
+    whether the fast engine gets it decoded or resized in a decode process (`load_pixels`)."""
+    assert reference.image_size() == fast.image_size() == fast.pixel_spec().size
+    height, width = fast.image_size()
+    big = image(99, width * 9 + 5, height * 7 + 3)  # random pixels: what averaging disturbs most
+    buffer = io.BytesIO()
+    big.save(buffer, "PNG")
+    data = buffer.getvalue()
+    decoded = decode_image(data, fit=fast.image_size())
+    assert decoded.size == (-(-big.width // 3), -(-big.height // 2))  # reduced by (3, 2)
+    source = ImageSource(hashlib.sha256(data).hexdigest(), data)
+    pixels, error, _ = load_pixels(source, LoadRules(), fast.pixel_spec())
+    assert error == ""
+    expected = reference.generate([request_with(decoded)])
+    for shrunk in (decoded, pixels):
+        assert mismatches(fast.generate([request_with(shrunk)]), expected) == []
+
+
+def request_with(picture) -> EngineRequest:
+    asked = request("big", max_new_tokens=12)
+    asked.images = [picture]
+    return asked
+
+
+def test_the_reference_engine_decodes_whole_images_for_a_processor_that_crops(reference):
+    processor = copy.deepcopy(reference.processor)
+    processor.image_processor.do_pan_and_scan = True  # crops of the full image: no shrinking first
+    assert plain_resize_size(processor) is None
+    assert plain_resize_size(reference.processor) == reference.image_size()

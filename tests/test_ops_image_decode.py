@@ -16,7 +16,14 @@ from PIL import Image
 from transformers.image_transforms import convert_to_rgb
 
 from wicore.errors import ConfigError, ImageError, ImageTooLarge
-from wicore.ops.image_decode import ImageLimits, decode_image, read_image_file
+from wicore.ops.image_decode import (
+    REDUCING_GAP,
+    ImageLimits,
+    decode_image,
+    read_image_file,
+    shrink_factors,
+    working_bytes,
+)
 
 RNG = np.random.default_rng(0)
 RGBA = Image.fromarray(RNG.integers(0, 256, (30, 40, 4), dtype=np.uint8))  # 40 x 30, random alpha
@@ -352,3 +359,76 @@ def test_ops_imports_no_queue_or_model_libraries():
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "[]"
+
+
+# --- shrinking on load ----------------------------------------------------------------------------
+
+
+def resized(image: Image.Image, fit: tuple[int, int]) -> np.ndarray:
+    """What the engines make of a decoded image: a BILINEAR resize to `fit` (height, width)."""
+    return np.asarray(image.resize((fit[1], fit[0]), Image.Resampling.BILINEAR)).astype(int)
+
+
+def upscaled(case: str, size: tuple[int, int] = (480, 360)) -> bytes:
+    """MODE_CASES' image, 12 times larger, in the same mode and format."""
+    original = Image.open(io.BytesIO(MODE_CASES[case]()))
+    options = {"transparency": original.info["transparency"]} if "transparency" in original.info else {}
+    return encode(original.resize(size, Image.Resampling.NEAREST), original.format, **options)
+
+
+@pytest.mark.parametrize("case", sorted(MODE_CASES))
+def test_an_image_not_far_larger_than_fit_decodes_as_without_it(case):
+    data = MODE_CASES[case]()  # 40 x 30: under REDUCING_GAP times (10, 14)
+    assert np.array_equal(np.asarray(decode_image(data, fit=(10, 14))), np.asarray(decode_image(data)))
+
+
+@pytest.mark.parametrize("case", sorted(MODE_CASES))
+def test_a_far_larger_image_shrinks_on_load_to_what_the_engines_would_see_anyway(case):
+    data, fit = upscaled(case), (20, 30)
+    shrunk, whole = decode_image(data, fit=fit), decode_image(data)
+    # JPEG: decoded at 1/4 scale (120 x 90 >= 3 x 30 on both axes); others reduced by (5, 6)
+    assert shrunk.mode == "RGB" and shrunk.size == ((120, 90) if "jpeg" in case else (96, 60))
+    # Random pixels: the hardest case for averaging in two steps, and still a few levels apart.
+    difference = np.abs(resized(shrunk, fit) - resized(whole, fit))
+    assert difference.mean() < 2.5 and difference.max() <= 8, (difference.mean(), difference.max())
+
+
+def test_shrink_factors_stop_at_the_reducing_gap():
+    assert REDUCING_GAP == 3.0
+    assert shrink_factors((7000, 7000), (896, 896)) == (2, 2)
+    assert shrink_factors((7000, 7000), (128, 128)) == (18, 18)
+    assert shrink_factors((2687, 5376), (896, 896)) == (1, 2)
+    assert shrink_factors((100, 100), (896, 896)) == (1, 1)
+
+
+def test_a_far_larger_jpeg_is_scaled_in_its_decoder():
+    data = encode(Image.new("RGB", (4096, 4096), (200, 30, 30)), "JPEG")
+    # DCT scaling to 1/8 (512 >= 3 x 128); a reduce alone would give 4096 / 10 = 410
+    assert decode_image(data, fit=(128, 128)).size == (512, 512)
+
+
+@pytest.mark.parametrize("fmt", ["PNG", "JPEG"])
+def test_a_turned_image_shrinks_along_its_upright_axes(fmt):
+    stored = Image.new("RGB", (1200, 600), (255, 0, 0))  # top half red
+    stored.paste((0, 0, 255), (0, 300, 1200, 600))  # bottom half blue
+    exif = Image.Exif()
+    exif[0x0112] = 6  # "rotate 90 degrees clockwise to display": 600 x 1200 upright
+    decoded = decode_image(encode(stored, fmt, exif=exif), fit=(100, 50))  # upright (height, width)
+    assert decoded.size == (150, 300)  # factors 4 and 4, not 8 and 2 of the stored axes
+    pixels = np.asarray(decoded).astype(int)
+    assert np.abs(pixels[150, 100] - (255, 0, 0)).max() < 8  # the top went to the right
+    assert np.abs(pixels[150, 40] - (0, 0, 255)).max() < 8
+
+
+@pytest.mark.parametrize(
+    ("mode", "per_pixel"),
+    [("RGB", 5), ("L", 2), ("RGBA", 9), ("LA", 9), ("P", 6), ("1", 6), ("I;16", 29)],
+)
+def test_working_bytes_count_the_buffer_and_its_full_size_copies(mode, per_pixel):
+    image = Image.open(io.BytesIO(encode(Image.new(mode, (30, 20)), "PNG" if mode != "1" else "BMP")))
+    assert working_bytes(image) == 600 * per_pixel
+
+
+def test_a_palette_with_transparency_counts_its_rgba_copies():
+    image = Image.open(io.BytesIO(MODE_CASES["P png with transparency"]()))
+    assert working_bytes(image) == 40 * 30 * (1 + 4 + 4 + 1)

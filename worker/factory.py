@@ -129,7 +129,7 @@ def build_worker(
 ) -> BatchingWorker:
     inputs = InputConfig(
         allowed_roots=tuple(Path(r) for r in settings.allowed_roots),
-        limits=ImageLimits(max_bytes=settings.max_image_bytes, max_pixels=settings.max_image_pixels),
+        limits=ImageLimits(settings.max_image_bytes, settings.max_image_pixels, settings.decode_budget_bytes),
         processes=decode_processes(settings, engine),
     )
     attach_shared_caches(settings, connection, engine, model_id)

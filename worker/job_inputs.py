@@ -47,9 +47,19 @@ class Loaded:
 
 
 class InputLoader:
-    def __init__(self, connection: Redis, config: InputConfig, pixel_spec: PreprocessSpec | None = None):
+    def __init__(
+        self,
+        connection: Redis,
+        config: InputConfig,
+        pixel_spec: PreprocessSpec | None = None,
+        fit: tuple[int, int] | None = None,
+    ):
+        """`pixel_spec`: the engine's, when it takes images resized; `fit`: the (height, width)
+        the engine resizes images to (`Engine.image_size`), near which a far larger image is
+        shrunk as it decodes."""
         self.connection = connection
         self.config = config
+        self.fit = fit
         self.rules = LoadRules(tuple(root.resolve() for root in config.allowed_roots), config.limits)
         self.pool = PriorityPool(config.threads, "wicore-decode")  # a high-lane job's image goes first
         use_processes = config.processes > 0 and pixel_spec is not None
@@ -77,7 +87,7 @@ class InputLoader:
     def _load_one(self, job_id: str, job: CaptionJob, blob: bytes | None) -> Loaded:
         start = time.perf_counter()
         try:
-            image = load_image(_source(job, blob), self.rules)
+            image = load_image(_source(job, blob), self.rules, self.fit)
         except Exception as exc:  # whatever an input does to the loaders is that job's alone
             return Loaded(error=input_error_message(exc), preprocess_s=time.perf_counter() - start)
         request = EngineRequest(job_id, job.chat(), [image], job.params, [job.image.sha256], job.priority)

@@ -60,7 +60,7 @@ class BatchingWorker:
         self.record = RQWorkerRecord([], name=config.name, connection=connection, serializer=JSONSerializer)
         self.bridge = RQBridge(self.record, result_ttl=config.result_ttl_s)
         self.queues = BucketQueues(connection, config.model_id)
-        self.inputs = InputLoader(connection, config.inputs, engine.pixel_spec())
+        self.inputs = InputLoader(connection, config.inputs, engine.pixel_spec(), engine.image_size())
         self.heartbeat = Heartbeat(self.record, heartbeat_s=config.heartbeat_s, ttl_s=config.liveness_ttl_s)
         self.gate = EngineGate(engine)
         self.in_flight: dict[str, InFlight] = {}

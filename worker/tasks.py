@@ -34,8 +34,9 @@ def caption(payload: dict) -> dict:
     engine, model_id, settings = _engine()
     job = get_current_job()
     request_job = CaptionJob.model_validate(payload)
-    limits = ImageLimits(settings.max_image_bytes, settings.max_image_pixels)
-    loader = InputLoader(job.connection, InputConfig(tuple(settings.allowed_roots), limits, threads=1))
+    limits = ImageLimits(settings.max_image_bytes, settings.max_image_pixels, settings.decode_budget_bytes)
+    config = InputConfig(tuple(settings.allowed_roots), limits, threads=1)
+    loader = InputLoader(job.connection, config, fit=engine.image_size())
     [loaded] = loader.load([(job.id, request_job)])
     loader.close()
     if loaded.error:
