@@ -48,6 +48,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("wicore.gateway",),
     ("wicore.bench",),
     ("wicore.cli",),
+    ("wicore.docs_gen",),  # the reference pages, generated from the CLI, the gateway and the settings
 )
 
 
