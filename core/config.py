@@ -87,6 +87,8 @@ class Settings(BaseSettings):
     allowed_roots: list[Path] = []  # path-referenced images must live under one of these; none by default
     max_image_bytes: int = Field(defaults.MAX_IMAGE_BYTES, ge=1)  # an image's encoded size; 32 MiB
     max_image_pixels: int = Field(defaults.MAX_IMAGE_PIXELS, ge=1)  # width x height of an image; 50 M
+    # S3-compatible endpoint for s3:// dataset inputs (MinIO, R2 ...); none: AWS_ENDPOINT_URL(_S3), else AWS
+    s3_endpoint_url: str | None = None
     # Processes a worker reads, decodes and resizes images in, off the GIL of the thread that launches
     # kernels (engines that take resized images: fast); 0: threads. Default: on a GPU one per two cores of the
     # worker's share of the host, at most 8 (`defaults.gpu_decode_processes`), else 0.
