@@ -238,8 +238,9 @@ class CaptionRun:
             url = self._redis(stack, group)
             settings = self.config.settings
             config = ProducerConfig(
-                by_path=self.config.embedded, result_ttl_s=settings.result_ttl_s, retries=settings.retries
-            )
+                by_path=self.config.embedded, result_ttl_s=settings.result_ttl_s, retries=settings.retries,
+                max_image_bytes=settings.max_image_bytes,
+            )  # fmt: skip
             producer = Producer(url, model=self.config.model_id, config=config)
             stack.push(lambda *exc: self._leave(producer, exc[1]))  # runs once the workers have stopped
             self.log_dir = run_log_dir(Path(self.config.settings.cache_dir) / "logs", self.run_id)
