@@ -17,7 +17,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from tests.helpers import WICORE, wait_until, wicore
+from tests.helpers import WICORE, wait_until, wicore, without
 from wicore.cli.dataset_inputs import DatasetOptions
 from wicore.cli.input_paths import expand_inputs
 from wicore.errors import ConfigError
@@ -175,6 +175,19 @@ def test_an_s3_prefix_gives_its_images_and_a_missing_one_is_a_usage_error(s3_env
     assert (gone.returncode, gone.stderr) == (2, f"error: no such file or folder: s3://{BUCKET}/nope/\n")
 
 
+@pytest.mark.parametrize(
+    "module, url", [("pyarrow", "d.parquet"), ("pyarrow", "out.parquet"), ("s3fs", f"s3://{BUCKET}/images/")]
+)
+def test_a_missing_datasets_extra_is_one_line_naming_it(module, url, tmp_path, redis_url):
+    write_parquet(tmp_path / "d.parquet", [{"image": IMAGES[0].read_bytes()}])
+    output = url == "out.parquet"
+    args = (
+        ["caption", str(EXAMPLES), "-o", str(tmp_path / url)] if output else ["enqueue", url, "--redis-url", redis_url]
+    )
+    run = without(module, *args, env={"XDG_CACHE_HOME": str(tmp_path / "cache")}, cwd=tmp_path)
+    assert (run.returncode, run.stderr) == (2, f"error: {module} is not installed: pip install 'wicore[datasets]'\n")
+
+
 # -- end to end ---------------------------------------------------------------------------------
 
 
@@ -182,16 +195,17 @@ def caption(*args: str, env: dict, check: bool = True) -> subprocess.CompletedPr
     return wicore("caption", *args, "--max-new-tokens", "6", "--batch-size", "4", env=env, check=check, timeout=600)
 
 
-def texts_by_image(lines: list[dict]) -> dict[str, str]:
-    """{image stem: caption} from lines keyed by path, URL, `shard.tar:stem` or stem."""
-    return {line["input"].rsplit("/", 1)[-1].rsplit(":", 1)[-1].split(".")[0]: line["text"] for line in lines}
+def image_of(input: str) -> str:
+    """The example's stem in a key: a path, an s3:// URL, `shard.tar:stem`, `ds/stem` or a stem."""
+    return input.rsplit("/", 1)[-1].rsplit(":", 1)[-1].split(".")[0]
 
 
 @pytest.mark.slow
 def test_caption_over_every_dataset_kind_matches_a_folder_and_resumes(tmp_path, s3_env):
     env = {**s3_env, "XDG_CACHE_HOME": str(tmp_path / "cache"), "WICORE_MAX_IMAGE_BYTES": str(CAP)}
     caption(str(EXAMPLES), "-o", str(tmp_path / "folder.jsonl"), env=env)
-    folder = texts_by_image([json.loads(line) for line in (tmp_path / "folder.jsonl").read_text().splitlines()])
+    lines = [json.loads(line) for line in (tmp_path / "folder.jsonl").read_text().splitlines()]
+    folder = {image_of(line["input"]): line["text"] for line in lines}
     assert len(folder) == 6 and all(folder.values())
 
     parquet = write_parquet(tmp_path / "d.parquet", [{"key": stem(p), "image": p.read_bytes()} for p in IMAGES[:3]])
@@ -215,8 +229,9 @@ def test_caption_over_every_dataset_kind_matches_a_folder_and_resumes(tmp_path, 
     assert errors["huge"].startswith(f"ImageTooLarge: image of {CAP + 1} bytes is over the {CAP}-byte limit")
     assert errors[f"{bad[1]}:junk"].startswith("ImageError") and len(errors) == 2
     for r in (r for r in rows if r["error"] is None):
-        assert r["status"] == "finished" and folder[texts_key(r["input"])] == r["text"], r
-    assert sum(r["input"].startswith("s3://") for r in rows) == 6 and sum("/ds/" in r["input"] or r["input"].startswith("ds/") for r in rows) == 2
+        assert r["status"] == "finished" and folder[image_of(r["input"])] == r["text"], r
+    assert sum(r["input"].startswith("s3://") for r in rows) == 6
+    assert sum(r["input"].startswith("ds/") for r in rows) == 2
 
     again = caption(*inputs, "-o", str(out), env=env, check=False)
     assert again.returncode == 1 and again.stderr.startswith("captioned 0 of 2 inputs (2 errors, 14 already done)")
@@ -225,10 +240,6 @@ def test_caption_over_every_dataset_kind_matches_a_folder_and_resumes(tmp_path, 
     ), "retried errors keep one row each"
     done = caption(*inputs, "-o", str(out), "--skip-errors", env=env)
     assert "nothing to do: all 16 inputs already have a line" in done.stderr
-
-
-def texts_key(input: str) -> str:
-    return input.rsplit("/", 1)[-1].rsplit(":", 1)[-1].split(".")[0]
 
 
 @pytest.mark.slow

@@ -5,10 +5,7 @@ password-protected (requirepass); nothing here loads a model."""
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,7 +14,7 @@ from redis import Redis
 from rq.job import Job
 from rq.serializers import JSONSerializer
 
-from tests.helpers import wicore, write_images
+from tests.helpers import wicore, without, write_images
 from wicore.cli.failures import redact
 from wicore.embedded import EmbeddedRedis, free_port
 
@@ -196,16 +193,6 @@ def test_enqueue_names_each_input_and_reports_each_it_could_not_enqueue(tmp_path
     connection = Redis.from_url(locked.url)
     for job_id, item in pairs:  # rq-dashboard shows which input a job is
         assert Job.fetch(job_id, connection=connection, serializer=JSONSerializer).description == f"caption {item}"
-
-
-def without(module: str, *args: str, env: dict) -> subprocess.CompletedProcess:
-    """`wicore ARGS` in a Python where `module` cannot be imported, as if its extra were not
-    installed (None in sys.modules: Python's own way to make an import fail)."""
-    code = (
-        f"import sys; sys.modules[{module!r}] = None\nfrom wicore.cli.main import main\nsys.argv[1:] = {args!r}\nmain()"
-    )
-    return subprocess.run([sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True,
-                          timeout=120)  # fmt: skip
 
 
 @pytest.mark.parametrize(

@@ -27,7 +27,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from wicore.cli.object_store import Store, has_glob, is_s3
+from wicore.cli.object_store import Store, has_glob, is_s3, store_errors
 from wicore.defaults import MAX_IMAGE_BYTES
 
 PARQUET_SUFFIXES = (".parquet",)
@@ -96,6 +96,17 @@ def dataset_rows(url: str, options: DatasetOptions) -> Iterator[Row]:
         yield s3_image_row(url, store.size(url), options)
 
 
+def require_extras(urls: list[str]) -> None:
+    """Fail now, in one line naming the `datasets` extra, when these dataset INPUTs need it and it is
+    not installed: tar shards on the local disk need only the standard library."""
+    from wicore.cli.failures import require
+
+    if any(not url.lower().endswith(TAR_SUFFIXES) or is_s3(url) for url in urls):
+        require("pyarrow")
+    if any(is_s3(url) for url in urls):
+        require("s3fs")
+
+
 def missing(urls: list[str], store: Store) -> list[str]:
     """The dataset INPUTs that name nothing (no such file, object, prefix or glob match)."""
     return [url for url in urls if not (store.glob(url) if has_glob(url) else store.exists(url))]
@@ -121,7 +132,7 @@ def s3_image_row(url: str, size: int, options: DatasetOptions) -> Row:
     try:
         with options.store.open(url) as source:
             return Row(url, data=source.read())
-    except OSError as exc:
+    except store_errors() as exc:
         return Row(url, error=f"ImageError: {url}: cannot read ({exc})")
 
 
@@ -142,7 +153,7 @@ def parquet_rows(url: str, options: DatasetOptions) -> Iterator[Row]:
     try:
         source = options.store.open(url)
         reader = pq.ParquetFile(source)
-    except (pa.ArrowException, OSError) as exc:
+    except (pa.ArrowException, *store_errors()) as exc:
         yield Row(url, error=f"InputError: {url}: not a readable Parquet file ({exc})")
         return
     with source:
@@ -189,7 +200,7 @@ def arrow_rows(url: str, options: DatasetOptions) -> Iterator[Row]:
     try:
         source = options.store.open(url)
         reader = pa.ipc.open_stream(source)
-    except (pa.ArrowException, OSError) as exc:
+    except (pa.ArrowException, *store_errors()) as exc:
         yield Row(url, error=f"InputError: {url}: not a readable Arrow file ({exc})")
         return
     with source:
@@ -227,7 +238,7 @@ def table_rows(url: str, batches, columns: Columns, options: DatasetOptions) -> 
             for values in batch.select([c for c in columns if c]).to_pylist():
                 yield column_row(url, number, values, columns, options)
                 number += 1
-    except (pa.ArrowException, OSError) as exc:
+    except (pa.ArrowException, *store_errors()) as exc:
         yield Row(f"{url}:{number}", error=f"InputError: {url}: unreadable from row {number} on ({exc})")
 
 
@@ -259,7 +270,7 @@ def read_image(name: str, url: str, options: DatasetOptions) -> tuple[bytes | No
         return options.store.read(url, options.max_image_bytes), None
     except FileNotFoundError:
         return None, f"InputError: {url}: no such file ({name})"
-    except OSError as exc:
+    except store_errors() as exc:
         return None, f"ImageError: {url}: cannot read ({exc})"
     except ValueError:
         return None, too_large(url, options.store.size(url), options.max_image_bytes)
@@ -278,7 +289,7 @@ def sample_key(member_name: str) -> tuple[str, str]:
 def tar_rows(url: str, options: DatasetOptions) -> Iterator[Row]:
     try:
         source = options.store.open(url)
-    except OSError as exc:
+    except store_errors() as exc:
         yield Row(url, error=f"InputError: {url}: cannot read ({exc})")
         return
     with source:
@@ -296,7 +307,7 @@ def shard_rows(url: str, source, options: DatasetOptions) -> Iterator[Row]:
                 yield sample_row(f"{url}:{key}", members, options)
             if not all_zero(tar):
                 raise tarfile.ReadError("a corrupt member header; the rest of the shard is unread")
-    except (tarfile.TarError, OSError, EOFError, ValueError) as exc:
+    except (tarfile.TarError, EOFError, *store_errors()) as exc:
         after = f" after sample {last}" if last else ""
         yield Row(f"{url}:@error", error=f"InputError: {url}: unreadable tar{after} ({exc})")
 
@@ -357,4 +368,3 @@ def metadata(members: dict[str, bytes | int]) -> dict[str, Any] | None:
     except ValueError:
         return None
     return parsed if isinstance(parsed, dict) else None
-

@@ -14,7 +14,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from wicore.cli.dataset_inputs import DatasetOptions, Row, dataset_rows, is_dataset, missing
+from wicore.cli.dataset_inputs import DatasetOptions, Row, dataset_rows, is_dataset, missing, require_extras
 from wicore.errors import ConfigError
 from wicore.schemas import ManifestEntry
 
@@ -43,6 +43,7 @@ def iter_inputs(args: list[str], options: DatasetOptions | None = None) -> Itera
     A missing argument is a usage error, raised here, before anything starts."""
     options = options or DatasetOptions()
     datasets = [arg for arg in args if is_dataset(arg, options.store)]
+    require_extras(datasets)
     absent = missing(datasets, options.store) + [a for a in args if a not in datasets and not Path(a).exists()]
     if absent:
         raise ConfigError(f"no such file or folder: {', '.join(a for a in args if a in absent)}")

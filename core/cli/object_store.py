@@ -82,10 +82,17 @@ class Store:
         """An S3 listing call; a refusal (no credentials, access denied, no endpoint) as one line."""
         try:
             return call(url, **kwargs)
-        except (OSError, ValueError) as exc:
-            raise ConfigError(f"{url}: cannot list ({type(exc).__name__}: {exc})") from exc
-        except Exception as exc:  # noqa: BLE001 (botocore's errors share no base with the builtins)
-            if type(exc).__module__.split(".")[0] not in ("botocore", "aiobotocore", "s3fs"):
-                raise
-            raise ConfigError(f"{url}: cannot reach S3 ({type(exc).__name__}: {exc}); check the AWS credentials "
-                              f"and --s3-endpoint-url") from exc  # fmt: skip
+        except store_errors() as exc:
+            raise ConfigError(
+                f"{url}: cannot list ({type(exc).__name__}: {exc}); check the AWS credentials and --s3-endpoint-url"
+            ) from exc
+
+
+def store_errors() -> tuple[type[Exception], ...]:
+    """What reading a file or an object may raise: OSError (s3fs turns S3's refusals into its
+    kinds) and botocore's own errors (no credentials, an endpoint that does not answer)."""
+    try:
+        from botocore.exceptions import BotoCoreError
+    except ImportError:
+        return (OSError,)
+    return (OSError, BotoCoreError)

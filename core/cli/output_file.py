@@ -47,11 +47,16 @@ def run_lock(output: Path) -> Iterator[None]:
     fd = _locked(lock, output)
     try:
         os.ftruncate(fd, 0)
-        os.write(fd, f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S %z')}".encode())
+        os.write(fd, this_run().encode())
         yield
     finally:
         lock.unlink(missing_ok=True)  # while still held: a run waiting on this inode finds it gone and retries
         os.close(fd)
+
+
+def this_run() -> str:
+    """'pid 4242 on gpu-7 since 2026-01-01 12:00:00 +0000': what a refused run is told."""
+    return f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S %z')}"
 
 
 def _locked(lock: Path, output: Path) -> int:
@@ -101,6 +106,10 @@ class Answers:
 
 
 def read_answers(path: Path) -> Answers:
+    if is_parquet(path):
+        from wicore.cli.failures import require
+
+        require("pyarrow")  # before the run, not when its first result is written
     answers = Answers()
     for input, error in _keys_and_errors(path):
         answers.ok[input] = error is None
