@@ -62,12 +62,18 @@ from wicore.cli.output_file import Answers, open_sink, read_answers, run_lock
 from wicore.cli.pool import WorkerPool
 from wicore.cli.process_group import ProcessGroup
 from wicore.cli.result_lines import error_line, wait_lines
+from wicore.cli.submitting import batched, submit_items
 from wicore.cli.worker_specs import WorkerSpec, plan_workers
 from wicore.config import Settings, redact_url
 from wicore.schemas import ResultLine
 
 KEEP_RUN_LOGS = 20  # per-run log folders kept in the cache dir
-WINDOW = 512  # jobs submitted together; the next window goes out while the one before runs
+WINDOW = 512  # fewest jobs submitted together; the next window goes out while the one before runs
+
+
+def window_size(batch_size: int, workers: int) -> int:
+    """Jobs per window: two windows keep every worker's batch full twice over."""
+    return max(WINDOW, 2 * batch_size * workers)
 
 
 @friendly_errors
@@ -105,8 +111,9 @@ def caption(
     config: Path = ConfigOption,
     debug: bool = DebugOption,
 ) -> None:
-    """Caption images into OUT.jsonl through Redis, the scheduler and the workers. Worker logs go
-    to a folder per run under the cache dir (~/.cache/wicore/logs)."""
+    """Caption images into OUT (JSONL, or Parquet for a .parquet name) through Redis, the scheduler
+    and the workers. Worker logs go to a folder per run under the cache dir (~/.cache/wicore/logs).
+    A second run on the same OUT exits 2 at once, naming the running one."""
     raise_on_signals(signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
     settings = settings_from(
         config, engine_option=engine_option, redis_url=redis_url, model=model, model_id=model_id, engine=engine,
@@ -249,7 +256,7 @@ class CaptionRun:
             sink = open_sink(self.config.output, answers)
             stack.callback(sink.close)
             stack.callback(hold_signals)  # the first step of the way out: a second Ctrl-C cannot cut it short
-            self._caption(producer, pool, todo, sink)
+            self._caption(producer, pool, batched(todo, window_size(settings.batch_size, len(specs))), sink)
 
     def _redis(self, stack: contextlib.ExitStack, group: ProcessGroup) -> str:
         if not self.config.embedded:
@@ -266,9 +273,7 @@ class CaptionRun:
             served["allowed_roots"] = list(self.config.file_roots)
         return self.config.settings.model_copy(update=served)
 
-    def _caption(self, producer, pool: WorkerPool, todo: Iterable[InputItem], sink) -> None:
-        from wicore.cli.submitting import batched
-
+    def _caption(self, producer, pool: WorkerPool, windows: Iterable[list[InputItem]], sink) -> None:
         columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), RateColumn(self.meter)]
         bar = Progress(*columns, TimeRemainingColumn(), console=console, disable=not console.is_terminal)
         with bar as progress:  # a bar on a terminal; in a log or a pipe, only the summary line
@@ -288,7 +293,7 @@ class CaptionRun:
 
             on_error = lambda item, error: write(error_line(item.input, error))  # noqa: E731
             in_flight: list[Window] = []
-            for chunk in batched(todo, WINDOW):
+            for chunk in windows:
                 in_flight.append(self._submit(producer, chunk, on_error))
                 if len(in_flight) == 2:
                     self._drain(producer, in_flight.pop(0), in_flight, write, poll)
@@ -298,8 +303,6 @@ class CaptionRun:
             self.meter.stopped_at = time.time()
 
     def _submit(self, producer, chunk: list[InputItem], on_error: Callable) -> Window:
-        from wicore.cli.submitting import submit_items
-
         window = Window({}, {hashlib.sha256(i.data).hexdigest() for i in chunk if i.data is not None})
         for job_id, input in submit_items(producer, chunk, self._submission, on_error):
             self.pending.setdefault(job_id, []).append(input)
