@@ -37,7 +37,7 @@ IMAGE_COLUMNS = ("image", "img", "jpg", "jpeg", "png", "webp", "image_bytes", "b
                  "url", "image_url")  # fmt: skip
 KEY_COLUMNS = ("key", "__key__", "id", "input")
 PROMPT_COLUMN = "prompt"
-BATCH_ROWS = 64  # rows decoded at a time (a Parquet row group is read in slices of this many)
+BATCH_ROWS = 64  # rows turned into Python objects at a time
 
 
 @dataclass(frozen=True)
@@ -161,8 +161,16 @@ def parquet_rows(url: str, options: DatasetOptions) -> Iterator[Row]:
         if isinstance(columns, str):
             yield Row(url, error=columns)
             return
-        batches = reader.iter_batches(batch_size=BATCH_ROWS, columns=list(dict.fromkeys(c for c in columns if c)))
-        yield from table_rows(url, batches, columns, options)
+        yield from table_rows(url, row_group_batches(reader, [c for c in columns if c]), columns, options)
+
+
+def row_group_batches(reader, columns: list[str]):
+    """Record batches of one row group at a time (`iter_batches` keeps more and more memory as it
+    goes through a file; a row group read whole and let go does not)."""
+    for index in range(reader.num_row_groups):
+        yield from reader.read_row_group(index, columns=list(dict.fromkeys(columns)), use_threads=False).to_batches(
+            BATCH_ROWS
+        )
 
 
 def saved_dataset_rows(folder: str, options: DatasetOptions) -> Iterator[Row]:
