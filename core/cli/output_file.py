@@ -170,6 +170,8 @@ class JsonlSink:
         self.rewritten: set[str] = set()
         self.duplicated = answers.duplicated
         self.sink = path.open("a")
+        if not ends_a_line(path):  # a torn last line (a crash): the next line starts on a line of its own
+            self.sink.write("\n")
 
     def write(self, line: ResultLine) -> None:
         self.sink.write(line.model_dump_json() + "\n")
@@ -181,6 +183,15 @@ class JsonlSink:
         self.sink.close()
         if self.rewritten or self.duplicated:
             keep_newest_lines(self.path)
+
+
+def ends_a_line(path: Path) -> bool:
+    """Whether the file is empty or ends with a newline."""
+    with path.open("rb") as source:
+        if source.seek(0, os.SEEK_END) == 0:
+            return True
+        source.seek(-1, os.SEEK_END)
+        return source.read(1) == b"\n"
 
 
 def keep_newest_lines(path: Path) -> None:
