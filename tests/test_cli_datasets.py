@@ -175,6 +175,26 @@ def test_an_s3_prefix_gives_its_images_and_a_missing_one_is_a_usage_error(s3_env
     assert (gone.returncode, gone.stderr) == (2, f"error: no such file or folder: s3://{BUCKET}/nope/\n")
 
 
+def test_parquet_and_tar_objects_under_an_s3_prefix_and_an_s3_glob(s3_env, tmp_path):
+    import boto3
+
+    client = boto3.client("s3", endpoint_url=s3_env["WICORE_S3_ENDPOINT_URL"])
+    parquet = write_parquet(tmp_path / "d.parquet", [{"key": stem(p), "image": p.read_bytes()} for p in IMAGES[:2]])
+    shard = write_shard(tmp_path / "s.tar", [(f"{stem(p)}.png", p.read_bytes()) for p in IMAGES[2:4]])
+    for path in (parquet, shard):
+        client.put_object(Bucket=BUCKET, Key=f"mixed/{path.name}", Body=path.read_bytes())
+    client.put_object(Bucket=BUCKET, Key="mixed/notes.txt", Body=b"not an image")
+    options = DatasetOptions(s3_endpoint_url=s3_env["WICORE_S3_ENDPOINT_URL"])
+    items = {item.input: item for item in expand_inputs([f"s3://{BUCKET}/mixed/"], options)}
+    tar_url = f"s3://{BUCKET}/mixed/s.tar"
+    assert list(items) == [stem(IMAGES[0]), stem(IMAGES[1]), f"s3://{BUCKET}/mixed/notes.txt",
+                           f"{tar_url}:{stem(IMAGES[2])}", f"{tar_url}:{stem(IMAGES[3])}"]  # fmt: skip
+    assert items[f"{tar_url}:{stem(IMAGES[3])}"].data == IMAGES[3].read_bytes()
+    assert items[f"s3://{BUCKET}/mixed/notes.txt"].error.startswith("InputError: s3://wicore-data/mixed/notes.txt: not")
+    globbed = expand_inputs([f"s3://{BUCKET}/mixed/*.tar"], options)
+    assert [item.input for item in globbed] == [f"{tar_url}:{stem(IMAGES[2])}", f"{tar_url}:{stem(IMAGES[3])}"]
+
+
 @pytest.mark.parametrize(
     "module, url", [("pyarrow", "d.parquet"), ("pyarrow", "out.parquet"), ("s3fs", f"s3://{BUCKET}/images/")]
 )
