@@ -57,7 +57,7 @@ from wicore.cli.failures import (
     hold_signals,
     raise_on_signals,
 )
-from wicore.cli.input_paths import InputItem, file_roots, iter_inputs
+from wicore.cli.input_paths import InputItem, iter_inputs, local_files
 from wicore.cli.output_file import Answers, open_sink, read_answers, run_lock
 from wicore.cli.pool import WorkerPool
 from wicore.cli.process_group import ProcessGroup
@@ -132,7 +132,8 @@ def caption(
             console.print(f"nothing to do: all {todo.done} inputs already have a line in {output}", markup=False)
             return
         config = run_config(settings, output, allow_random_weights, prompt, max_new_tokens, redis_dir)
-        run = CaptionRun(replace(config, file_roots=tuple(file_roots(inputs, options))), run_id=run_id)
+        local = local_files(inputs, options, todo.settled)
+        run = CaptionRun(replace(config, file_roots=tuple(sorted(local.roots)), total=local.todo), run_id=run_id)
         run.run(chain([first], stream), specs, answers)
     console.print(run.summary(todo.taken, todo.done), markup=False)
     if run.errors:
@@ -219,6 +220,7 @@ class RunConfig:
     redis_dir: Path | None
     extra_args: tuple[str, ...] = ()
     file_roots: tuple[Path, ...] = ()  # folders of the image files given (on the embedded Redis, they travel as paths)
+    total: int | None = None  # inputs to run, when known before they are read (the progress bar's end)
 
     @property
     def embedded(self) -> bool:
@@ -277,7 +279,7 @@ class CaptionRun:
         columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), RateColumn(self.meter)]
         bar = Progress(*columns, TimeRemainingColumn(), console=console, disable=not console.is_terminal)
         with bar as progress:  # a bar on a terminal; in a log or a pipe, only the summary line
-            task = progress.add_task("starting workers", total=None)
+            task = progress.add_task("starting workers", total=self.config.total)
 
             def write(line: ResultLine) -> None:
                 sink.write(line)

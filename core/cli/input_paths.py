@@ -54,10 +54,22 @@ def expand_inputs(args: list[str], options: DatasetOptions | None = None) -> lis
     return list(iter_inputs(args, options))
 
 
-def file_roots(args: list[str], options: DatasetOptions) -> set[Path]:
-    """The folders of the local image files among the inputs (a dataset's images travel as bytes)."""
+@dataclass(frozen=True)
+class LocalFiles:
+    """The local image files, folders and manifests among the INPUTs, surveyed before a run."""
+
+    roots: set[Path]  # the folders of their image files (a dataset's images travel as bytes)
+    todo: int | None  # inputs still to run when every INPUT is local; None: datasets are counted as read
+
+
+def local_files(args: list[str], options: DatasetOptions, settled: set[str]) -> LocalFiles:
     files = [arg for arg in args if not is_dataset(arg, options.store)]
-    return {item.path.resolve().parent for item in iter_inputs(files, options) if item.path is not None}
+    roots, todo = set(), 0
+    for item in iter_inputs(files, options):
+        todo += item.input not in settled
+        if item.path is not None:
+            roots.add(item.path.resolve().parent)
+    return LocalFiles(roots, todo if len(files) == len(args) else None)
 
 
 def _unique(items: Iterable[InputItem]) -> Iterator[InputItem]:
