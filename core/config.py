@@ -99,6 +99,8 @@ class Settings(BaseSettings):
     # Full-size pixel memory a worker's concurrent image decodes hold, in its threads or its decode
     # processes together; an image that needs more decodes alone. 512 MiB: two 50 Mpx RGB at once.
     decode_budget_bytes: int = Field(defaults.DECODE_BUDGET_BYTES, ge=2**20)
+    # S3-compatible endpoint for s3:// dataset inputs (MinIO, R2 ...); none: AWS_ENDPOINT_URL(_S3), else AWS
+    s3_endpoint_url: str | None = None
     # Processes a worker reads, decodes and resizes images in, off the GIL of the thread that launches
     # kernels (engines that take resized images: fast); 0: threads. Default: on a GPU one per two cores of the
     # worker's share of the host, at most 8 (`defaults.gpu_decode_processes`), else 0.

@@ -49,6 +49,16 @@ def wicore(
     return result
 
 
+def without(module: str, *args: str, env: dict, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """`wicore ARGS` in a Python where `module` cannot be imported, as if its extra were not
+    installed (None in sys.modules: Python's own way to make an import fail)."""
+    code = (
+        f"import sys; sys.modules[{module!r}] = None\nfrom wicore.cli.main import main\nsys.argv[1:] = {args!r}\nmain()"
+    )
+    return subprocess.run([sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True,
+                          timeout=120, cwd=cwd)  # fmt: skip
+
+
 def start_cli(verb: str, *args: str, env: dict | None = None, log: Path | None = None) -> subprocess.Popen:
     """A long-running `wicore <verb>` in a subprocess, its output into `log`."""
     sink = open(log, "wb") if log else subprocess.DEVNULL  # noqa: SIM115 (closed with the process)

@@ -5,11 +5,8 @@ password-protected (requirepass); nothing here loads a model."""
 from __future__ import annotations
 
 import json
-import os
 import re
 import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,7 +15,7 @@ from redis import Redis
 from rq.job import Job
 from rq.serializers import JSONSerializer
 
-from tests.helpers import wicore, write_images
+from tests.helpers import wicore, without, write_images
 from wicore.embedded import EmbeddedRedis, free_port
 from wicore.redaction import redact
 
@@ -233,16 +230,6 @@ def test_size_limit_errors_name_the_setting_to_raise(setting, says, tmp_path, im
     assert run.returncode == 1, run.stderr
     [line] = [json.loads(line) for line in out.read_text().splitlines()]
     assert f"over the limit of {says}" in line["error"]
-
-
-def without(module: str, *args: str, env: dict) -> subprocess.CompletedProcess:
-    """`wicore ARGS` in a Python where `module` cannot be imported, as if its extra were not
-    installed (None in sys.modules: Python's own way to make an import fail)."""
-    code = (
-        f"import sys; sys.modules[{module!r}] = None\nfrom wicore.cli.main import main\nsys.argv[1:] = {args!r}\nmain()"
-    )
-    return subprocess.run([sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True,
-                          timeout=120)  # fmt: skip
 
 
 @pytest.mark.parametrize(

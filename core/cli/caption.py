@@ -1,9 +1,11 @@
-"""`wicore caption INPUT... -o OUT.jsonl`: bulk captioning through the whole product.
+"""`wicore caption INPUT... -o OUT.jsonl|OUT.parquet`: bulk captioning through the whole product.
 
-Starts an embedded redis-server unless given --redis-url, starts the workers, submits every
-input as a job, and writes one result line per input (`wicore schema result`) as results
-arrive. Re-running with the same OUT skips the inputs already captioned there and tries the
-ones that failed again (unless --skip-errors), so an interrupted run resumes where it stopped.
+Starts an embedded redis-server unless given --redis-url, starts the workers, submits the inputs
+as jobs as they are read (at most two windows of WINDOW jobs ahead of the results: memory and
+Redis hold a bounded part of a dataset of any size), and writes one result line per input
+(`wicore schema result`) as results arrive. Re-running with the same OUT skips the inputs already
+captioned there and tries the ones that failed again (unless --skip-errors), so an interrupted
+run resumes where it stopped. One run per OUT at a time (output_file.run_lock).
 
 The run owns its child processes (process_group.py): any end (done, an error, SIGINT, SIGTERM)
 stops them, and with an external Redis the jobs it leaves unstarted are removed from it.
@@ -12,11 +14,14 @@ stops them, and with an external Redis the jobs it leaves unstarted are removed 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import shutil
 import signal
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field, replace
+from itertools import chain
 from pathlib import Path
 
 import typer
@@ -30,13 +35,18 @@ from wicore.cli.common import (
     DeviceOption,
     DtypeOption,
     EngineOption,
+    ImageColumnOption,
+    KeyColumnOption,
     ModelIdOption,
     ModelOption,
     NoCacheOption,
+    PromptColumnOption,
     RedisOption,
     RedisPasswordFileOption,
+    S3EndpointOption,
     checked_model,
     console,
+    dataset_options,
     friendly_errors,
     settings_from,
 )
@@ -48,11 +58,12 @@ from wicore.cli.failures import (
     hold_signals,
     raise_on_signals,
 )
-from wicore.cli.input_paths import InputItem, expand_inputs
-from wicore.cli.output_file import drop_inputs, read_records, settled_inputs
+from wicore.cli.input_paths import InputItem, iter_inputs, local_files
+from wicore.cli.output_file import Answers, open_sink, read_answers, run_lock
 from wicore.cli.pool import WorkerPool
 from wicore.cli.process_group import ProcessGroup
 from wicore.cli.result_lines import error_line, wait_lines
+from wicore.cli.submitting import batched, submit_items
 from wicore.cli.worker_specs import WorkerSpec, plan_workers
 from wicore.config import Settings
 from wicore.errors import ConfigError
@@ -60,14 +71,24 @@ from wicore.redaction import redact
 from wicore.schemas import ResultLine
 
 KEEP_RUN_LOGS = 20  # per-run log folders kept in the cache dir
+WINDOW = 512  # fewest jobs submitted together; the next window goes out while the one before runs
+
+
+def window_size(batch_size: int, workers: int) -> int:
+    """Jobs per window: two windows keep every worker's batch full twice over."""
+    return max(WINDOW, 2 * batch_size * workers)
 
 
 @friendly_errors
 def caption(
     inputs: list[str] = typer.Argument(
-        ..., help="Image files, folders (recursive; hidden files aside) or JSONL manifests."
+        ...,
+        help="Image files, folders (recursive; hidden files aside), JSONL manifests, Parquet files, WebDataset tar "
+        "shards, `datasets` folders (save_to_disk), s3:// objects or prefixes, globs of these.",
     ),
-    output: Path = typer.Option(..., "-o", "--output", help="JSONL file to append one line per input to."),
+    output: Path = typer.Option(
+        ..., "-o", "--output", help="File to add one line per input to: JSONL, or Parquet for a .parquet name."
+    ),
     model: Path = ModelOption,
     model_id: str = ModelIdOption,
     engine: str = typer.Option(None, help="reference | fast (default: auto: fast on CUDA)", show_default=False),
@@ -86,36 +107,55 @@ def caption(
     no_cache: bool = NoCacheOption,
     engine_option: list[str] = EngineOption,
     skip_errors: bool = typer.Option(False, help="On a rerun, leave inputs that failed before as they are."),
+    image_column: str = ImageColumnOption,
+    key_column: str = KeyColumnOption,
+    prompt_column: str = PromptColumnOption,
+    s3_endpoint_url: str = S3EndpointOption,
     allow_random_weights: bool = AllowRandomWeightsOption,
     config: Path = ConfigOption,
     debug: bool = DebugOption,
 ) -> None:
-    """Caption images into OUT.jsonl through Redis, the scheduler and the workers. Worker logs go
-    to a folder per run under the cache dir (~/.cache/wicore/logs)."""
+    """Caption images into OUT (JSONL, or Parquet for a .parquet name) through Redis, the scheduler
+    and the workers. Worker logs go to a folder per run under the cache dir (~/.cache/wicore/logs).
+    A second run on the same OUT exits 2 at once, naming the running one."""
     raise_on_signals(signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
     settings = settings_from(
         config, engine_option=engine_option, redis_url=redis_url, redis_password_file=redis_password_file, model=model, model_id=model_id, engine=engine,
         device=device, dtype=dtype, batch_size=batch_size, no_cache=no_cache, log_level=debug_level(debug),
+        s3_endpoint_url=s3_endpoint_url,
     )  # fmt: skip
     run_id = new_run_id()
     specs = plan_workers(f"caption-{run_id}", settings, gpus=gpus, workers=workers)
     check_output_folder(output)
-    todo, done = plan(expand_inputs(inputs), output, skip_errors)
-    if not todo:
-        console.print(f"nothing to do: all {done} inputs already have a line in {output}", markup=False)
-        return
+    with run_lock(output):
+        answers = read_answers(output)
+        options = dataset_options(settings, image_column, key_column, prompt_column)
+        todo = Todo(iter_inputs(inputs, options), answers, skip_errors)
+        stream = iter(todo)
+        first = next(stream, None)
+        if first is None:
+            console.print(f"nothing to do: all {todo.done} inputs already have a line in {output}", markup=False)
+            return
+        config = run_config(settings, output, allow_random_weights, prompt, max_new_tokens, redis_dir)
+        local = local_files(inputs, options, todo.settled)
+        run = CaptionRun(replace(config, file_roots=tuple(sorted(local.roots)), total=local.todo), run_id=run_id)
+        run.run(chain([first], stream), specs, answers)
+    console.print(run.summary(todo.taken, todo.done), markup=False)
+    if run.errors:
+        raise typer.Exit(ExitCode.FAILED)
+
+
+def run_config(
+    settings: Settings, output: Path, allow_random_weights: bool, prompt: str | None, max_new_tokens: int,
+    redis_dir: Path | None,
+) -> RunConfig:  # fmt: skip
     model_dir, served_id = checked_model(settings, allow_random_weights)
     if settings.redis_url:  # reachable, authenticated and writable before any worker starts
         from wicore.cli.redis_check import connect
 
         connect(settings.redis_url).close()
     extra = ["--allow-random-weights"] if allow_random_weights else []  # engine options travel in the settings
-    config = RunConfig(settings, model_dir, served_id, output, prompt, max_new_tokens, redis_dir, tuple(extra))
-    run = CaptionRun(config, run_id=run_id)
-    run.run(todo, specs)
-    console.print(run.summary(len(todo), done), markup=False)
-    if run.errors:
-        raise typer.Exit(ExitCode.FAILED)
+    return RunConfig(settings, model_dir, served_id, output, prompt, max_new_tokens, redis_dir, tuple(extra))
 
 
 def check_output_folder(output: Path) -> None:
@@ -123,16 +163,30 @@ def check_output_folder(output: Path) -> None:
         raise ConfigError(f"-o {output}: the folder {output.parent} does not exist; create it or write elsewhere")
 
 
-def plan(items: list[InputItem], output: Path, skip_errors: bool) -> tuple[list[InputItem], int]:
-    """(inputs to run, how many already have their line). The error lines of inputs to run
-    again are dropped from OUT first, so each input ends with one line."""
-    records = read_records(output)
-    settled = settled_inputs(records, skip_errors)
-    todo = [item for item in items if item.input not in settled]
-    retried = {r["input"] for r in records} - settled
-    if retried & {item.input for item in todo}:
-        drop_inputs(output, retried)
-    return todo, len(items) - len(todo)
+class Todo:
+    """The inputs still to run, read as they are taken; counts those OUT already answers."""
+
+    def __init__(self, items: Iterator[InputItem], answers: Answers, skip_errors: bool):
+        self.items = items
+        self.settled = answers.settled(skip_errors)
+        self.done = 0  # inputs skipped: their line is in OUT
+        self.taken = 0  # inputs handed out to run
+
+    def __iter__(self) -> Iterator[InputItem]:
+        for item in self.items:
+            if item.input in self.settled:
+                self.done += 1
+            else:
+                self.taken += 1
+                yield item
+
+
+@dataclass
+class Window:
+    """Jobs submitted together, and the image blobs they put in Redis."""
+
+    jobs: dict[str, list[str]]  # job id -> the inputs it answers
+    blobs: set[str]  # sha256 of each image sent as bytes
 
 
 class Meter:
@@ -175,6 +229,8 @@ class RunConfig:
     max_new_tokens: int
     redis_dir: Path | None
     extra_args: tuple[str, ...] = ()
+    file_roots: tuple[Path, ...] = ()  # folders of the image files given (on the embedded Redis, they travel as paths)
+    total: int | None = None  # inputs to run, when known before they are read (the progress bar's end)
 
     @property
     def embedded(self) -> bool:
@@ -187,13 +243,12 @@ class CaptionRun:
     written: int = 0
     errors: int = 0
     meter: Meter = field(default_factory=Meter)
-    submitted: dict[str, list[InputItem]] = field(default_factory=dict)  # job id -> the inputs it answers
-    ended: set[str] = field(default_factory=set)  # job ids
+    pending: dict[str, list[str]] = field(default_factory=dict)  # job id -> the inputs it answers, until it ends
     started: float = field(default_factory=time.time)
     run_id: str = field(default_factory=new_run_id)
     log_dir: Path | None = None
 
-    def run(self, todo: list[InputItem], specs: list[WorkerSpec]) -> None:
+    def run(self, todo: Iterable[InputItem], specs: list[WorkerSpec], answers: Answers) -> None:
         from wicore.producer import Producer, ProducerConfig
 
         group = ProcessGroup()
@@ -202,16 +257,18 @@ class CaptionRun:
             url = self._redis(stack, group)
             settings = self.config.settings
             config = ProducerConfig(
-                by_path=self.config.embedded, result_ttl_s=settings.result_ttl_s, retries=settings.retries
-            )
+                by_path=self.config.embedded, result_ttl_s=settings.result_ttl_s, retries=settings.retries,
+                max_image_bytes=settings.max_image_bytes,
+            )  # fmt: skip
             producer = Producer(url, model=self.config.model_id, config=config)
             stack.push(lambda *exc: self._leave(producer, exc[1]))  # runs once the workers have stopped
             self.log_dir = run_log_dir(Path(self.config.settings.cache_dir) / "logs", self.run_id)
-            settings = self._worker_settings(url, todo)
+            settings = self._worker_settings(url)
             pool = stack.enter_context(WorkerPool(specs, settings, list(self.config.extra_args), group, self.log_dir))
-            sink = stack.enter_context(self.config.output.open("a"))
+            sink = open_sink(self.config.output, answers)
+            stack.callback(sink.close)
             stack.callback(hold_signals)  # the first step of the way out: a second Ctrl-C cannot cut it short
-            self._caption(producer, pool, todo, sink)
+            self._caption(producer, pool, batched(todo, window_size(settings.batch_size, len(specs))), sink)
 
     def _redis(self, stack: contextlib.ExitStack, group: ProcessGroup) -> str:
         if not self.config.embedded:
@@ -221,24 +278,21 @@ class CaptionRun:
         keep = self.config.redis_dir is not None
         return stack.enter_context(EmbeddedRedis(self.config.redis_dir, persist=keep, spawn=group.popen)).url
 
-    def _worker_settings(self, url: str, todo: list[InputItem]) -> Settings:
+    def _worker_settings(self, url: str) -> Settings:
         """This run's settings as its workers take them (a 0600 file, not the environment)."""
         served = {"redis_url": url, "model": self.config.model_dir, "model_id": self.config.model_id}
-        if self.config.embedded:  # the workers read the inputs from where they lie
-            served["allowed_roots"] = sorted({item.path.resolve().parent for item in todo if item.path is not None})
+        if self.config.embedded:
+            served["allowed_roots"] = list(self.config.file_roots)
         return self.config.settings.model_copy(update=served)
 
-    def _caption(self, producer, pool: WorkerPool, todo: list[InputItem], sink) -> None:
-        from wicore.cli.submitting import submit_items
-
+    def _caption(self, producer, pool: WorkerPool, windows: Iterable[list[InputItem]], sink) -> None:
         columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), RateColumn(self.meter)]
         bar = Progress(*columns, TimeRemainingColumn(), console=console, disable=not console.is_terminal)
         with bar as progress:  # a bar on a terminal; in a log or a pipe, only the summary line
-            task = progress.add_task("starting workers", total=len(todo))
+            task = progress.add_task("starting workers", total=self.config.total)
 
             def write(line: ResultLine) -> None:
-                sink.write(line.model_dump_json() + "\n")
-                sink.flush()
+                sink.write(line)
                 self.written += 1
                 self.errors += line.error is not None
                 progress.advance(task)
@@ -250,14 +304,35 @@ class CaptionRun:
                     progress.update(task, description="captioning" if self.meter.ready_at else "starting workers")
 
             on_error = lambda item, error: write(error_line(item.input, error))  # noqa: E731
-            submit_items(producer, todo, self._submission, on_error, by_job=self.submitted)
-            inputs = {job_id: [i.input for i in items] for job_id, items in self.submitted.items()}
-            for line in wait_lines(producer, inputs, None, on_poll=poll, poll_s=1.0):
-                self.ended.add(line.job_id)
-                self.meter.ended += 1
-                write(line)
+            in_flight: list[Window] = []
+            for chunk in windows:
+                in_flight.append(self._submit(producer, chunk, on_error))
+                if len(in_flight) == 2:
+                    self._drain(producer, in_flight.pop(0), in_flight, write, poll)
+            while in_flight:
+                self._drain(producer, in_flight.pop(0), in_flight, write, poll)
             self.meter.ready_at = self.meter.ready_at or first_birth(producer.connection, pool.names)
             self.meter.stopped_at = time.time()
+
+    def _submit(self, producer, chunk: list[InputItem], on_error: Callable) -> Window:
+        window = Window({}, {hashlib.sha256(i.data).hexdigest() for i in chunk if i.data is not None})
+        for job_id, input in submit_items(producer, chunk, self._submission, on_error):
+            self.pending.setdefault(job_id, []).append(input)
+            window.jobs.setdefault(job_id, []).append(input)
+        return window
+
+    def _drain(self, producer, window: Window, later: list[Window], write: Callable, poll: Callable) -> None:
+        """Write the window's lines as its jobs end; then, on the embedded Redis, drop the image
+        blobs no later window uses (on an external Redis they expire: others may share them)."""
+        for line in wait_lines(producer, window.jobs, None, on_poll=poll, poll_s=1.0):
+            self.pending.pop(line.job_id, None)
+            self.meter.ended += 1
+            write(line)
+        unused = window.blobs.difference(*(w.blobs for w in later))
+        if self.config.embedded and unused:
+            from wicore import keys
+
+            producer.connection.delete(*(keys.blob(sha) for sha in unused))
 
     def _submission(self, item: InputItem):
         from wicore.producer import Submission
@@ -265,7 +340,7 @@ class CaptionRun:
 
         params = GenerationParams(max_new_tokens=item.max_new_tokens or self.config.max_new_tokens)
         prompt = item.prompt or self.config.prompt
-        return Submission(item.path, prompt, params=params, metadata=item.metadata, name=item.input)
+        return Submission(item.image, prompt, params=params, metadata=item.metadata, name=item.input)
 
     def _leave(self, producer, exc: BaseException | None) -> None:
         """After a failure or a signal: say what is left, and take this run's unstarted jobs back
@@ -274,7 +349,7 @@ class CaptionRun:
             return
         if self.written or isinstance(exc, Interrupted | KeyboardInterrupt):
             exc.add_note(f"{self.written} inputs got their line in {self.config.output}; rerun to do the rest")
-        pending = [job_id for job_id in self.submitted if job_id not in self.ended]
+        pending = list(self.pending)
         if pending and not self.config.embedded:
             exc.add_note(self._take_back(producer, pending))
 

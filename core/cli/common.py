@@ -74,9 +74,45 @@ DtypeOption = typer.Option(
 )
 BatchSizeOption = typer.Option(None, help="Most jobs in one engine batch [8].", show_default=False)
 NoCacheOption = typer.Option(None, "--no-cache", help="Turn off the KV and vision caches.")
+ImageColumnOption = typer.Option(
+    None,
+    help="Datasets: the column (WebDataset: the member extension) holding the image: bytes, a path or an s3:// URL "
+    "(default: the first of image, img, jpg, jpeg, png, webp, image_bytes, bytes, path, image_path, file_name, url, "
+    "image_url).",
+    show_default=False,
+)
+KeyColumnOption = typer.Option(
+    None,
+    help="Datasets: the column keying each row's output line (default: key, __key__, id or input if present, "
+    "else FILE:ROW).",
+    show_default=False,
+)
+PromptColumnOption = typer.Option(
+    "prompt", help="Datasets: the column (WebDataset: the member extension, e.g. txt) holding each input's prompt."
+)
+S3EndpointOption = typer.Option(
+    None,
+    "--s3-endpoint-url",
+    help="S3-compatible endpoint for s3:// inputs (also WICORE_S3_ENDPOINT_URL, AWS_ENDPOINT_URL).",
+    show_default=False,
+)
 EngineOption = typer.Option(
     None, "--engine-option", help="Engine option KEY=VALUE (VALUE as JSON, else a string); repeatable."
 )
+
+
+def dataset_options(settings: Settings, image_column: str | None, key_column: str | None, prompt_column: str):
+    """How dataset INPUTs are read (input_paths.py, dataset_inputs.py)."""
+    from wicore.cli.dataset_inputs import DatasetOptions
+    from wicore.cli.object_store import endpoint_url
+
+    return DatasetOptions(
+        image_column=image_column,
+        key_column=key_column,
+        prompt_column=prompt_column,
+        s3_endpoint_url=endpoint_url(settings.s3_endpoint_url),
+        max_image_bytes=settings.max_image_bytes,
+    )
 
 
 def engine_options(pairs: list[str] | None) -> dict:

@@ -24,7 +24,8 @@ from wicore.redaction import redact
 class ExitCode(IntEnum):
     OK = 0
     FAILED = 1  # some jobs or inputs failed (or were canceled); their lines say why
-    USAGE = 2  # a flag, argument, setting, input path or model directory is wrong, or an extra is missing
+    USAGE = 2  # a flag, argument, setting, input path or model directory is wrong, an extra is missing, or
+    # `caption`'s output file is being written by another run
     UNFINISHED = 3  # `result`: some jobs had not ended when --wait ran out
     REDIS = 4  # Redis is unreachable, refuses the credentials, or refuses writes
     WORKERS = 5  # `caption`: the worker processes exited before the work was done

@@ -1,18 +1,20 @@
-"""INPUT arguments of `wicore caption` / `wicore enqueue`: image files, folders (recursive) and
-JSONL manifests (one `ManifestEntry` per line), expanded into one item per input. Every file in
-a folder is an input (hidden ones aside): a file that is not an image gets an error item, so it
+"""INPUT arguments of `wicore caption` / `wicore enqueue`: image files, folders (recursive), JSONL
+manifests (one `ManifestEntry` per line) and datasets (Parquet, WebDataset shards, `datasets`
+folders, s3://: dataset_inputs.py), expanded lazily into one item per input. Every file in a
+folder is an input (hidden ones aside): a file that is not an image gets an error item, so it
 still gets its line."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
 
+from wicore.cli.dataset_inputs import DatasetOptions, Row, dataset_rows, is_dataset, missing, require_extras
 from wicore.errors import ConfigError
 from wicore.schemas import ManifestEntry
 
@@ -28,28 +30,70 @@ class InputItem:
     max_new_tokens: int | None = None
     metadata: dict[str, Any] = field(default_factory=dict)
     error: str | None = None  # known bad before any job is made (not an image, bad manifest line)
+    data: bytes | None = None  # the image's bytes, for an image read from a dataset
+
+    @property
+    def image(self) -> Path | bytes | None:
+        """What the job is made from: the bytes, else the file."""
+        return self.data if self.data is not None else self.path
 
 
-def expand_inputs(args: list[str]) -> list[InputItem]:
-    """One item per input, each input once (the first occurrence wins). A missing argument is a
-    usage error, raised before anything starts."""
-    missing = [arg for arg in args if not Path(arg).exists()]
-    if missing:
-        raise ConfigError(f"no such file or folder: {', '.join(missing)}")
-    items: dict[str, InputItem] = {}
-    for arg in args:
-        for item in _expand(arg, Path(arg)):
-            items.setdefault(item.input, item)
-    return list(items.values())
+def iter_inputs(args: list[str], options: DatasetOptions | None = None) -> Iterator[InputItem]:
+    """One item per input, each input once (the first occurrence wins), read as they are used.
+    A missing argument is a usage error, raised here, before anything starts."""
+    options = options or DatasetOptions()
+    datasets = [arg for arg in args if is_dataset(arg, options.store)]
+    require_extras(datasets)
+    absent = missing(datasets, options.store) + [a for a in args if a not in datasets and not Path(a).exists()]
+    if absent:
+        raise ConfigError(f"no such file or folder: {', '.join(a for a in args if a in absent)}")
+    return _unique(item for arg in args for item in _expand(arg, arg in datasets, options))
 
 
-def _expand(arg: str, path: Path) -> Iterator[InputItem]:
-    if path.is_dir():
+def expand_inputs(args: list[str], options: DatasetOptions | None = None) -> list[InputItem]:
+    return list(iter_inputs(args, options))
+
+
+@dataclass(frozen=True)
+class LocalFiles:
+    """The local image files, folders and manifests among the INPUTs, surveyed before a run."""
+
+    roots: set[Path]  # the folders of their image files (a dataset's images travel as bytes)
+    todo: int | None  # inputs still to run when every INPUT is local; None: datasets are counted as read
+
+
+def local_files(args: list[str], options: DatasetOptions, settled: set[str]) -> LocalFiles:
+    files = [arg for arg in args if not is_dataset(arg, options.store)]
+    roots, todo = set(), 0
+    for item in iter_inputs(files, options):
+        todo += item.input not in settled
+        if item.path is not None:
+            roots.add(item.path.resolve().parent)
+    return LocalFiles(roots, todo if len(files) == len(args) else None)
+
+
+def _unique(items: Iterable[InputItem]) -> Iterator[InputItem]:
+    seen: set[str] = set()
+    for item in items:
+        if item.input not in seen:
+            seen.add(item.input)
+            yield item
+
+
+def _expand(arg: str, dataset: bool, options: DatasetOptions) -> Iterator[InputItem]:
+    path = Path(arg)
+    if dataset:
+        yield from map(_dataset_item, dataset_rows(arg, options))
+    elif path.is_dir():
         yield from _folder(arg, path)
     elif path.suffix.lower() == MANIFEST_SUFFIX:
         yield from _manifest(path)
     else:
         yield _file(arg, path)
+
+
+def _dataset_item(row: Row) -> InputItem:
+    return InputItem(row.key, None, prompt=row.prompt, metadata=row.metadata or {}, error=row.error, data=row.data)
 
 
 def _file(key: str, path: Path) -> InputItem:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 import typer
@@ -14,15 +15,20 @@ from rich.table import Table
 
 from wicore.cli.common import (
     ConfigOption,
+    ImageColumnOption,
+    KeyColumnOption,
     ModelIdOption,
+    PromptColumnOption,
     RedisOption,
     RedisPasswordFileOption,
+    S3EndpointOption,
     console,
+    dataset_options,
     friendly_errors,
     settings_from,
 )
 from wicore.cli.failures import DebugOption, ExitCode, debug_level
-from wicore.cli.input_paths import InputItem, expand_inputs
+from wicore.cli.input_paths import InputItem, iter_inputs
 from wicore.cli.redis_check import connect
 from wicore.models import model_dir_and_id
 from wicore.schemas import GenerationParams, Lane
@@ -32,7 +38,11 @@ ID_FILE_HELP = "Job ids printed by `wicore enqueue`, or - to read its output (id
 
 @friendly_errors
 def enqueue(
-    inputs: list[str] = typer.Argument(..., help="Image files, folders (recursive) or JSONL manifests."),
+    inputs: list[str] = typer.Argument(
+        ...,
+        help="Image files, folders (recursive), JSONL manifests, Parquet files, WebDataset tar shards, `datasets` "
+        "folders (save_to_disk), s3:// objects or prefixes, globs of these.",
+    ),
     redis_url: str = RedisOption,
     redis_password_file: Path = RedisPasswordFileOption,
     model_id: str = ModelIdOption,
@@ -44,6 +54,10 @@ def enqueue(
     priority: Lane = typer.Option(Lane.NORMAL, help="Lane: high jobs are taken first."),
     deadline_s: float = typer.Option(None, help="Fail jobs not started within this many seconds."),
     by_path: bool = typer.Option(False, help="Send file paths (workers must see them) instead of image bytes."),
+    image_column: str = ImageColumnOption,
+    key_column: str = KeyColumnOption,
+    prompt_column: str = PromptColumnOption,
+    s3_endpoint_url: str = S3EndpointOption,
     config: Path = ConfigOption,
     debug: bool = DebugOption,
 ) -> None:
@@ -52,15 +66,14 @@ def enqueue(
     from wicore.producer import Producer, ProducerConfig, Submission
 
     settings = settings_from(
-        config,
-        redis_url=redis_url,
-        redis_password_file=redis_password_file,
-        model_id=model_id,
-        model=model,
+        config, redis_url=redis_url, redis_password_file=redis_password_file, model_id=model_id, model=model, s3_endpoint_url=s3_endpoint_url,
         log_level=debug_level(debug),
-    )
-    items = expand_inputs(inputs)
-    producer_config = ProducerConfig(by_path=by_path, result_ttl_s=settings.result_ttl_s, retries=settings.retries)
+    )  # fmt: skip
+    items = iter_inputs(inputs, dataset_options(settings, image_column, key_column, prompt_column))
+    producer_config = ProducerConfig(
+        by_path=by_path, result_ttl_s=settings.result_ttl_s, retries=settings.retries,
+        max_image_bytes=settings.max_image_bytes,
+    )  # fmt: skip
     served_id = model_dir_and_id(settings)[1]
     producer = Producer(connect(settings.redis_url), model=served_id, config=producer_config)
     deadline = time.time() + deadline_s if deadline_s is not None else None
@@ -69,7 +82,7 @@ def enqueue(
     def submission(item: InputItem) -> Submission:
         item_params = params.model_copy(update={"max_new_tokens": item.max_new_tokens or max_new_tokens})
         fields = {"params": item_params, "priority": priority, "deadline": deadline, "metadata": item.metadata}
-        return Submission(item.path, item.prompt or prompt, name=item.input, **fields)
+        return Submission(item.image, item.prompt or prompt, name=item.input, **fields)
 
     failed = _enqueue_items(producer, items, submission)
     _warn_if_unserved(producer.connection, served_id)
@@ -77,21 +90,21 @@ def enqueue(
         raise typer.Exit(ExitCode.FAILED)
 
 
-def _enqueue_items(producer, items: list[InputItem], submission) -> int:
+def _enqueue_items(producer, items: Iterable[InputItem], submission) -> int:
     """Print `id<TAB>input` per enqueued input and a warning per input that could not be; the
     number of those."""
     from wicore.cli.submitting import submit_items
 
-    failed = []
+    failed = 0
 
     def on_error(item: InputItem, error: str) -> None:
-        failed.append(item)
+        nonlocal failed
+        failed += 1
         console.print(f"warning: not enqueued: {item.input}: {error}", markup=False)
 
-    for job_id, job_items in submit_items(producer, items, submission, on_error).items():
-        for item in job_items:
-            typer.echo(f"{job_id}\t{item.input}")
-    return len(failed)
+    for job_id, input in submit_items(producer, items, submission, on_error):
+        typer.echo(f"{job_id}\t{input}")
+    return failed
 
 
 def _warn_if_unserved(connection, model_id: str) -> None:
