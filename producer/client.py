@@ -65,17 +65,18 @@ return out
 
 # ARGV: this producer's session, own-queued-only ('1' or '0'), now (unix), TTL of a canceled job
 # and of a worker's cancel set, notify TTL, the key prefixes of notification lists, cancel sets
-# and dedup marks, then job ids. Returns each id's status afterwards:
+# and dedup marks, the job hash's run field (`keys.RUN_FIELD`), then job ids. Returns each id's status afterwards:
 # 'canceled', the status it keeps (ended, or not this producer's queued job when own-queued-only),
 # or 'missing'. One call, so no worker claims a job between its check and its cancel; fields are
 # read as plain strings (a job hash RQ could not restore cancels like any other). A canceled job
 # is what RQ's `Job.cancel` makes of it (status, out of its queue and the started registry, in
-# the canceled registry), its worker (if one started it) finds it in its cancel set, its dedup
-# mark goes (submitting the same work again runs it) and its producer's `wait` hears of it.
+# the canceled registry), its worker (if one started it) finds the run it stops (`keys.run`) in its
+# cancel set, its dedup mark goes (submitting the same work again runs it, a new run that the old
+# run's end leaves alone) and its producer's `wait` hears of it.
 _CANCEL_LUA = """
 local session, own_only, now = ARGV[1], ARGV[2] == '1', tonumber(ARGV[3])
 local ttl, notify_ttl = tonumber(ARGV[4]), tonumber(ARGV[5])
-local notify_prefix, cancel_prefix, marks = ARGV[6], ARGV[7], ARGV[8]
+local notify_prefix, cancel_prefix, marks, run_field = ARGV[6], ARGV[7], ARGV[8], ARGV[9]
 local ended = {finished = 1, failed = 1, stopped = 1, canceled = 1}
 local function expire(key, seconds)
   if seconds < 0 then redis.call('PERSIST', key) else redis.call('EXPIRE', key, math.max(seconds, 1)) end
@@ -102,7 +103,7 @@ local function cancel(id, job, f)
   redis.call('HSET', job, 'status', 'canceled')
   if f[2] then leave_registries(id, f[2], f[1]) end
   if f[1] == 'started' and f[3] and #f[3] <= 200 then
-    redis.call('SADD', cancel_prefix .. f[3], id)
+    redis.call('SADD', cancel_prefix .. f[3], f[5] and (id .. ':' .. f[5]) or id)
     expire(cancel_prefix .. f[3], ttl)
   end
   expire(job, ttl)
@@ -114,19 +115,19 @@ local function cancel(id, job, f)
   end
 end
 local out = {}
-for i = 9, #ARGV do
+for i = 10, #ARGV do
   local id = ARGV[i]
   local job = 'rq:job:' .. id
   if redis.call('TYPE', job)['ok'] ~= 'hash' then
-    out[i - 8] = 'missing'
+    out[i - 9] = 'missing'
   else
-    local f = redis.call('HMGET', job, 'status', 'origin', 'worker_name', 'meta')
+    local f = redis.call('HMGET', job, 'status', 'origin', 'worker_name', 'meta', run_field)
     local mine = redis.pcall('GET', marks .. id) == session and f[1] == 'queued'
     if ended[f[1]] or (own_only and not mine) then
-      out[i - 8] = f[1] or 'unknown'
+      out[i - 9] = f[1] or 'unknown'
     else
       cancel(id, job, f)
-      out[i - 8] = 'canceled'
+      out[i - 9] = 'canceled'
     end
   end
 end
@@ -353,7 +354,7 @@ class Producer:
             return {}
         ttl = self.config.result_ttl_s
         args = [self.session, int(own_queued_only), time.time(), ttl, defaults.NOTIFY_TTL_S]
-        args += [keys.NOTIFY_PREFIX, keys.CANCEL_PREFIX, keys.submitted(""), *ids]
+        args += [keys.NOTIFY_PREFIX, keys.CANCEL_PREFIX, keys.submitted(""), keys.RUN_FIELD, *ids]
         statuses = self._cancel(args=args)
         return {job_id: raw.decode(errors="replace") for job_id, raw in zip(ids, statuses)}
 

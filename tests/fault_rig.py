@@ -17,8 +17,7 @@ from redis.exceptions import RedisError
 from rq.registry import FailedJobRegistry, FinishedJobRegistry, StartedJobRegistry
 from rq.results import Result
 
-from tests.helpers import kill_holding_pid, wait_until
-from wicore import keys
+from tests.helpers import claimed_jobs, kill_holding_pid, wait_until
 from wicore.producer import Producer, ProducerConfig, Submission
 from wicore.schemas import GenerationParams, Lane
 
@@ -58,7 +57,7 @@ class Workers:
         process = self.processes[name]
 
         def held() -> list[str] | None:
-            ids = [i.decode() for i in self.connection.zrange(keys.claims(name), 0, -1)]
+            ids = claimed_jobs(self.connection, name)
             return ids if wanted(ids) else None
 
         ids = kill_holding_pid(process.pid, held, timeout)

@@ -64,6 +64,7 @@ class BatchingWorker:
         self.inputs = InputLoader(connection, config.inputs, engine.pixel_spec())
         self.heartbeat = Heartbeat(self.record, heartbeat_s=config.heartbeat_s, ttl_s=config.liveness_ttl_s)
         self.gate = EngineGate(engine)
+        # By run (`Claimed.run`): a job canceled and submitted again may be in hand twice.
         self.in_flight: dict[str, InFlight] = {}
         self.unwritten: list[Finished] = []  # ended here, not yet written to Redis
         self.metrics = WorkerMetrics(config.model_id)
@@ -179,8 +180,8 @@ class BatchingWorker:
     def _reconcile(self) -> None:
         """Claims in our list that we do not hold (a claim whose reply was lost, a write Redis
         lost in a crash) go back to the head of their queues, no retry spent."""
-        held = set(self.in_flight) | {item.claimed.id for item in self.unwritten}
-        orphans = [job_id for job_id in self.bridge.claimed_ids() if job_id not in held]
+        held = set(self.in_flight) | {item.claimed.run for item in self.unwritten}
+        orphans = [run for run in self.bridge.claimed_runs() if run not in held]
         if orphans:
             count = self.bridge.requeue(self.bridge.claims_key, orphans, died=False)
             log.warning("worker %s: gave back %d claimed jobs it did not hold", self.name, count)
@@ -217,8 +218,8 @@ class BatchingWorker:
     # -- canceling jobs -----------------------------------------------------------------------
 
     def _cancel(self) -> None:
-        """Jobs canceled while this worker held them (`Producer.cancel` names them in our cancel
-        set). One not yet in the engine (its image unread or loading) ends now; one in the
+        """Jobs canceled while this worker held them (`Producer.cancel` names their runs in our
+        cancel set; a request for a run no longer in hand is dropped). One not yet in the engine (its image unread or loading) ends now; one in the
         engine gate is aborted there (`EngineGate.abort`: a request waiting in the gate stops at
         once, one in the engine at once or from a later step) and ends when it comes back. Either
         ends canceled, with no result. One SPOP per engine step while jobs are in hand (every 50 ms
@@ -228,14 +229,14 @@ class BatchingWorker:
         if not (self.in_flight and self.cancel_polls.due()):
             return
         taken = {raw.decode() for raw in self.connection.spop(keys.cancel(self.name), CANCELS_PER_TAKE) or []}
-        held = [self.in_flight[job_id] for job_id in taken if job_id in self.in_flight]
+        held = [self.in_flight[run] for run in taken if run in self.in_flight]
         before_engine = [flight for flight in held if flight.loading is not None or not flight.fetched]
         for flight in before_engine:
             if flight.loading is not None:
                 flight.loading.cancel()  # a load already running ends unread: the job leaves `in_flight`
-            self.in_flight.pop(flight.claimed.id)
+            self.in_flight.pop(flight.claimed.run)
         self._end([Finished(flight.claimed, canceled=True) for flight in before_engine])
-        in_engine = [flight.claimed.id for flight in held if flight.loading is None and flight.fetched]
+        in_engine = [flight.claimed.run for flight in held if flight.loading is None and flight.fetched]
         if in_engine:
             self._collect(self.gate.abort(in_engine))
         if held:
@@ -321,7 +322,7 @@ class BatchingWorker:
         for index, (c, payload) in enumerate(live):
             if index % HANDOVER_JOBS == 0:
                 batch = next(self._batches)
-            self.in_flight[c.id] = InFlight(c, payload, batch)
+            self.in_flight[c.run] = InFlight(c, payload, batch)
         self._fetch_images()
 
     def _fetch_images(self) -> None:
@@ -330,7 +331,7 @@ class BatchingWorker:
         unfetched = [f for f in self.in_flight.values() if not f.fetched]
         if not unfetched:
             return
-        futures = self.inputs.submit([(f.claimed.id, f.payload) for f in unfetched])
+        futures = self.inputs.submit([(f.claimed.run, f.payload) for f in unfetched])  # engine requests are runs
         for flight, future in zip(unfetched, futures):
             flight.fetched, flight.loading = True, future
 
@@ -352,7 +353,7 @@ class BatchingWorker:
             loaded = flight.loading.result()
             flight.loading, flight.preprocess_s = None, loaded.preprocess_s
             if loaded.error is not None:
-                bad.append(Completion(flight.claimed.id, error=loaded.error, input_error=True))
+                bad.append(Completion(flight.claimed.run, error=loaded.error, input_error=True))
             else:
                 requests.append(loaded.request)
         if bad or requests:
@@ -385,7 +386,12 @@ class BatchingWorker:
             return Finished(flight.claimed, error=completion.error, retry=not completion.input_error)
         timings = job_timings(completion, flight.payload.submitted_at, flight.claimed.started_at, flight.preprocess_s)
         result = caption_result(
-            completion, timings, worker=self.name, engine=self.engine.name, model=self.config.model_id
+            flight.claimed.id,
+            completion,
+            timings,
+            worker=self.name,
+            engine=self.engine.name,
+            model=self.config.model_id,
         )
         self.metrics.succeeded(completion, timings)
         return Finished(flight.claimed, result=result.model_dump(mode="json"))

@@ -2,9 +2,11 @@
 one of these, run server-side, one call per batch.
 
 Nothing read from a job hash is trusted: numbers go through `tonumber` with a default, a missing
-field never reaches a string concatenation, and a job is settled only by the worker whose claims
-set still holds it (ZMSCORE finds it), so writing a result twice is a no-op and a job requeued by
-a reaper is never also finished by the worker that lost it. Records follow RQ 3.0's (job hash,
+field never reaches a string concatenation, and a job is settled only by a run (job id:execution
+id) that the worker's claims set still holds (ZMSCORE finds it) and that is still the job's
+current run (its hash's RUN_FIELD), so writing a result twice is a no-op, a job requeued by a
+reaper is never also finished by the worker that lost it, and a canceled run's end never touches
+the run of the same work submitted again. Records follow RQ 3.0's (job hash,
 registries, executions, result stream); tests/test_rq_bridge.py reads them back with RQ.
 
 Redis commands are the budget (docs/performance.md, the queue benchmark): every command a script
@@ -18,8 +20,12 @@ The scripts touch keys they compute (rq:job:<id>, ...): fine on one Redis, not o
 
 from __future__ import annotations
 
+from wicore import keys
+
 # Helpers shared by the scripts below (Lua has no modules in EVAL: each script starts with these).
-_LIB = """
+_LIB = (
+    f"local RUN_FIELD = '{keys.RUN_FIELD}'\n"
+    + """
 -- Writes gathered over a batch and sent once per command and key at `flush`, in first-use order
 -- (a notification list's EXPIRE after its RPUSH). Members go out in slices of 1000 (Lua's unpack
 -- has a stack limit); the slice is even, so ZADD's score/member pairs never split.
@@ -72,6 +78,24 @@ local function forget_execution(id, eid, origin, worker_executions)
   defer('DEL', false, 'rq:executions:' .. id)
   defer('ZREM', 'rq:wip:' .. origin, comp)
   defer('SREM', worker_executions, comp)
+end
+
+-- A run the job has moved on from (canceled and submitted again, or requeued and taken by
+-- another worker): its own records go, the job's index keeps the current run.
+local function forget_stale_run(id, eid, origin, worker_executions)
+  local comp = id .. ':' .. eid
+  defer('DEL', false, 'rq:execution:' .. comp)
+  redis.call('ZREM', 'rq:executions:' .. id, eid)
+  defer('ZREM', 'rq:wip:' .. origin, comp)
+  defer('SREM', worker_executions, comp)
+end
+
+-- A claims set member: 'job id:execution id' (a run), or a bare job id (claimed by an earlier
+-- wicore, execution unknown: eid is nil).
+local function parse_run(member)
+  local id, eid = string.match(member, '^([^:]+):(.+)$')
+  if id then return id, eid end
+  return member, nil
 end
 
 -- Every execution of a job, when its execution ids are not known (a dead worker's claims).
@@ -151,19 +175,18 @@ local function fail(id, origin, exc, worker, eid, started, now, now_text, ttl)
   defer('DEL', false, 'wicore:submitted:' .. id)  -- resubmitting a failed job runs it again
 end
 """
+)
 
-# KEYS: queue, claims set, worker executions index, worker hash, claimants set, dead-letter stream,
-# this worker's cancel set.
+# KEYS: queue, claims set, worker executions index, worker hash, claimants set, dead-letter stream.
 # ARGV: count, worker name, now (unix), now (RQ text), queue name, default job timeout, TTL of a
 # job without timeout, TTL grace, then `count` fresh execution ids.
 # Takes up to `count` jobs (one LPOP) and starts each as RQ's worker does (status, execution hash,
-# the job's executions index, the started registry, the worker's executions index); the claims
-# set (a sorted set, scored in claim order) holds each started id. An id RQ could not have made,
-# or one with no job hash, goes to the dead-letter stream; an id whose job is no longer queued (a
-# duplicate entry, or a job canceled while its id sat in the queue) is dropped, never started. A
-# cancel request this worker holds for a claimed id predates the claim (it was for an earlier run
-# of the job) and is dropped. Returns per started job: id, execution id, data, meta, origin,
-# result_ttl ('' for a missing field).
+# the job's executions index, the started registry, the worker's executions index), naming the new
+# execution the job's current run (RUN_FIELD); the claims set (a sorted set, scored in claim
+# order) holds each started run (id:execution id). An id RQ could not have made, or one with no
+# job hash, goes to the dead-letter stream; an id whose job is no longer queued (a duplicate entry,
+# or a job canceled while its id sat in the queue) is dropped, never started. Returns per started
+# job: id, execution id, data, meta, origin, result_ttl ('' for a missing field).
 CLAIM = (
     _LIB
     + """
@@ -193,7 +216,7 @@ local function start(id, eid, f)
   if timeout < 0 then ttl = no_timeout_ttl end
   if ttl > longest then longest = ttl end
   redis.call('HSET', 'rq:job:' .. id, 'status', 'started', 'started_at', now_text, 'last_heartbeat', now_text,
-             'worker_name', worker, 'origin', queue_name)
+             'worker_name', worker, 'origin', queue_name, RUN_FIELD, eid)
   redis.call('HSET', 'rq:execution:' .. comp, 'id', eid, 'job_id', id, 'created_at', now,
              'last_heartbeat', now, 'worker_name', worker)
   redis.call('EXPIRE', 'rq:execution:' .. comp, ttl)
@@ -202,11 +225,10 @@ local function start(id, eid, f)
   defer('ZADD', 'rq:wip:' .. queue_name, now + ttl, comp)
   defer('SADD', KEYS[3], comp)
   order = order + 1
-  defer('ZADD', KEYS[2], order, id)
+  defer('ZADD', KEYS[2], order, comp)
   out[#out + 1] = {id, eid, f[1] or '', f[2] or '', queue_name, f[4] or ''}
 end
 for i, id in ipairs(ids) do
-  defer('SREM', KEYS[7], id)
   if #id > 200 or not string.find(id, '^[%w_-]+$') then
     dead_letter(id, 'not a job id: RQ ids are letters, digits, _ and -')
   else
@@ -236,26 +258,32 @@ return out
 # failed with `value`; 'cancel': the engine aborted it on a cancel request (value as 'fail').
 # A job canceled while it ran (its status reads 'canceled') stays canceled whatever its kind: no
 # result, no retry, not counted as failed; a 'cancel' of a job not canceled fails it with
-# `value`. A job no longer in this worker's claims set is skipped. Returns how many were settled.
+# `value`. A run no longer in this worker's claims set is skipped; a run that is no longer its
+# job's current one (RUN_FIELD: the job was canceled and submitted again, or requeued and taken
+# again) leaves the job as it is and only drops its own records. Returns how many jobs were
+# settled.
 SETTLE = (
     _LIB
     + """
 local worker, now, now_text, default_ttl = ARGV[1], tonumber(ARGV[2]), ARGV[3], tonumber(ARGV[4])
 local notify_ttl = tonumber(ARGV[5])
 local ok, failed, canceled, worked = 0, 0, 0, 0
-local ids = {}
-for i = 6, #ARGV, 8 do ids[#ids + 1] = ARGV[i] end
-if #ids == 0 then return 0 end
-local held = call_many('ZMSCORE', KEYS[1], ids)
+local runs = {}
+for i = 6, #ARGV, 8 do runs[#runs + 1] = ARGV[i] .. ':' .. ARGV[i + 1] end
+if #runs == 0 then return 0 end
+local held = call_many('ZMSCORE', KEYS[1], runs)
 local function settle(i)
   local id, eid, origin, kind, value = ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3], ARGV[i + 4]
   local ttl, started, notify = ttl_of(ARGV[i + 5], 0), tonumber(ARGV[i + 6]), ARGV[i + 7]
   local job = 'rq:job:' .. id
-  defer('ZREM', KEYS[1], id)
-  forget_execution(id, eid, origin, KEYS[2])
+  defer('ZREM', KEYS[1], id .. ':' .. eid)
   worked = worked + (now - (started or now))
-  local f = redis.call('HMGET', job, 'status', 'failure_ttl', 'retries_left')
-  if not f[1] then return end  -- the job hash is gone (deleted, or evicted)
+  local f = redis.call('HMGET', job, 'status', 'failure_ttl', 'retries_left', RUN_FIELD)
+  if f[4] ~= eid or not (f[1] == 'started' or f[1] == 'canceled') then  -- the job moved on (or is gone)
+    forget_stale_run(id, eid, origin, KEYS[2])
+    return
+  end
+  forget_execution(id, eid, origin, KEYS[2])
   if f[1] == 'canceled' then
     canceled = canceled + 1
   elseif kind == 'ok' then
@@ -283,9 +311,9 @@ local function settle(i)
   end
 end
 local settled = {}
-for j = 1, #ids do
-  if held[j] and not settled[ids[j]] then  -- an id given twice is settled once
-    settled[ids[j]] = true
+for j = 1, #runs do
+  if held[j] and not settled[runs[j]] then  -- a run given twice is settled once
+    settled[runs[j]] = true
     settle(6 + (j - 1) * 8)
   end
 end
@@ -302,33 +330,36 @@ return ok + failed + canceled
 # worker's key: when given and present, the worker is alive (again) and nothing is done (-1).
 # ARGV: now (unix), now (RQ text), spend ('1': the worker died holding these jobs, so a retry
 # is spent), exc_string for a job out of retries (base64 zlib), worker name, default failure ttl,
-# then the job ids to give back (none: every id in the set, and the set is deleted; a claims
-# list, as a worker of an earlier wicore kept it, is read too).
+# then the runs to give back (none: every run in the set, and the set is deleted; bare job ids,
+# and a claims list, as a worker of an earlier wicore kept them, are read too).
 # Returns the jobs to their queues' heads in their claimed order: unstarted ones as they were,
 # started ones with their execution records dropped (so RQ's started-registry cleanup never
 # counts them as abandoned again), or failed once their retries are spent. A job canceled while its
-# worker held it stays canceled; only its execution records go.
+# worker held it stays canceled; only its execution records go. A run that is no longer its job's
+# current one (RUN_FIELD) leaves the job as it is: only the run's own records go.
 REQUEUE = (
     _LIB
     + """
 local now, now_text, spend, exc, worker = tonumber(ARGV[1]), ARGV[2], ARGV[3] == '1', ARGV[4], ARGV[5]
 local default_ttl = tonumber(ARGV[6])
 if #KEYS > 2 and redis.call('EXISTS', KEYS[3]) == 1 then return -1 end
-local ids = {}
-for i = 7, #ARGV do ids[#ids + 1] = ARGV[i] end
-local whole = #ids == 0
+local members = {}
+for i = 7, #ARGV do members[#members + 1] = ARGV[i] end
+local whole = #members == 0
 if whole and redis.call('TYPE', KEYS[1])['ok'] == 'list' then
-  ids = redis.call('LRANGE', KEYS[1], 0, -1)
+  members = redis.call('LRANGE', KEYS[1], 0, -1)
 elseif whole then
-  ids = redis.call('ZRANGE', KEYS[1], 0, -1)
+  members = redis.call('ZRANGE', KEYS[1], 0, -1)
 end
 local handled = 0
-for i = #ids, 1, -1 do
-  local id = ids[i]
-  local mine = whole or redis.call('ZREM', KEYS[1], id) == 1
-  local f = redis.call('HMGET', 'rq:job:' .. id, 'status', 'origin', 'failure_ttl', 'retries_left')
+for i = #members, 1, -1 do
+  local id, eid = parse_run(members[i])
+  local mine = whole or redis.call('ZREM', KEYS[1], members[i]) == 1
+  local f = redis.call('HMGET', 'rq:job:' .. id, 'status', 'origin', 'failure_ttl', 'retries_left', RUN_FIELD)
   if mine and f[2] then
-    if f[1] == 'queued' then
+    if eid and f[5] ~= eid then
+      forget_stale_run(id, eid, f[2], KEYS[2])
+    elseif f[1] == 'queued' then
       push(f[2], id, true)
     elseif f[1] == 'canceled' then
       forget_executions(id, f[2], KEYS[2])
