@@ -26,7 +26,8 @@ CANCEL_PREFIX = PREFIX + ":cancel:"
 CANCEL = CANCEL_PREFIX + "{worker}"
 # Per-worker model, engine, device and dtype, engine and cache counters (JSON), for `wicore status`.
 STATS = PREFIX + ":stats:{worker}"
-# Set and deleted at once by a verb's start-up check that Redis takes writes.
+# Set and deleted at once by a verb's start-up check that Redis takes writes; set with a 1 s TTL by
+# a worker testing whether Redis takes writes again during an outage.
 PROBE = PREFIX + ":probe:{token}"
 
 # A field wicore adds to RQ's job hash: the execution id of the job's current run, set when a

@@ -12,10 +12,12 @@ The worker never forks: the model loads once per process (rq's SimpleWorker idea
 SIGTERM/SIGINT once = warm shutdown (take nothing new, finish what is in hand); twice = cold
 (give claimed jobs back to their queues now).
 
-When Redis goes away the worker keeps stepping the engine on the jobs in hand, holds their results
-in memory and knocks on Redis with backoff and jitter; once it answers, the worker re-registers,
-writes the held results (a job written before is skipped: the write is idempotent by job id) and
-gives back any claim it does not hold (`_reconcile`). `state` says "waiting for Redis" meanwhile.
+When Redis goes away, or refuses writes (over its maxmemory, a read-only replica, failing to
+persist: `redis_link.is_outage`), the worker keeps stepping the engine on the jobs in hand, holds
+their results in memory and knocks on Redis with backoff and jitter (a write: a PING answers while
+writes are refused); once it takes writes again, the worker re-registers, writes the held results
+(a run written before is skipped: the write is idempotent by run) and gives back any claim it does
+not hold (`_reconcile`). `state` says "waiting for Redis" meanwhile.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import time
 from concurrent.futures import wait
 
 from redis import Redis
+from redis.exceptions import RedisError
 from rq.serializers import JSONSerializer
 
 from wicore import keys
@@ -40,7 +43,7 @@ from wicore.worker.engine_gate import EngineGate
 from wicore.worker.job_inputs import InputLoader, deadline_message, parse_payloads
 from wicore.worker.liveness import Heartbeat, reap_dead_workers, take_over_name
 from wicore.worker.metrics import WorkerMetrics
-from wicore.worker.redis_link import REDIS_DOWN, Backoff, PollPace
+from wicore.worker.redis_link import Backoff, PollPace, is_outage, outage_text
 from wicore.worker.results import caption_result, job_timings
 from wicore.worker.rq_bridge import Claimed, Finished, RQBridge, RQWorkerRecord
 from wicore.worker.status import publish_stats
@@ -51,6 +54,7 @@ log = logging.getLogger(__name__)
 CANCELS_PER_TAKE = 1024  # cancel requests read per loop iteration (the rest wait for the next)
 HANDOVER_JOBS = 8  # a claim reaches the engine in groups this size (a vision batch): it starts while the rest decode
 REDIS_TIMEOUT_TICK_S = 0.1  # how finely Redis (hz 10, its default) ends BLPOP timeouts
+PROBE_TTL_MS = 1000  # the key an outage's write test sets expires by itself
 
 
 class BatchingWorker:
@@ -93,7 +97,9 @@ class BatchingWorker:
                 try:
                     if not self._turn():
                         break
-                except REDIS_DOWN as exc:
+                except RedisError as exc:
+                    if not is_outage(exc):
+                        raise
                     self._ride_out(exc)
         except ShutdownRequested:
             log.warning("worker %s: cold shutdown, returning %d jobs to their queues", self.name, len(self.in_flight))
@@ -156,19 +162,22 @@ class BatchingWorker:
             self.bridge.requeue(self.bridge.claims_key, died=False)
             self.connection.srem(keys.CLAIMANTS, self.name)
             self.record.register_death()
-        except REDIS_DOWN as exc:
+        except RedisError as exc:
+            if not is_outage(exc):
+                raise
             log.warning(
-                "worker %s: Redis unreachable at shutdown (%s); %d results not written, their jobs "
-                "go back to their queues when this worker's record expires",
-                self.name, exc, len(self.unwritten),
+                "worker %s: %s at shutdown; %d results not written, their jobs go back to their "
+                "queues when this worker's record expires",
+                self.name, outage_text(exc), len(self.unwritten),
             )  # fmt: skip
         finally:
             self.inputs.close()
 
     def _maintain(self) -> None:
-        """Every `maintain_every_s`: give back claims we do not hold, requeue dead workers' jobs,
-        prune expired registry entries, publish our engine's counters (also on going idle)."""
-        if time.monotonic() < self._next_maintenance:
+        """Every `maintain_every_s`, and at once when the heartbeat registered this worker again
+        (its record was lost): give back claims we do not hold, requeue dead workers' jobs, prune
+        expired registry entries, publish our identity and engine's counters (also on going idle)."""
+        if time.monotonic() < self._next_maintenance and not self.heartbeat.take_registered_again():
             return
         self._reconcile()
         if time.monotonic() >= self._reap_after:
@@ -245,19 +254,22 @@ class BatchingWorker:
     # -- riding out a Redis outage ------------------------------------------------------------
 
     def _ride_out(self, error: Exception) -> None:
-        """Keep the engine going on the jobs in hand, results held, until Redis answers again."""
+        """Keep the engine going on the jobs in hand, results held, until Redis takes writes again."""
         self.state = WorkerState.WAITING_FOR_REDIS
-        log.warning("worker %s: Redis unreachable (%s); waiting for it", self.name, type(error).__name__)
+        log.warning("worker %s: %s; waiting for it", self.name, outage_text(error))
         lost_at, backoff = time.monotonic(), Backoff()
         while True:
             self._work_until_redis_answers(backoff)
             try:
                 return self._reconnected(time.monotonic() - lost_at)
-            except REDIS_DOWN:  # gone again before we were through
-                continue
+            except RedisError as exc:  # gone again before we were through
+                if not is_outage(exc):
+                    raise
 
     def _work_until_redis_answers(self, backoff: Backoff) -> None:
-        next_try = 0.0
+        """Step the engine between tries; the first try of an outage comes at once, a try after
+        a failed reconnection one backoff step later."""
+        next_try = time.monotonic() + backoff.next() if backoff.tries else 0.0
         while True:
             if time.monotonic() >= next_try:
                 if self._redis_answers():
@@ -267,9 +279,12 @@ class BatchingWorker:
                 time.sleep(max(0.0, next_try - time.monotonic()))
 
     def _redis_answers(self) -> bool:
+        """Redis takes a write (a PING would answer while writes are refused)."""
         try:
-            return bool(self.connection.ping())
-        except REDIS_DOWN:
+            return bool(self.connection.set(keys.probe(self.name), b"1", px=PROBE_TTL_MS))
+        except RedisError as exc:
+            if not is_outage(exc):
+                raise
             return False
 
     def _reconnected(self, down_s: float) -> None:

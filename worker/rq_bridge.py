@@ -62,6 +62,13 @@ class RQWorkerRecord(BaseWorker):
     def execute_job(self, job: Job, queue: Queue) -> None:
         raise NotImplementedError("wicore workers run batches (wicore.worker.loop)")
 
+    def register_again(self) -> None:
+        """RQ's registration for a worker whose record Redis lost, or kept only in part (a
+        FLUSHALL; a settle's counters then make a hash of a few fields): this process is that
+        worker, so what is left of its record goes first."""
+        self.connection.delete(self.key)
+        self.register_birth()
+
     def set_queue_names(self, names: list[str]) -> None:
         """Bucket queues appear while the worker runs; keep RQ's record of them current."""
         if names == self.queue_names():
