@@ -10,7 +10,7 @@ to the heads of their queues (`RQBridge.requeue`), so within about `ttl_s + reap
 every job a dead worker held is running elsewhere.
 
 A worker restarted under the same name takes the dead one's record over at once when that record
-names this host and a process that no longer runs; otherwise it waits for the record to expire,
+names this host and a process that no longer runs, or is partial (Redis lost it); otherwise it waits for the record to expire,
 and refuses to start if the record's heartbeat moves (a live worker holds the name).
 """
 
@@ -125,8 +125,11 @@ def take_over_name(record: RQWorkerRecord, wait_s: float) -> None:
     """Make way for `record`'s registration: drop a dead predecessor's record at once if it
     names this host and a process that is gone; else wait up to `wait_s` for it to expire."""
     connection = record.connection
-    fields = connection.hmget(record.key, "hostname", "pid", "last_heartbeat", "death")
+    fields = connection.hmget(record.key, "hostname", "pid", "last_heartbeat", "death", "birth")
     if not connection.exists(record.key) or fields[3] is not None:  # none, or one that stopped cleanly
+        return
+    if fields[4] is None:  # no birth: what a settle left of a record Redis lost, no worker's
+        connection.delete(record.key)
         return
     if _gone_from_this_host(fields[0], fields[1]):
         log.info("worker %s: taking over the record of its dead predecessor (pid %s)", record.name, fields[1])
