@@ -24,9 +24,8 @@ import time
 
 from redis import Redis
 from redis.exceptions import RedisError
-from rq.worker_registration import REDIS_WORKER_KEYS
 
-from wicore import keys
+from wicore import keys, rq_keys
 from wicore.errors import ConfigError
 from wicore.worker.redis_link import is_outage
 from wicore.worker.rq_bridge import RQBridge, RQWorkerRecord
@@ -64,7 +63,7 @@ class Heartbeat(threading.Thread):
         """Refresh the record; False when it is gone or partial."""
         from rq.utils import now, utcformat
 
-        record_keys = [self.record.key, self.record.executions_key, REDIS_WORKER_KEYS]
+        record_keys = [self.record.key, self.record.executions_key, rq_keys.WORKERS]
         return bool(self._beat(keys=record_keys, args=[self.ttl, utcformat(now())]))
 
     def keep_registered(self) -> bool:
@@ -109,7 +108,7 @@ def reap_dead_workers(connection: Redis, bridge: RQBridge) -> int:
     handled = 0
     for raw in connection.smembers(keys.CLAIMANTS):
         name = raw.decode(errors="replace")
-        if name == bridge.record.name or connection.exists(f"rq:worker:{name}"):
+        if name == bridge.record.name or connection.exists(rq_keys.WORKER + name):
             continue
         count = bridge.requeue(keys.claims(name), died=True, owner=name)
         if count < 0:  # registered again between the two looks

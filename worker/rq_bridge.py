@@ -39,7 +39,7 @@ from rq.serializers import JSONSerializer
 from rq.utils import now, utcformat
 from rq.worker import BaseWorker
 
-from wicore import defaults, keys
+from wicore import defaults, keys, rq_keys
 from wicore.errors import InvalidJob
 from wicore.producer.client import TASK
 from wicore.worker import rq_scripts
@@ -226,7 +226,7 @@ class RQBridge:
         at = now()
         args = [count, self.record.name, at.timestamp(), utcformat(at), queue_name]
         args += [DEFAULT_JOB_TIMEOUT, NO_TIMEOUT_TTL, TTL_GRACE_S, *(uuid.uuid4().hex for _ in range(count))]
-        claim_keys = ["rq:queue:" + queue_name, *self._worker_keys(), keys.CLAIMANTS, keys.DEAD_LETTER]
+        claim_keys = [rq_keys.QUEUE + queue_name, *self._worker_keys(), keys.CLAIMANTS, keys.DEAD_LETTER]
         rows = self._claim(keys=claim_keys, args=args)
         return [decode_claimed(row, at.timestamp()) for row in rows]
 
@@ -260,9 +260,9 @@ class RQBridge:
         if runs == []:
             return 0
         name = owner or self.record.name
-        script_keys = [claims_key, f"rq:worker:{name}:executions"]
+        script_keys = [claims_key, rq_keys.worker_executions(name)]
         if owner is not None:
-            script_keys.append(f"rq:worker:{owner}")
+            script_keys.append(rq_keys.WORKER + owner)
         at = now()
         args = [at.timestamp(), utcformat(at), int(died), exc_string(WORKER_DIED), self.record.name]
         args += [DEFAULT_FAILURE_TTL, *(runs or [])]
@@ -278,6 +278,6 @@ class RQBridge:
         cutoff = now().timestamp()
         with self.connection.pipeline(transaction=False) as pipe:
             for name in queue_names:
-                pipe.zremrangebyscore(f"rq:finished:{name}", 0, cutoff)
-                pipe.zremrangebyscore(f"rq:failed:{name}", 0, cutoff)
+                pipe.zremrangebyscore(rq_keys.FINISHED + name, 0, cutoff)
+                pipe.zremrangebyscore(rq_keys.FAILED + name, 0, cutoff)
             pipe.execute()

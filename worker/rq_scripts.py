@@ -14,17 +14,19 @@ runs counts, so per job a claim spends 6 (read the job, mark it started, its exe
 index with their TTLs) and a settle 5 (read status, mark it ended, the result entry and its TTL,
 the job's TTL). Whatever several jobs of a batch write to one key (registries, the claims set,
 the worker's executions index, notification lists) or delete goes out once per batch (`defer`).
-The scripts touch keys they compute (rq:job:<id>, ...): fine on one Redis, not on Redis Cluster
+RQ's key prefixes come from RQ's classes (`wicore.rq_keys.LUA_PREAMBLE`: `RQ.job .. id`). The
+scripts touch keys they compute (RQ's job hash of an id, ...): fine on one Redis, not on Redis Cluster
 (README, "Past one Redis").
 """
 
 from __future__ import annotations
 
-from wicore import keys
+from wicore import keys, rq_keys
 
 # Helpers shared by the scripts below (Lua has no modules in EVAL: each script starts with these).
 _LIB = (
-    f"local RUN_FIELD = '{keys.RUN_FIELD}'\n"
+    rq_keys.LUA_PREAMBLE
+    + f"local RUN_FIELD, SUBMITTED = '{keys.RUN_FIELD}', '{keys.submitted('')}'\n"
     + """
 -- Writes gathered over a batch and sent once per command and key at `flush`, in first-use order
 -- (a notification list's EXPIRE after its RPUSH). Members go out in slices of 1000 (Lua's unpack
@@ -74,9 +76,9 @@ end
 
 local function forget_execution(id, eid, origin, worker_executions)
   local comp = id .. ':' .. eid
-  defer('DEL', false, 'rq:execution:' .. comp)
-  defer('DEL', false, 'rq:executions:' .. id)
-  defer('ZREM', 'rq:wip:' .. origin, comp)
+  defer('DEL', false, RQ.execution .. comp)
+  defer('DEL', false, RQ.executions .. id)
+  defer('ZREM', RQ.started .. origin, comp)
   defer('SREM', worker_executions, comp)
 end
 
@@ -84,9 +86,9 @@ end
 -- another worker): its own records go, the job's index keeps the current run.
 local function forget_stale_run(id, eid, origin, worker_executions)
   local comp = id .. ':' .. eid
-  defer('DEL', false, 'rq:execution:' .. comp)
-  redis.call('ZREM', 'rq:executions:' .. id, eid)
-  defer('ZREM', 'rq:wip:' .. origin, comp)
+  defer('DEL', false, RQ.execution .. comp)
+  redis.call('ZREM', RQ.executions .. id, eid)
+  defer('ZREM', RQ.started .. origin, comp)
   defer('SREM', worker_executions, comp)
 end
 
@@ -100,22 +102,22 @@ end
 
 -- Every execution of a job, when its execution ids are not known (a dead worker's claims).
 local function forget_executions(id, origin, worker_executions)
-  local index = 'rq:executions:' .. id
+  local index = RQ.executions .. id
   for _, eid in ipairs(redis.call('ZRANGE', index, 0, -1)) do
     local comp = id .. ':' .. eid
-    defer('DEL', false, 'rq:execution:' .. comp)
-    defer('ZREM', 'rq:wip:' .. origin, comp)
+    defer('DEL', false, RQ.execution .. comp)
+    defer('ZREM', RQ.started .. origin, comp)
     defer('SREM', worker_executions, comp)
   end
   defer('DEL', false, index)
 end
 
 local function push(origin, id, front)
-  local queue = 'rq:queue:' .. origin
+  local queue = RQ.queue .. origin
   if not redis.call('LPOS', queue, id) then
     if front then redis.call('LPUSH', queue, id) else redis.call('RPUSH', queue, id) end
   end
-  redis.call('SADD', 'rq:queues', queue)
+  redis.call('SADD', RQ.queues, queue)
 end
 
 -- A TTL as Redis takes it: an integer, -1 for "keep forever", `default` when unreadable; capped
@@ -137,7 +139,7 @@ end
 -- `retries`: the job's retries_left, spent by one when `spend` (it failed, or its worker died
 -- holding it).
 local function requeue(id, origin, now_text, front, spend, retries)
-  local job = 'rq:job:' .. id
+  local job = RQ.job .. id
   if spend then
     redis.call('HSET', job, 'status', 'queued', 'enqueued_at', now_text, 'retries_left', retries - 1)
   else
@@ -147,13 +149,13 @@ local function requeue(id, origin, now_text, front, spend, retries)
 end
 
 local function add_result(id, fields, ttl)
-  local results = 'rq:results:' .. id
+  local results = RQ.results .. id
   redis.call('XADD', results, 'MAXLEN', '~', 10, '*', unpack(fields))
   if ttl < 0 then redis.call('PERSIST', results) else redis.call('EXPIRE', results, ttl) end
 end
 
 local function expire_job(id, ttl)
-  if ttl < 0 then redis.call('PERSIST', 'rq:job:' .. id) else redis.call('EXPIRE', 'rq:job:' .. id, ttl) end
+  if ttl < 0 then redis.call('PERSIST', RQ.job .. id) else redis.call('EXPIRE', RQ.job .. id, ttl) end
 end
 
 local function registry_score(now, ttl)
@@ -162,7 +164,7 @@ local function registry_score(now, ttl)
 end
 
 local function fail(id, origin, exc, worker, eid, started, now, now_text, ttl)
-  redis.call('HSET', 'rq:job:' .. id, 'status', 'failed', 'ended_at', now_text)
+  redis.call('HSET', RQ.job .. id, 'status', 'failed', 'ended_at', now_text)
   local fields = {'type', 2, 'worker_name', worker, 'exc_string', exc}
   if eid ~= '' then
     for _, v in ipairs({'execution_id', eid, 'execution_started_at', started, 'execution_ended_at', now}) do
@@ -171,8 +173,8 @@ local function fail(id, origin, exc, worker, eid, started, now, now_text, ttl)
   end
   add_result(id, fields, ttl)
   expire_job(id, ttl)
-  defer('ZADD', 'rq:failed:' .. origin, registry_score(now, ttl), id)
-  defer('DEL', false, 'wicore:submitted:' .. id)  -- resubmitting a failed job runs it again
+  defer('ZADD', RQ.failed .. origin, registry_score(now, ttl), id)
+  defer('DEL', false, SUBMITTED .. id)  -- resubmitting a failed job runs it again
 end
 """
 )
@@ -204,7 +206,7 @@ local function dead_letter(id, reason)
 end
 -- data, meta, status, result_ttl, timeout; nil when the key holds no RQ job hash.
 local function read_job(id)
-  local f = redis.pcall('HMGET', 'rq:job:' .. id, 'data', 'meta', 'status', 'result_ttl', 'timeout', 'created_at')
+  local f = redis.pcall('HMGET', RQ.job .. id, 'data', 'meta', 'status', 'result_ttl', 'timeout', 'created_at')
   if f.err then return nil end
   for i = 1, 6 do if f[i] then return f end end
   return nil
@@ -215,14 +217,14 @@ local function start(id, eid, f)
   local ttl = timeout + grace
   if timeout < 0 then ttl = no_timeout_ttl end
   if ttl > longest then longest = ttl end
-  redis.call('HSET', 'rq:job:' .. id, 'status', 'started', 'started_at', now_text, 'last_heartbeat', now_text,
+  redis.call('HSET', RQ.job .. id, 'status', 'started', 'started_at', now_text, 'last_heartbeat', now_text,
              'worker_name', worker, 'origin', queue_name, RUN_FIELD, eid)
-  redis.call('HSET', 'rq:execution:' .. comp, 'id', eid, 'job_id', id, 'created_at', now,
+  redis.call('HSET', RQ.execution .. comp, 'id', eid, 'job_id', id, 'created_at', now,
              'last_heartbeat', now, 'worker_name', worker)
-  redis.call('EXPIRE', 'rq:execution:' .. comp, ttl)
-  redis.call('ZADD', 'rq:executions:' .. id, now + ttl + grace, eid)
-  redis.call('EXPIRE', 'rq:executions:' .. id, ttl + grace)
-  defer('ZADD', 'rq:wip:' .. queue_name, now + ttl, comp)
+  redis.call('EXPIRE', RQ.execution .. comp, ttl)
+  redis.call('ZADD', RQ.executions .. id, now + ttl + grace, eid)
+  redis.call('EXPIRE', RQ.executions .. id, ttl + grace)
+  defer('ZADD', RQ.started .. queue_name, now + ttl, comp)
   defer('SADD', KEYS[3], comp)
   order = order + 1
   defer('ZADD', KEYS[2], order, comp)
@@ -275,7 +277,7 @@ local held = call_many('ZMSCORE', KEYS[1], runs)
 local function settle(i)
   local id, eid, origin, kind, value = ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3], ARGV[i + 4]
   local ttl, started, notify = ttl_of(ARGV[i + 5], 0), tonumber(ARGV[i + 6]), ARGV[i + 7]
-  local job = 'rq:job:' .. id
+  local job = RQ.job .. id
   defer('ZREM', KEYS[1], id .. ':' .. eid)
   worked = worked + (now - (started or now))
   local f = redis.call('HMGET', job, 'status', 'failure_ttl', 'retries_left', RUN_FIELD)
@@ -291,10 +293,10 @@ local function settle(i)
     add_result(id, {'type', 1, 'worker_name', worker, 'return_value', value, 'execution_id', eid,
                     'execution_started_at', ARGV[i + 6], 'execution_ended_at', ARGV[2]}, ttl)
     if ttl == 0 then
-      defer('DEL', false, job, 'rq:results:' .. id)
+      defer('DEL', false, job, RQ.results .. id)
     else
       expire_job(id, ttl)
-      defer('ZADD', 'rq:finished:' .. origin, registry_score(now, ttl), id)
+      defer('ZADD', RQ.finished .. origin, registry_score(now, ttl), id)
     end
     ok = ok + 1
   elseif kind == 'retry' and retries_of(f[3]) > 0 then
@@ -355,7 +357,7 @@ local handled = 0
 for i = #members, 1, -1 do
   local id, eid = parse_run(members[i])
   local mine = whole or redis.call('ZREM', KEYS[1], members[i]) == 1
-  local f = redis.call('HMGET', 'rq:job:' .. id, 'status', 'origin', 'failure_ttl', 'retries_left', RUN_FIELD)
+  local f = redis.call('HMGET', RQ.job .. id, 'status', 'origin', 'failure_ttl', 'retries_left', RUN_FIELD)
   if mine and f[2] then
     if eid and f[5] ~= eid then
       forget_stale_run(id, eid, f[2], KEYS[2])
