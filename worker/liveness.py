@@ -4,14 +4,16 @@ A live worker refreshes its RQ worker key every `heartbeat_s` with a TTL of `ttl
 thread, so a long engine step never lets it lapse. When Redis has lost the record, or kept only
 part of it (a FLUSHALL or a restart without persistence, after which a settle's counters make a
 hash of a few fields), the heartbeat registers the worker again, whole, and the worker republishes
-what `wicore status` and the gateway read of it. The thread outlives any Redis error. A worker whose key has expired is dead (it
-was killed, or lost its host); any live worker's reaper then returns that worker's claimed jobs
-to the heads of their queues (`RQBridge.requeue`), so within about `ttl_s + reap_every_s` seconds
-every job a dead worker held is running elsewhere.
+what `wicore status` and the gateway read of it. The thread outlives any Redis error.
+
+A worker whose key has expired is dead (it was killed, or lost its host); any live worker's
+reaper then returns that worker's claimed jobs to the heads of their queues (`RQBridge.requeue`),
+so within about `ttl_s + reap_every_s` seconds every job a dead worker held is running elsewhere.
 
 A worker restarted under the same name takes the dead one's record over at once when that record
-names this host and a process that no longer runs, or is partial (Redis lost it); otherwise it waits for the record to expire,
-and refuses to start if the record's heartbeat moves (a live worker holds the name).
+names this host and a process that no longer runs, or is partial (Redis lost it); otherwise it
+waits for the record to expire, and refuses to start if the record's heartbeat moves (a live
+worker holds the name).
 """
 
 from __future__ import annotations
@@ -68,7 +70,8 @@ class Heartbeat(threading.Thread):
 
     def keep_registered(self) -> bool:
         """Refresh the record, registering again if it expired (a Redis outage longer than the
-        TTL, or a stall) or is partial (Redis lost it); True if it had to. Either thread may call it."""
+        TTL, or a stall) or is partial (Redis lost it); True if it had to. Either thread may call
+        it."""
         with self._lock:
             if self.beat():
                 return False
@@ -94,7 +97,7 @@ class Heartbeat(threading.Thread):
                 if not self._failing:
                     log.warning("heartbeat failed: %s", exc if is_outage(exc) else repr(exc))
                 self._failing = True
-            except ValueError as exc:  # RQ: a record came back (another worker, a settle) before ours; next beat
+            except ValueError as exc:  # RQ: a record came back (another worker's, a settle's) before ours
                 log.warning("heartbeat: %s", exc)
 
     def stop(self) -> None:

@@ -177,7 +177,8 @@ class BatchingWorker:
         """Every `maintain_every_s`, and at once when the heartbeat registered this worker again
         (its record was lost): give back claims we do not hold, requeue dead workers' jobs, prune
         expired registry entries, publish our identity and engine's counters (also on going idle)."""
-        if time.monotonic() < self._next_maintenance and not self.heartbeat.take_registered_again():
+        registered_again = self.heartbeat.take_registered_again()
+        if time.monotonic() < self._next_maintenance and not registered_again:
             return
         self._reconcile()
         if time.monotonic() >= self._reap_after:
@@ -228,13 +229,13 @@ class BatchingWorker:
 
     def _cancel(self) -> None:
         """Jobs canceled while this worker held them (`Producer.cancel` names their runs in our
-        cancel set; a request for a run no longer in hand is dropped). One not yet in the engine (its image unread or loading) ends now; one in the
-        engine gate is aborted there (`EngineGate.abort`: a request waiting in the gate stops at
-        once, one in the engine at once or from a later step) and ends when it comes back. Either
-        ends canceled, with no result. One SPOP per engine step while jobs are in hand (every 50 ms
-        while they only load: `PollPace`); a failed SPOP is an outage like any other (a request
-        lost with its reply costs only work: the settle script writes no result for a canceled
-        job)."""
+        cancel set; a request for a run no longer in hand is dropped). One not yet in the engine
+        (its image unread or loading) ends now; one in the engine gate is aborted there
+        (`EngineGate.abort`: a request waiting in the gate stops at once, one in the engine at once
+        or from a later step) and ends when it comes back. Either ends canceled, with no result.
+        One SPOP per engine step while jobs are in hand (every 50 ms while they only load:
+        `PollPace`); a failed SPOP is an outage like any other (a request lost with its reply
+        costs only work: the settle script writes no result for a canceled job)."""
         if not (self.in_flight and self.cancel_polls.due()):
             return
         taken = {raw.decode() for raw in self.connection.spop(keys.cancel(self.name), CANCELS_PER_TAKE) or []}
