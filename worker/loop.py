@@ -298,7 +298,8 @@ class BatchingWorker:
         self._reap_after = time.monotonic() + self.config.liveness_ttl_s + Backoff.most_s + 1
         self.state = WorkerState.STOPPING if self.stopping else WorkerState.READY
         log.warning(
-            "worker %s: Redis is back after %.1fs; wrote %d of %d held results (the rest were requeued meanwhile)",
+            "worker %s: Redis is back after %.1fs; wrote %d of %d held results "
+            "(the rest had moved on: requeued, or canceled)",
             self.name, down_s, written, held,
         )  # fmt: skip
 
