@@ -8,8 +8,8 @@ PREFIX = "wicore"
 BLOB = PREFIX + ":blob:{sha256}"
 # Set when a job id is first submitted; makes resubmission of the same work a no-op.
 SUBMITTED = PREFIX + ":submitted:{job_id}"
-# Jobs a worker has taken from a queue and not yet completed (a sorted set per worker, scored in
-# claim order).
+# The runs (`run`: job id:execution id) a worker has taken from a queue and not yet completed (a
+# sorted set per worker, scored in claim order).
 CLAIMS = PREFIX + ":claims:{worker}"
 # Worker names that may hold claims; the reaper walks it.
 CLAIMANTS = PREFIX + ":claimants"
@@ -21,13 +21,19 @@ NOTIFY = NOTIFY_PREFIX + "{session}"
 # Queue entries that name no job a worker could fail through RQ's records (a stream: id, queue,
 # reason, worker, at).
 DEAD_LETTER = PREFIX + ":dead-letter"
-# Job ids a worker must stop (a set per worker): `Producer.cancel` adds, the worker takes them.
+# Runs a worker must stop (a set per worker, of `run`s): `Producer.cancel` adds, the worker takes them.
 CANCEL_PREFIX = PREFIX + ":cancel:"
 CANCEL = CANCEL_PREFIX + "{worker}"
 # Per-worker model, engine, device and dtype, engine and cache counters (JSON), for `wicore status`.
 STATS = PREFIX + ":stats:{worker}"
-# Set and deleted at once by a verb's start-up check that Redis takes writes.
+# Set and deleted at once by a verb's start-up check that Redis takes writes; set with a 1 s TTL by
+# a worker testing whether Redis takes writes again during an outage.
 PROBE = PREFIX + ":probe:{token}"
+
+# A field wicore adds to RQ's job hash: the execution id of the job's current run, set when a
+# worker starts it. A run's settle, requeue or cancel touches the job only while it is the current
+# run (a job canceled and submitted again, or requeued and taken by another worker, has moved on).
+RUN_FIELD = PREFIX + "_execution"
 
 # RQ queue names of wicore's bucket queues start with this (see scheduler.buckets).
 QUEUE_PREFIX = PREFIX
@@ -59,6 +65,12 @@ def stats(worker: str) -> str:
 
 def cancel(worker: str) -> str:
     return CANCEL.format(worker=worker)
+
+
+def run(job_id: str, execution_id: str) -> str:
+    """One run of a job: RQ's composite key of an execution (`Execution.composite_key`), the
+    member of a worker's claims set and cancel set."""
+    return f"{job_id}:{execution_id}"
 
 
 def probe(token: str) -> str:

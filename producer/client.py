@@ -25,7 +25,7 @@ from rq.results import Result
 from rq.serializers import JSONSerializer
 from rq.utils import now
 
-from wicore import defaults, keys
+from wicore import defaults, keys, rq_keys
 from wicore.errors import JobCanceled, JobFailed, ResultTimeout, UnknownJob
 from wicore.producer.image_refs import prepare_image
 from wicore.producer.outcome import Outcome, outcome_of
@@ -65,17 +65,20 @@ return out
 
 # ARGV: this producer's session, own-queued-only ('1' or '0'), now (unix), TTL of a canceled job
 # and of a worker's cancel set, notify TTL, the key prefixes of notification lists, cancel sets
-# and dedup marks, then job ids. Returns each id's status afterwards:
+# and dedup marks, the job hash's run field (`keys.RUN_FIELD`), then job ids. Returns each id's status afterwards:
 # 'canceled', the status it keeps (ended, or not this producer's queued job when own-queued-only),
 # or 'missing'. One call, so no worker claims a job between its check and its cancel; fields are
 # read as plain strings (a job hash RQ could not restore cancels like any other). A canceled job
 # is what RQ's `Job.cancel` makes of it (status, out of its queue and the started registry, in
-# the canceled registry), its worker (if one started it) finds it in its cancel set, its dedup
-# mark goes (submitting the same work again runs it) and its producer's `wait` hears of it.
-_CANCEL_LUA = """
+# the canceled registry), its worker (if one started it) finds the run it stops (`keys.run`) in its
+# cancel set, its dedup mark goes (submitting the same work again runs it, a new run that the old
+# run's end leaves alone) and its producer's `wait` hears of it.
+_CANCEL_LUA = (
+    rq_keys.LUA_PREAMBLE
+    + """
 local session, own_only, now = ARGV[1], ARGV[2] == '1', tonumber(ARGV[3])
 local ttl, notify_ttl = tonumber(ARGV[4]), tonumber(ARGV[5])
-local notify_prefix, cancel_prefix, marks = ARGV[6], ARGV[7], ARGV[8]
+local notify_prefix, cancel_prefix, marks, run_field = ARGV[6], ARGV[7], ARGV[8], ARGV[9]
 local ended = {finished = 1, failed = 1, stopped = 1, canceled = 1}
 local function expire(key, seconds)
   if seconds < 0 then redis.call('PERSIST', key) else redis.call('EXPIRE', key, math.max(seconds, 1)) end
@@ -87,22 +90,22 @@ local function notify_key(meta)
   return nil
 end
 local function leave_registries(id, origin, status)
-  redis.pcall('LREM', 'rq:queue:' .. origin, 0, id)
+  redis.pcall('LREM', RQ.queue .. origin, 0, id)
   if status == 'started' then
-    local eids = redis.pcall('ZRANGE', 'rq:executions:' .. id, 0, -1)
+    local eids = redis.pcall('ZRANGE', RQ.executions .. id, 0, -1)
     if type(eids) == 'table' and eids.err == nil then
-      for _, eid in ipairs(eids) do redis.pcall('ZREM', 'rq:wip:' .. origin, id .. ':' .. eid) end
+      for _, eid in ipairs(eids) do redis.pcall('ZREM', RQ.started .. origin, id .. ':' .. eid) end
     end
   end
-  redis.pcall('ZREM', 'rq:deferred:' .. origin, id)
-  redis.pcall('ZREM', 'rq:scheduled:' .. origin, id)
-  redis.pcall('ZADD', 'rq:canceled:' .. origin, now, id)
+  redis.pcall('ZREM', RQ.deferred .. origin, id)
+  redis.pcall('ZREM', RQ.scheduled .. origin, id)
+  redis.pcall('ZADD', RQ.canceled .. origin, now, id)
 end
 local function cancel(id, job, f)
   redis.call('HSET', job, 'status', 'canceled')
   if f[2] then leave_registries(id, f[2], f[1]) end
   if f[1] == 'started' and f[3] and #f[3] <= 200 then
-    redis.call('SADD', cancel_prefix .. f[3], id)
+    redis.call('SADD', cancel_prefix .. f[3], f[5] and (id .. ':' .. f[5]) or id)
     expire(cancel_prefix .. f[3], ttl)
   end
   expire(job, ttl)
@@ -114,24 +117,25 @@ local function cancel(id, job, f)
   end
 end
 local out = {}
-for i = 9, #ARGV do
+for i = 10, #ARGV do
   local id = ARGV[i]
-  local job = 'rq:job:' .. id
+  local job = RQ.job .. id
   if redis.call('TYPE', job)['ok'] ~= 'hash' then
-    out[i - 8] = 'missing'
+    out[i - 9] = 'missing'
   else
-    local f = redis.call('HMGET', job, 'status', 'origin', 'worker_name', 'meta')
+    local f = redis.call('HMGET', job, 'status', 'origin', 'worker_name', 'meta', run_field)
     local mine = redis.pcall('GET', marks .. id) == session and f[1] == 'queued'
     if ended[f[1]] or (own_only and not mine) then
-      out[i - 8] = f[1] or 'unknown'
+      out[i - 9] = f[1] or 'unknown'
     else
       cancel(id, job, f)
-      out[i - 8] = 'canceled'
+      out[i - 9] = 'canceled'
     end
   end
 end
 return out
 """
+)
 
 
 class Producer:
@@ -208,7 +212,7 @@ class Producer:
         (refused for memory, or its producer died between the two round trips): that id is
         enqueued now."""
         unique = list(dict.fromkeys(job_ids))
-        prefixes = [keys.submitted(""), "rq:job:", keys.blob("")]
+        prefixes = [keys.submitted(""), rq_keys.JOB, keys.blob("")]
         flags = self._mark(args=[self.session, self.config.result_ttl_s, *prefixes, len(unique), *unique, *blob_shas])
         new_ids = {job_id for job_id, flag in zip(unique, flags) if flag}
         return new_ids, {sha for sha, flag in zip(blob_shas, flags[len(unique) :]) if flag}
@@ -222,7 +226,7 @@ class Producer:
         for job in jobs:
             by_queue[self.rules.bucket(job).queue_name].append(job)
         if jobs:
-            pipe.delete(*(key for job in jobs for key in (f"rq:job:{job.job_id}", result_stream(job.job_id))))
+            pipe.delete(*(key for job in jobs for key in (rq_keys.JOB + job.job_id, result_stream(job.job_id))))
         for queue_name, queue_jobs in by_queue.items():
             queue = Queue(queue_name, connection=self.connection, serializer=JSONSerializer)
             for job in queue_jobs:
@@ -270,7 +274,7 @@ class Producer:
     def poll(self, job_id: str) -> tuple[Outcome, str]:
         """The job's outcome now, and the id of the newest entry of its result stream: a waiter
         blocks on `result_stream(job_id)` for entries after it."""
-        if not self.connection.exists(f"rq:job:{job_id}"):
+        if not self.connection.exists(rq_keys.JOB + job_id):
             raise no_such_job(job_id)
         # Only the id and the status are read: a job hash that RQ could not restore still has
         # its outcome in the result stream (the worker fails unreadable jobs with the reason).
@@ -328,7 +332,7 @@ class Producer:
         ids = list(pending)
         with self.connection.pipeline(transaction=False) as pipe:
             for job_id in ids:
-                pipe.hget(f"rq:job:{job_id}", "status")
+                pipe.hget(rq_keys.JOB + job_id, "status")
             statuses = pipe.execute()
         outcomes = []
         for job_id, status in zip(ids, statuses):
@@ -353,7 +357,7 @@ class Producer:
             return {}
         ttl = self.config.result_ttl_s
         args = [self.session, int(own_queued_only), time.time(), ttl, defaults.NOTIFY_TTL_S]
-        args += [keys.NOTIFY_PREFIX, keys.CANCEL_PREFIX, keys.submitted(""), *ids]
+        args += [keys.NOTIFY_PREFIX, keys.CANCEL_PREFIX, keys.submitted(""), keys.RUN_FIELD, *ids]
         statuses = self._cancel(args=args)
         return {job_id: raw.decode(errors="replace") for job_id, raw in zip(ids, statuses)}
 

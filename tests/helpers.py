@@ -15,6 +15,8 @@ import numpy as np
 from PIL import Image
 from redis import Redis
 
+from wicore import keys
+
 # The console script pip installed beside this interpreter: the command users type.
 WICORE = str(Path(sys.executable).with_name("wicore"))
 
@@ -149,6 +151,11 @@ def at_a_frozen_moment(pids: list[int], held, act, timeout: float = 120):
                     os.kill(pid, signal.SIGCONT)
         time.sleep(0.003)
     raise AssertionError(f"processes {pids} never held anything within {timeout}s")
+
+
+def claimed_jobs(connection: Redis, worker: str) -> list[str]:
+    """The job ids of the runs `worker` holds (its claims set's members are job id:execution id)."""
+    return [run.decode().split(":")[0] for run in connection.zrange(keys.claims(worker), 0, -1)]
 
 
 def kill_holding_pid(pid: int, held, timeout: float = 120):

@@ -163,14 +163,15 @@ def test_a_deferred_abort_ends_its_job_canceled_from_a_later_step(redis_conn, wi
     worker = burst_worker(redis_conn, engine)
     worker._start()
     try:
-        assert worker._admit() and list(worker.in_flight) == [first, doomed, *readers]
+        assert worker._admit() and [f.claimed.id for f in worker.in_flight.values()] == [first, doomed, *readers]
+        runs = {flight.claimed.id: run for run, flight in worker.in_flight.items()}  # the engine's request ids
         wait([flight.loading for flight in worker.in_flight.values()])
         worker._hand_over_loaded()
         worker._collect(worker._step())
-        assert {seq.id: seq for seq in engine.planner.sequences()}[doomed].cache.others_wait
+        assert {seq.id: seq for seq in engine.planner.sequences()}[runs[doomed]].cache.others_wait
         producer.cancel([doomed])
         worker._cancel()
-        assert doomed in worker.in_flight, "the abort waits for its prefill"
+        assert runs[doomed] in worker.in_flight, "the abort waits for its prefill"
         while worker.in_flight:
             worker._collect(worker._step())
     finally:

@@ -86,13 +86,12 @@ def stop_redis_while_holding(server: EmbeddedRedis, connection: Redis, workers: 
 
 
 def claims_with_executions(connection: Redis) -> dict[str, tuple[str, str]]:
-    """{job id: (worker, execution id)} of every claimed job with an execution."""
+    """{job id: (worker, execution id)} of every claimed run (its member: job id:execution id)."""
     held: dict[str, tuple[str, str]] = {}
     for name in NAMES:
         for raw in connection.zrange(keys.claims(name), 0, -1):
-            executions = connection.zrange(f"rq:executions:{raw.decode()}", 0, -1)
-            if executions:
-                held[raw.decode()] = (name, executions[0].decode())
+            job_id, execution_id = raw.decode().split(":")
+            held[job_id] = (name, execution_id)
     return held
 
 

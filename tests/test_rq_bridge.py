@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import zlib
 
+import pytest
 from rq import Queue, Retry
 from rq.job import Job, JobStatus
 from rq.registry import FailedJobRegistry, FinishedJobRegistry, StartedJobRegistry
@@ -19,6 +20,7 @@ from wicore.engines import EngineConfig
 from wicore.engines.null import NullEngine
 from wicore.producer import Producer, Submission
 from wicore.scheduler.policy import BatchPolicy
+from wicore.scheduler.queues import BucketQueues
 from wicore.worker.loop import BatchingWorker
 from wicore.worker.rq_bridge import Finished, RQBridge, RQWorkerRecord
 from wicore.worker.worker_config import WorkerConfig
@@ -61,7 +63,8 @@ def test_claim_starts_jobs_as_rq_does(redis_conn):
     worker = Worker.find_by_key(bridge.record.key, connection=redis_conn)
     assert worker.get_state() == "busy"
     assert {e.job_id for e in worker.get_current_executions()} == {"job-0", "job-1", "job-2"}
-    assert bridge.claimed_ids() == ["job-0", "job-1", "job-2"]
+    assert bridge.claimed_runs() == [c.run for c in claimed] == [f"job-{i}:{claimed[i].execution_id}" for i in range(3)]
+    assert redis_conn.hget(job.key, keys.RUN_FIELD).decode() == claimed[0].execution_id, "the job's current run"
     [execution] = job.get_executions()
     assert execution.id == claimed[0].execution_id and execution.worker_name == "w1"
     for key in (execution.key, f"rq:executions:{job.id}", bridge.record.executions_key):
@@ -131,14 +134,51 @@ def test_a_failure_of_a_job_canceled_while_it_ran_leaves_it_canceled(redis_conn)
     assert redis_conn.zcard("rq:executions:job-0") == 0 and redis_conn.zcard(bridge.claims_key) == 0
 
 
-def test_a_claim_drops_a_cancel_request_older_than_itself(redis_conn):
-    """A cancel request left in the worker's set for an earlier run of the job (canceled, then
-    submitted again) must not stop the new run."""
-    enqueue(redis_conn, 2)
+def resubmitted_while_running(redis_conn, second_worker: str):
+    """A job canceled while worker w1 runs it, submitted again and claimed by `second_worker`:
+    (producer, job id, queue, w1's bridge, the old run, the new run's bridge, the new run)."""
+    producer = Producer(redis_conn, model="again")
+    job_id = producer.submit(png_bytes(1), "again")
+    [queue] = BucketQueues(redis_conn, "again").names()
     bridge = bridge_for(redis_conn)
-    redis_conn.sadd(keys.cancel("w1"), "job-0", "job-9")
-    assert [c.id for c in bridge.claim(QUEUE, 2)] == ["job-0", "job-1"]
-    assert redis_conn.smembers(keys.cancel("w1")) == {b"job-9"}
+    [old] = bridge.claim(queue, 1)
+    assert producer.cancel([job_id]) == {job_id: "canceled"}
+    assert redis_conn.smembers(keys.cancel("w1")) == {old.run.encode()}, "the cancel names the run it stops"
+    assert producer.submit(png_bytes(1), "again") == job_id
+    other = bridge if second_worker == "w1" else bridge_for(redis_conn, second_worker)
+    [new] = other.claim(queue, 1)
+    assert new.id == old.id == job_id and new.run != old.run
+    return producer, job_id, queue, bridge, old, other, new
+
+
+@pytest.mark.parametrize("second_worker", ["w1", "w2"])
+def test_the_end_of_a_canceled_run_leaves_the_jobs_next_run_alone(redis_conn, second_worker):
+    """Cancel, then submit the same work again while the canceled run is still in a worker: the
+    old run's end (aborted, or finished before the abort) touches only its own records, and the
+    new run ends as its own."""
+    producer, job_id, queue, bridge, old, other, new = resubmitted_while_running(redis_conn, second_worker)
+    assert bridge.finish([Finished(old, canceled=True), Finished(old, result={"text": "stale"})]) == 0
+    assert Job.fetch(job_id, connection=redis_conn).get_status() == JobStatus.STARTED
+    assert redis_conn.xlen(f"rq:results:{job_id}") == 0
+    assert other.claimed_runs() == [new.run]
+    assert other.finish([Finished(new, result={"text": "new"})]) == 1
+    job = Job.fetch(job_id, connection=redis_conn, serializer=JSONSerializer)
+    assert job.get_status() == JobStatus.FINISHED and job.latest_result().return_value == {"text": "new"}
+    assert redis_conn.zcard(f"rq:wip:{queue}") == 0, "no run left in RQ's started registry"
+    for b in {bridge, other}:
+        assert redis_conn.zcard(b.claims_key) == 0 and redis_conn.scard(b.record.executions_key) == 0
+    assert not redis_conn.exists(f"rq:execution:{old.run}") and not redis_conn.exists(f"rq:execution:{new.run}")
+
+
+def test_requeueing_a_dead_workers_canceled_run_leaves_the_jobs_next_run_alone(redis_conn):
+    _, job_id, queue, dead, old, other, new = resubmitted_while_running(redis_conn, "w2")
+    retries = Job.fetch(job_id, connection=redis_conn).retries_left
+    redis_conn.delete(dead.record.key)
+    assert other.requeue(dead.claims_key, died=True, owner="w1") == 1
+    job = Job.fetch(job_id, connection=redis_conn)
+    assert job.get_status() == JobStatus.STARTED and job.worker_name == "w2" and job.retries_left == retries
+    assert [e.id for e in job.get_executions()] == [new.execution_id]
+    assert redis_conn.llen(f"rq:queue:{queue}") == 0
 
 
 def test_a_cancel_settles_only_a_job_that_reads_canceled(redis_conn):
@@ -223,12 +263,12 @@ def test_finish_is_idempotent_and_skips_jobs_it_no_longer_holds(redis_conn):
     assert bridge.finish([Finished(a, result={"text": "once"})]) == 1
     assert bridge.finish([Finished(a, result={"text": "twice"})]) == 0, "written already"
     assert redis_conn.xlen("rq:results:job-0") == 1
-    bridge.requeue(bridge.claims_key, ["job-1"], died=False)  # given back (an orphan), then finished late
+    bridge.requeue(bridge.claims_key, [b.run], died=False)  # given back (an orphan), then finished late
     assert bridge.finish([Finished(b, result={"text": "late"}), Finished(c, error="ImageError: x")]) == 1
     assert Job.fetch("job-1", connection=redis_conn).get_status() == JobStatus.QUEUED
     assert redis_conn.xlen("rq:results:job-1") == 0
     assert bridge.finish([Finished(d, result={"text": "d"}), Finished(d, result={"text": "d again"})]) == 1
-    assert redis_conn.xlen("rq:results:job-3") == 1, "an id given twice in one call is written once"
+    assert redis_conn.xlen("rq:results:job-3") == 1, "a run given twice in one call is written once"
 
 
 def test_claim_survives_every_kind_of_malformed_job_hash(redis_conn):

@@ -36,19 +36,19 @@ class Batch:
 
 class BatchLog:
     def __init__(self) -> None:
-        self.batches: dict[str, Batch] = {}  # job id -> its batch
+        self.batches: dict[str, Batch] = {}  # run -> its batch
 
     def claimed(self, claimed: list[Claimed]) -> None:
         if claimed:
             batch = Batch(claimed[0].origin, len(claimed), open=len(claimed))
-            self.batches.update((c.id, batch) for c in claimed)
+            self.batches.update((c.run, batch) for c in claimed)
 
     def ended(self, items: list[Finished]) -> None:
         for item in items:
             if item.error is not None:
                 retry = " (will retry if it has retries left)" if item.retry else ""
                 log.warning("job %s failed: %s%s", item.claimed.id, item.error, retry)
-            batch = self.batches.pop(item.claimed.id, None)
+            batch = self.batches.pop(item.claimed.run, None)
             if batch is not None:
                 self._count(batch, item)
 

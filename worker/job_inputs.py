@@ -66,31 +66,32 @@ class InputLoader:
         self.pixels = PixelPool(config.processes, pixel_spec, self.rules) if use_processes else None
 
     def submit(self, jobs: list[tuple[str, CaptionJob]]) -> list[Future[Loaded]]:
-        """One MGET for every blob now; loading runs in the pool, by lane. Order follows `jobs`."""
+        """One MGET for every blob now; loading runs in the pool, by lane. Order follows `jobs`:
+        (request id, job) pairs, each request id becoming its `EngineRequest`'s."""
         blob_shas = [job.image.sha256 for _, job in jobs if job.image.is_blob]
         blobs = dict(zip(blob_shas, self.connection.mget([keys.blob(s) for s in blob_shas]))) if blob_shas else {}
-        return [self._submit_one(job_id, job, blobs.get(job.image.sha256)) for job_id, job in jobs]
+        return [self._submit_one(request_id, job, blobs.get(job.image.sha256)) for request_id, job in jobs]
 
     def load(self, jobs: list[tuple[str, CaptionJob]]) -> list[Loaded]:
         """`submit`, waiting for every result."""
         return [future.result() for future in self.submit(jobs)]
 
-    def _submit_one(self, job_id: str, job: CaptionJob, blob: bytes | None) -> Future[Loaded]:
+    def _submit_one(self, request_id: str, job: CaptionJob, blob: bytes | None) -> Future[Loaded]:
         if self.pixels is None:
-            return self.pool.submit(self._load_one, job_id, job, blob, rank=job.priority.rank)
+            return self.pool.submit(self._load_one, request_id, job, blob, rank=job.priority.rank)
         try:
             source = _source(job, blob)
         except ImageNotAllowed as exc:
             return _done(Loaded(error=input_error_message(exc)))
-        return self.pixels.submit(source, partial(_resized, job_id, job))
+        return self.pixels.submit(source, partial(_resized, request_id, job))
 
-    def _load_one(self, job_id: str, job: CaptionJob, blob: bytes | None) -> Loaded:
+    def _load_one(self, request_id: str, job: CaptionJob, blob: bytes | None) -> Loaded:
         start = time.perf_counter()
         try:
             image = load_image(_source(job, blob), self.rules, self.fit)
         except Exception as exc:  # whatever an input does to the loaders is that job's alone
             return Loaded(error=input_error_message(exc), preprocess_s=time.perf_counter() - start)
-        request = EngineRequest(job_id, job.chat(), [image], job.params, [job.image.sha256], job.priority)
+        request = EngineRequest(request_id, job.chat(), [image], job.params, [job.image.sha256], job.priority)
         return Loaded(request=request, preprocess_s=time.perf_counter() - start)
 
     def close(self) -> None:
@@ -108,12 +109,12 @@ def _source(job: CaptionJob, blob: bytes | None) -> ImageSource:
     return ImageSource(job.image.sha256, data=blob)
 
 
-def _resized(job_id: str, job: CaptionJob, result: PixelResult) -> Loaded:
+def _resized(request_id: str, job: CaptionJob, result: PixelResult) -> Loaded:
     """A decode process's result as the job's: its request carries the resized uint8 image."""
     pixels, error, seconds = result
     if pixels is None:
         return Loaded(error=error, preprocess_s=seconds)
-    request = EngineRequest(job_id, job.chat(), [pixels], job.params, [job.image.sha256], job.priority)
+    request = EngineRequest(request_id, job.chat(), [pixels], job.params, [job.image.sha256], job.priority)
     return Loaded(request, preprocess_s=seconds)
 
 

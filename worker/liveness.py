@@ -1,14 +1,19 @@
 """A worker's pulse, its name, and the reaper of dead workers' jobs (at-least-once delivery).
 
 A live worker refreshes its RQ worker key every `heartbeat_s` with a TTL of `ttl_s`, from a
-thread, so a long engine step never lets it lapse. A worker whose key has expired is dead (it
-was killed, or lost its host); any live worker's reaper then returns that worker's claimed jobs
-to the heads of their queues (`RQBridge.requeue`), so within about `ttl_s + reap_every_s` seconds
-every job a dead worker held is running elsewhere.
+thread, so a long engine step never lets it lapse. When Redis has lost the record, or kept only
+part of it (a FLUSHALL or a restart without persistence, after which a settle's counters make a
+hash of a few fields), the heartbeat registers the worker again, whole, and the worker republishes
+what `wicore status` and the gateway read of it. The thread outlives any Redis error.
+
+A worker whose key has expired is dead (it was killed, or lost its host); any live worker's
+reaper then returns that worker's claimed jobs to the heads of their queues (`RQBridge.requeue`),
+so within about `ttl_s + reap_every_s` seconds every job a dead worker held is running elsewhere.
 
 A worker restarted under the same name takes the dead one's record over at once when that record
-names this host and a process that no longer runs; otherwise it waits for the record to expire,
-and refuses to start if the record's heartbeat moves (a live worker holds the name).
+names this host and a process that no longer runs, or is partial (Redis lost it); otherwise it
+waits for the record to expire, and refuses to start if the record's heartbeat moves (a live
+worker holds the name).
 """
 
 from __future__ import annotations
@@ -20,22 +25,26 @@ import threading
 import time
 
 from redis import Redis
+from redis.exceptions import RedisError
 
-from wicore import keys
+from wicore import keys, rq_keys
 from wicore.errors import ConfigError
-from wicore.worker.redis_link import REDIS_DOWN
+from wicore.worker.redis_link import is_outage
 from wicore.worker.rq_bridge import RQBridge, RQWorkerRecord
 
 log = logging.getLogger(__name__)
 
-# KEYS: worker hash, worker executions index. ARGV: ttl, now (RQ text). Refreshes RQ's heartbeat
-# fields only while the record exists (RQ's own heartbeat would recreate an expired record as a
-# hash with one field); returns 0 when it is gone.
+# KEYS: worker hash, worker executions index, RQ's set of worker keys. ARGV: ttl, now (RQ text).
+# Refreshes RQ's heartbeat fields only while the record is whole: registered (in RQ's set) with
+# the fields of its birth (RQ's own heartbeat would recreate an expired record as a hash with one
+# field); returns 0 when it is gone or partial. The TTLs go first: Redis over its maxmemory takes
+# EXPIRE, and once a script has written it runs to its end, so a memory blip never lets a live
+# worker's record lapse.
 _BEAT_LUA = """
-if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
-redis.call('HSET', KEYS[1], 'last_heartbeat', ARGV[2])
+if redis.call('HEXISTS', KEYS[1], 'birth') == 0 or redis.call('SISMEMBER', KEYS[3], KEYS[1]) == 0 then return 0 end
 redis.call('EXPIRE', KEYS[1], ARGV[1])
 redis.call('EXPIRE', KEYS[2], ARGV[1])
+redis.call('HSET', KEYS[1], 'last_heartbeat', ARGV[2])
 return 1
 """
 
@@ -49,23 +58,34 @@ class Heartbeat(threading.Thread):
         self._beat = record.connection.register_script(_BEAT_LUA)
         self._lock = threading.Lock()
         self._stop_event = threading.Event()
+        self._registered_again = threading.Event()
         self._failing = False
 
     def beat(self) -> bool:
-        """Refresh the record; False when it is gone."""
+        """Refresh the record; False when it is gone or partial."""
         from rq.utils import now, utcformat
 
-        return bool(self._beat(keys=[self.record.key, self.record.executions_key], args=[self.ttl, utcformat(now())]))
+        record_keys = [self.record.key, self.record.executions_key, rq_keys.WORKERS]
+        return bool(self._beat(keys=record_keys, args=[self.ttl, utcformat(now())]))
 
     def keep_registered(self) -> bool:
         """Refresh the record, registering again if it expired (a Redis outage longer than the
-        TTL, or a stall); True if it had to. Either thread may call it."""
+        TTL, or a stall) or is partial (Redis lost it); True if it had to. Either thread may call
+        it."""
         with self._lock:
             if self.beat():
                 return False
-            self.record.register_birth()
+            self.record.register_again()
             self.beat()
-        log.warning("worker %s: its record had expired; registered again", self.record.name)
+        self._registered_again.set()
+        log.warning("worker %s: its record had expired or was lost; registered again", self.record.name)
+        return True
+
+    def take_registered_again(self) -> bool:
+        """True once after each registration `keep_registered` had to make."""
+        if not self._registered_again.is_set():
+            return False
+        self._registered_again.clear()
         return True
 
     def run(self) -> None:
@@ -73,11 +93,11 @@ class Heartbeat(threading.Thread):
             try:
                 self.keep_registered()
                 self._failing = False
-            except REDIS_DOWN as exc:  # the main loop rides the outage out; say so once
+            except RedisError as exc:  # an outage the main loop rides out, or a bug: say so once
                 if not self._failing:
-                    log.warning("heartbeat failed: %s", exc)
+                    log.warning("heartbeat failed: %s", exc if is_outage(exc) else repr(exc))
                 self._failing = True
-            except ValueError as exc:  # RQ: another worker took the name meanwhile
+            except ValueError as exc:  # RQ: a record came back (another worker's, a settle's) before ours
                 log.warning("heartbeat: %s", exc)
 
     def stop(self) -> None:
@@ -91,7 +111,7 @@ def reap_dead_workers(connection: Redis, bridge: RQBridge) -> int:
     handled = 0
     for raw in connection.smembers(keys.CLAIMANTS):
         name = raw.decode(errors="replace")
-        if name == bridge.record.name or connection.exists(f"rq:worker:{name}"):
+        if name == bridge.record.name or connection.exists(rq_keys.WORKER + name):
             continue
         count = bridge.requeue(keys.claims(name), died=True, owner=name)
         if count < 0:  # registered again between the two looks
@@ -107,8 +127,11 @@ def take_over_name(record: RQWorkerRecord, wait_s: float) -> None:
     """Make way for `record`'s registration: drop a dead predecessor's record at once if it
     names this host and a process that is gone; else wait up to `wait_s` for it to expire."""
     connection = record.connection
-    fields = connection.hmget(record.key, "hostname", "pid", "last_heartbeat", "death")
+    fields = connection.hmget(record.key, "hostname", "pid", "last_heartbeat", "death", "birth")
     if not connection.exists(record.key) or fields[3] is not None:  # none, or one that stopped cleanly
+        return
+    if fields[4] is None:  # no birth: what a settle left of a record Redis lost, no worker's
+        connection.delete(record.key)
         return
     if _gone_from_this_host(fields[0], fields[1]):
         log.info("worker %s: taking over the record of its dead predecessor (pid %s)", record.name, fields[1])

@@ -12,10 +12,12 @@ The worker never forks: the model loads once per process (rq's SimpleWorker idea
 SIGTERM/SIGINT once = warm shutdown (take nothing new, finish what is in hand); twice = cold
 (give claimed jobs back to their queues now).
 
-When Redis goes away the worker keeps stepping the engine on the jobs in hand, holds their results
-in memory and knocks on Redis with backoff and jitter; once it answers, the worker re-registers,
-writes the held results (a job written before is skipped: the write is idempotent by job id) and
-gives back any claim it does not hold (`_reconcile`). `state` says "waiting for Redis" meanwhile.
+When Redis goes away, or refuses writes (over its maxmemory, a read-only replica, failing to
+persist: `redis_link.is_outage`), the worker keeps stepping the engine on the jobs in hand, holds
+their results in memory and knocks on Redis with backoff and jitter (a write: a PING answers while
+writes are refused); once it takes writes again, the worker re-registers, writes the held results
+(a run written before is skipped: the write is idempotent by run) and gives back any claim it does
+not hold (`_reconcile`). `state` says "waiting for Redis" meanwhile.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import time
 from concurrent.futures import wait
 
 from redis import Redis
+from redis.exceptions import RedisError
 from rq.serializers import JSONSerializer
 
 from wicore import keys
@@ -40,7 +43,7 @@ from wicore.worker.engine_gate import EngineGate
 from wicore.worker.job_inputs import InputLoader, deadline_message, parse_payloads
 from wicore.worker.liveness import Heartbeat, reap_dead_workers, take_over_name
 from wicore.worker.metrics import WorkerMetrics
-from wicore.worker.redis_link import REDIS_DOWN, Backoff, PollPace
+from wicore.worker.redis_link import Backoff, PollPace, is_outage, outage_text
 from wicore.worker.results import caption_result, job_timings
 from wicore.worker.rq_bridge import Claimed, Finished, RQBridge, RQWorkerRecord
 from wicore.worker.status import publish_stats
@@ -50,6 +53,7 @@ log = logging.getLogger(__name__)
 
 CANCELS_PER_TAKE = 1024  # cancel requests read per loop iteration (the rest wait for the next)
 REDIS_TIMEOUT_TICK_S = 0.1  # how finely Redis (hz 10, its default) ends BLPOP timeouts
+PROBE_TTL_MS = 1000  # the key an outage's write test sets expires by itself
 
 
 class BatchingWorker:
@@ -63,6 +67,7 @@ class BatchingWorker:
         self.inputs = InputLoader(connection, config.inputs, engine.pixel_spec(), engine.image_size())
         self.heartbeat = Heartbeat(self.record, heartbeat_s=config.heartbeat_s, ttl_s=config.liveness_ttl_s)
         self.gate = EngineGate(engine)
+        # By run (`Claimed.run`): a job canceled and submitted again may be in hand twice.
         self.in_flight: dict[str, InFlight] = {}
         self.unwritten: list[Finished] = []  # ended here, not yet written to Redis
         self.metrics = WorkerMetrics(config.model_id)
@@ -91,7 +96,9 @@ class BatchingWorker:
                 try:
                     if not self._turn():
                         break
-                except REDIS_DOWN as exc:
+                except RedisError as exc:
+                    if not is_outage(exc):
+                        raise
                     self._ride_out(exc)
         except ShutdownRequested:
             log.warning("worker %s: cold shutdown, returning %d jobs to their queues", self.name, len(self.in_flight))
@@ -154,19 +161,23 @@ class BatchingWorker:
             self.bridge.requeue(self.bridge.claims_key, died=False)
             self.connection.srem(keys.CLAIMANTS, self.name)
             self.record.register_death()
-        except REDIS_DOWN as exc:
+        except RedisError as exc:
+            if not is_outage(exc):
+                raise
             log.warning(
-                "worker %s: Redis unreachable at shutdown (%s); %d results not written, their jobs "
-                "go back to their queues when this worker's record expires",
-                self.name, exc, len(self.unwritten),
+                "worker %s: %s at shutdown; %d results not written, their jobs go back to their "
+                "queues when this worker's record expires",
+                self.name, outage_text(exc), len(self.unwritten),
             )  # fmt: skip
         finally:
             self.inputs.close()
 
     def _maintain(self) -> None:
-        """Every `maintain_every_s`: give back claims we do not hold, requeue dead workers' jobs,
-        prune expired registry entries, publish our engine's counters (also on going idle)."""
-        if time.monotonic() < self._next_maintenance:
+        """Every `maintain_every_s`, and at once when the heartbeat registered this worker again
+        (its record was lost): give back claims we do not hold, requeue dead workers' jobs, prune
+        expired registry entries, publish our identity and engine's counters (also on going idle)."""
+        registered_again = self.heartbeat.take_registered_again()
+        if time.monotonic() < self._next_maintenance and not registered_again:
             return
         self._reconcile()
         if time.monotonic() >= self._reap_after:
@@ -178,8 +189,8 @@ class BatchingWorker:
     def _reconcile(self) -> None:
         """Claims in our list that we do not hold (a claim whose reply was lost, a write Redis
         lost in a crash) go back to the head of their queues, no retry spent."""
-        held = set(self.in_flight) | {item.claimed.id for item in self.unwritten}
-        orphans = [job_id for job_id in self.bridge.claimed_ids() if job_id not in held]
+        held = set(self.in_flight) | {item.claimed.run for item in self.unwritten}
+        orphans = [run for run in self.bridge.claimed_runs() if run not in held]
         if orphans:
             count = self.bridge.requeue(self.bridge.claims_key, orphans, died=False)
             log.warning("worker %s: gave back %d claimed jobs it did not hold", self.name, count)
@@ -216,25 +227,25 @@ class BatchingWorker:
     # -- canceling jobs -----------------------------------------------------------------------
 
     def _cancel(self) -> None:
-        """Jobs canceled while this worker held them (`Producer.cancel` names them in our cancel
-        set). One not yet in the engine (its image unread or loading) ends now; one in the
-        engine gate is aborted there (`EngineGate.abort`: a request waiting in the gate stops at
-        once, one in the engine at once or from a later step) and ends when it comes back. Either
-        ends canceled, with no result. One SPOP per engine step while jobs are in hand (every 50 ms
-        while they only load: `PollPace`); a failed SPOP is an outage like any other (a request
-        lost with its reply costs only work: the settle script writes no result for a canceled
-        job)."""
+        """Jobs canceled while this worker held them (`Producer.cancel` names their runs in our
+        cancel set; a request for a run no longer in hand is dropped). One not yet in the engine
+        (its image unread or loading) ends now; one in the engine gate is aborted there
+        (`EngineGate.abort`: a request waiting in the gate stops at once, one in the engine at once
+        or from a later step) and ends when it comes back. Either ends canceled, with no result.
+        One SPOP per engine step while jobs are in hand (every 50 ms while they only load:
+        `PollPace`); a failed SPOP is an outage like any other (a request lost with its reply
+        costs only work: the settle script writes no result for a canceled job)."""
         if not (self.in_flight and self.cancel_polls.due()):
             return
         taken = {raw.decode() for raw in self.connection.spop(keys.cancel(self.name), CANCELS_PER_TAKE) or []}
-        held = [self.in_flight[job_id] for job_id in taken if job_id in self.in_flight]
+        held = [self.in_flight[run] for run in taken if run in self.in_flight]
         before_engine = [flight for flight in held if flight.loading is not None or not flight.fetched]
         for flight in before_engine:
             if flight.loading is not None:
                 flight.loading.cancel()  # a load already running ends unread: the job leaves `in_flight`
-            self.in_flight.pop(flight.claimed.id)
+            self.in_flight.pop(flight.claimed.run)
         self._end([Finished(flight.claimed, canceled=True) for flight in before_engine])
-        in_engine = [flight.claimed.id for flight in held if flight.loading is None and flight.fetched]
+        in_engine = [flight.claimed.run for flight in held if flight.loading is None and flight.fetched]
         if in_engine:
             self._collect(self.gate.abort(in_engine))
         if held:
@@ -243,19 +254,22 @@ class BatchingWorker:
     # -- riding out a Redis outage ------------------------------------------------------------
 
     def _ride_out(self, error: Exception) -> None:
-        """Keep the engine going on the jobs in hand, results held, until Redis answers again."""
+        """Keep the engine going on the jobs in hand, results held, until Redis takes writes again."""
         self.state = WorkerState.WAITING_FOR_REDIS
-        log.warning("worker %s: Redis unreachable (%s); waiting for it", self.name, type(error).__name__)
+        log.warning("worker %s: %s; waiting for it", self.name, outage_text(error))
         lost_at, backoff = time.monotonic(), Backoff()
         while True:
             self._work_until_redis_answers(backoff)
             try:
                 return self._reconnected(time.monotonic() - lost_at)
-            except REDIS_DOWN:  # gone again before we were through
-                continue
+            except RedisError as exc:  # gone again before we were through
+                if not is_outage(exc):
+                    raise
 
     def _work_until_redis_answers(self, backoff: Backoff) -> None:
-        next_try = 0.0
+        """Step the engine between tries; the first try of an outage comes at once, a try after
+        a failed reconnection one backoff step later."""
+        next_try = time.monotonic() + backoff.next() if backoff.tries else 0.0
         while True:
             if time.monotonic() >= next_try:
                 if self._redis_answers():
@@ -265,9 +279,12 @@ class BatchingWorker:
                 time.sleep(max(0.0, next_try - time.monotonic()))
 
     def _redis_answers(self) -> bool:
+        """Redis takes a write (a PING would answer while writes are refused)."""
         try:
-            return bool(self.connection.ping())
-        except REDIS_DOWN:
+            return bool(self.connection.set(keys.probe(self.name), b"1", px=PROBE_TTL_MS))
+        except RedisError as exc:
+            if not is_outage(exc):
+                raise
             return False
 
     def _reconnected(self, down_s: float) -> None:
@@ -280,7 +297,8 @@ class BatchingWorker:
         self._reap_after = time.monotonic() + self.config.liveness_ttl_s + Backoff.most_s + 1
         self.state = WorkerState.STOPPING if self.stopping else WorkerState.READY
         log.warning(
-            "worker %s: Redis is back after %.1fs; wrote %d of %d held results (the rest were requeued meanwhile)",
+            "worker %s: Redis is back after %.1fs; wrote %d of %d held results "
+            "(the rest had moved on: requeued, or canceled)",
             self.name, down_s, written, held,
         )  # fmt: skip
 
@@ -321,7 +339,7 @@ class BatchingWorker:
         for index, (c, payload) in enumerate(live):
             if index % group == 0:
                 batch = next(self._batches)
-            self.in_flight[c.id] = InFlight(c, payload, batch)
+            self.in_flight[c.run] = InFlight(c, payload, batch)
         self._fetch_images()
 
     def _fetch_images(self) -> None:
@@ -330,7 +348,7 @@ class BatchingWorker:
         unfetched = [f for f in self.in_flight.values() if not f.fetched]
         if not unfetched:
             return
-        futures = self.inputs.submit([(f.claimed.id, f.payload) for f in unfetched])
+        futures = self.inputs.submit([(f.claimed.run, f.payload) for f in unfetched])  # engine requests are runs
         for flight, future in zip(unfetched, futures):
             flight.fetched, flight.loading = True, future
 
@@ -352,7 +370,7 @@ class BatchingWorker:
             loaded = flight.loading.result()
             flight.loading, flight.preprocess_s = None, loaded.preprocess_s
             if loaded.error is not None:
-                bad.append(Completion(flight.claimed.id, error=loaded.error, input_error=True))
+                bad.append(Completion(flight.claimed.run, error=loaded.error, input_error=True))
             else:
                 requests.append(loaded.request)
         if bad or requests:
@@ -385,7 +403,12 @@ class BatchingWorker:
             return Finished(flight.claimed, error=completion.error, retry=not completion.input_error)
         timings = job_timings(completion, flight.payload.submitted_at, flight.claimed.started_at, flight.preprocess_s)
         result = caption_result(
-            completion, timings, worker=self.name, engine=self.engine.name, model=self.config.model_id
+            flight.claimed.id,
+            completion,
+            timings,
+            worker=self.name,
+            engine=self.engine.name,
+            model=self.config.model_id,
         )
         self.metrics.succeeded(completion, timings)
         return Finished(flight.claimed, result=result.model_dump(mode="json"))

@@ -1,22 +1,50 @@
-"""A long-running process's link to Redis: how its client is set up, which errors mean "Redis is
-not there right now", and how long it waits between tries. The check before it starts is
-`wicore.cli.redis_check.connect`'s, which takes `client_options()`.
+"""A long-running process's link to Redis: how its client is set up, which errors mean "Redis
+cannot take our writes right now" (an outage, to ride out), and how long it waits between tries.
+The check before it starts is `wicore.cli.redis_check.connect`'s, which takes `client_options()`.
 """
 
 from __future__ import annotations
 
 import random
+import re
 import time
 from typing import Any
 
 from redis.backoff import ExponentialWithJitterBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import OutOfMemoryError, ReadOnlyError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
 # Redis is down, restarting (BusyLoadingError: loading its append-only file is a ConnectionError),
-# or unreachable. Anything else from Redis is a bug or a refused command, not an outage.
+# or unreachable.
 REDIS_DOWN = (RedisConnectionError, RedisTimeoutError)
+# Redis answers but refuses writes for now: over its maxmemory (OOM), a read-only replica
+# (READONLY: a failover under way), or unable to persist (MISCONF). redis-py names the first two;
+# MISCONF, and a refusal inside a script on Redis 6 ("... @user_script: 1: -OOM ...") come as a
+# ResponseError whose text carries the code (after "caused error: " in a pipeline's). A refused
+# script ran none of its writes: Redis refuses a script at its first write or not at all.
+WRITES_REFUSED = (OutOfMemoryError, ReadOnlyError)
+_REFUSAL_CODE = re.compile(r"(?:^|-|caused error: )(OOM|READONLY|MISCONF) ")
+
+
+def is_outage(error: BaseException) -> bool:
+    """Redis is down, or up and refusing writes: either is ridden out (results held, tries with
+    backoff). Anything else from Redis is a bug or a bad command, not an outage."""
+    if isinstance(error, REDIS_DOWN + WRITES_REFUSED):
+        return True
+    return isinstance(error, ResponseError) and _REFUSAL_CODE.search(str(error)) is not None
+
+
+def outage_text(error: BaseException) -> str:
+    """What a log line says of an outage: 'Redis unreachable (ConnectionError)', or 'Redis refuses
+    writes (OOM command not allowed ...)' from the refusal's code on."""
+    if isinstance(error, REDIS_DOWN):
+        return f"Redis unreachable ({type(error).__name__})"
+    text = str(error)
+    code = _REFUSAL_CODE.search(text)
+    reason = text[code.start(1) :] if code else f"{type(error).__name__}: {text}"
+    return f"Redis refuses writes ({reason[:160]})"
 
 
 def client_options() -> dict[str, Any]:

@@ -22,9 +22,11 @@ def job_timings(completion: Completion, submitted: float, started: float, prepro
     )
 
 
-def caption_result(completion: Completion, timings: Timings, *, worker: str, engine: str, model: str) -> CaptionResult:
+def caption_result(
+    job_id: str, completion: Completion, timings: Timings, *, worker: str, engine: str, model: str
+) -> CaptionResult:
     return CaptionResult(
-        job_id=completion.id,
+        job_id=job_id,
         text=completion.text or "",
         finish_reason=completion.finish_reason or "length",
         prompt_tokens=completion.prompt_tokens,

@@ -5,14 +5,16 @@ RQ has no API to take or finish several jobs at once, its per-job Python bookkee
 than the work of a small job, and its `Job.restore` raises on a malformed field. So every change
 to a job's records runs server-side, one Lua call per batch (worker/rq_scripts.py):
 
-- `claim`: LPOP up to N job ids from a bucket queue into this worker's claims set and mark each
-  started exactly as RQ's worker does; ids that name no job go to a dead-letter stream, a job
-  canceled while its id sat in the queue is dropped unrun, and a cancel request this worker
-  holds for a claimed id (older than the claim) is dropped.
-- `finish`: results, failures, retries and cancellations; only for jobs still in this worker's
-  claims set, so it may be repeated (after a lost reply, or when Redis is back after an
-  outage). A job canceled while it ran (`Producer.cancel`) ends with no result, and a failure
-  of it stays canceled (no retry, not counted as failed).
+- `claim`: LPOP up to N job ids from a bucket queue and mark each started exactly as RQ's worker
+  does; each start is a run (`keys.run`: job id and a fresh execution id), held in this worker's
+  claims set and named in the job hash as its current run. Ids that name no job go to a
+  dead-letter stream; a job canceled while its id sat in the queue is dropped unrun.
+- `finish`: results, failures, retries and cancellations, matched by run: only for runs still in
+  this worker's claims set, so it may be repeated (after a lost reply, or when Redis is back
+  after an outage), and only for the job's current run (a job canceled and submitted again while
+  the old run was still in hand is the new run's). A job canceled while it ran
+  (`Producer.cancel`) ends with no result, and a failure of it stays canceled (no retry, not
+  counted as failed).
 - `requeue`: a dead worker's claims, or our own orphans, back to the head of their queues.
 
 The fields a claim returns are parsed here, defensively: a job whose record cannot be read is
@@ -37,7 +39,7 @@ from rq.serializers import JSONSerializer
 from rq.utils import now, utcformat
 from rq.worker import BaseWorker
 
-from wicore import defaults, keys
+from wicore import defaults, keys, rq_keys
 from wicore.errors import InvalidJob
 from wicore.producer.client import TASK
 from wicore.worker import rq_scripts
@@ -60,6 +62,13 @@ class RQWorkerRecord(BaseWorker):
     def execute_job(self, job: Job, queue: Queue) -> None:
         raise NotImplementedError("wicore workers run batches (wicore.worker.loop)")
 
+    def register_again(self) -> None:
+        """RQ's registration for a worker whose record Redis lost, or kept only in part (a
+        FLUSHALL; a settle's counters then make a hash of a few fields): this process is that
+        worker, so what is left of its record goes first."""
+        self.connection.delete(self.key)
+        self.register_birth()
+
     def set_queue_names(self, names: list[str]) -> None:
         """Bucket queues appear while the worker runs; keep RQ's record of them current."""
         if names == self.queue_names():
@@ -81,6 +90,11 @@ class Claimed:
     result_ttl: int | None
     started_at: float  # unix seconds
     invalid: str | None = None  # why the job's record cannot be run, if it cannot
+
+    @property
+    def run(self) -> str:
+        """This run of the job: its key in the worker's hands, claims set and cancel set."""
+        return keys.run(self.id, self.execution_id)
 
     @property
     def notify(self) -> str:
@@ -212,14 +226,14 @@ class RQBridge:
         at = now()
         args = [count, self.record.name, at.timestamp(), utcformat(at), queue_name]
         args += [DEFAULT_JOB_TIMEOUT, NO_TIMEOUT_TTL, TTL_GRACE_S, *(uuid.uuid4().hex for _ in range(count))]
-        claim_keys = ["rq:queue:" + queue_name, *self._worker_keys(), keys.CLAIMANTS, keys.DEAD_LETTER]
-        rows = self._claim(keys=[*claim_keys, keys.cancel(self.record.name)], args=args)
+        claim_keys = [rq_keys.QUEUE + queue_name, *self._worker_keys(), keys.CLAIMANTS, keys.DEAD_LETTER]
+        rows = self._claim(keys=claim_keys, args=args)
         return [decode_claimed(row, at.timestamp()) for row in rows]
 
     def finish(self, items: list[Finished]) -> int:
-        """Write how each job ended, in one round trip. Jobs no longer claimed by this worker
-        (requeued by a reaper, or finished by an earlier call) are skipped; returns how many
-        were written."""
+        """Write how each job ended, in one round trip. Runs no longer claimed by this worker
+        (requeued by a reaper, or finished by an earlier call) are skipped, and so are jobs that
+        moved on to another run; returns how many were written."""
         if not items:
             return 0
         at = now()
@@ -237,27 +251,25 @@ class RQBridge:
         ttl = c.result_ttl if c.result_ttl is not None else self.result_ttl
         return [c.id, c.execution_id, c.origin, kind, value, ttl, c.started_at, c.notify]
 
-    def requeue(
-        self, claims_key: str, job_ids: list[str] | None = None, *, died: bool, owner: str | None = None
-    ) -> int:
-        """Return jobs of a claims set to the heads of their queues: `job_ids`, or the whole set
-        (which is then deleted). `died`: their worker died holding them, so each spends a retry
+    def requeue(self, claims_key: str, runs: list[str] | None = None, *, died: bool, owner: str | None = None) -> int:
+        """Return jobs of a claims set to the heads of their queues: those of `runs`, or the whole
+        set (which is then deleted). `died`: their worker died holding them, so each spends a retry
         (a job out of retries fails as WorkerDied) and a job that kills its workers ends. With
         `owner`, nothing happens if that worker is registered again (-1). Returns how many jobs
         were handled."""
-        if job_ids == []:
+        if runs == []:
             return 0
         name = owner or self.record.name
-        script_keys = [claims_key, f"rq:worker:{name}:executions"]
+        script_keys = [claims_key, rq_keys.worker_executions(name)]
         if owner is not None:
-            script_keys.append(f"rq:worker:{owner}")
+            script_keys.append(rq_keys.WORKER + owner)
         at = now()
         args = [at.timestamp(), utcformat(at), int(died), exc_string(WORKER_DIED), self.record.name]
-        args += [DEFAULT_FAILURE_TTL, *(job_ids or [])]
+        args += [DEFAULT_FAILURE_TTL, *(runs or [])]
         return int(self._requeue(keys=script_keys, args=args))
 
-    def claimed_ids(self) -> list[str]:
-        """The ids this worker holds, in the order it claimed them (its claims set is scored so)."""
+    def claimed_runs(self) -> list[str]:
+        """The runs this worker holds, in the order it claimed them (its claims set is scored so)."""
         return [raw.decode(errors="replace") for raw in self.connection.zrange(self.claims_key, 0, -1)]
 
     def prune_registries(self, queue_names: list[str]) -> None:
@@ -266,6 +278,6 @@ class RQBridge:
         cutoff = now().timestamp()
         with self.connection.pipeline(transaction=False) as pipe:
             for name in queue_names:
-                pipe.zremrangebyscore(f"rq:finished:{name}", 0, cutoff)
-                pipe.zremrangebyscore(f"rq:failed:{name}", 0, cutoff)
+                pipe.zremrangebyscore(rq_keys.FINISHED + name, 0, cutoff)
+                pipe.zremrangebyscore(rq_keys.FAILED + name, 0, cutoff)
             pipe.execute()

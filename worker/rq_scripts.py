@@ -2,9 +2,11 @@
 one of these, run server-side, one call per batch.
 
 Nothing read from a job hash is trusted: numbers go through `tonumber` with a default, a missing
-field never reaches a string concatenation, and a job is settled only by the worker whose claims
-set still holds it (ZMSCORE finds it), so writing a result twice is a no-op and a job requeued by
-a reaper is never also finished by the worker that lost it. Records follow RQ 3.0's (job hash,
+field never reaches a string concatenation, and a job is settled only by a run (job id:execution
+id) that the worker's claims set still holds (ZMSCORE finds it) and that is still the job's
+current run (its hash's RUN_FIELD), so writing a result twice is a no-op, a job requeued by a
+reaper is never also finished by the worker that lost it, and a canceled run's end never touches
+the run of the same work submitted again. Records follow RQ 3.0's (job hash,
 registries, executions, result stream); tests/test_rq_bridge.py reads them back with RQ.
 
 Redis commands are the budget (docs/benchmarks.md, the queue benchmark): every command a script
@@ -12,14 +14,20 @@ runs counts, so per job a claim spends 6 (read the job, mark it started, its exe
 index with their TTLs) and a settle 5 (read status, mark it ended, the result entry and its TTL,
 the job's TTL). Whatever several jobs of a batch write to one key (registries, the claims set,
 the worker's executions index, notification lists) or delete goes out once per batch (`defer`).
-The scripts touch keys they compute (rq:job:<id>, ...): fine on one Redis, not on Redis Cluster
+RQ's key prefixes come from RQ's classes (`wicore.rq_keys.LUA_PREAMBLE`: `RQ.job .. id`). The
+scripts touch keys they compute (RQ's job hash of an id, ...): fine on one Redis, not on Redis Cluster
 (README, "Past one Redis").
 """
 
 from __future__ import annotations
 
+from wicore import keys, rq_keys
+
 # Helpers shared by the scripts below (Lua has no modules in EVAL: each script starts with these).
-_LIB = """
+_LIB = (
+    rq_keys.LUA_PREAMBLE
+    + f"local RUN_FIELD, SUBMITTED = '{keys.RUN_FIELD}', '{keys.submitted('')}'\n"
+    + """
 -- Writes gathered over a batch and sent once per command and key at `flush`, in first-use order
 -- (a notification list's EXPIRE after its RPUSH). Members go out in slices of 1000 (Lua's unpack
 -- has a stack limit); the slice is even, so ZADD's score/member pairs never split.
@@ -68,30 +76,48 @@ end
 
 local function forget_execution(id, eid, origin, worker_executions)
   local comp = id .. ':' .. eid
-  defer('DEL', false, 'rq:execution:' .. comp)
-  defer('DEL', false, 'rq:executions:' .. id)
-  defer('ZREM', 'rq:wip:' .. origin, comp)
+  defer('DEL', false, RQ.execution .. comp)
+  defer('DEL', false, RQ.executions .. id)
+  defer('ZREM', RQ.started .. origin, comp)
   defer('SREM', worker_executions, comp)
+end
+
+-- A run the job has moved on from (canceled and submitted again, or requeued and taken by
+-- another worker): its own records go, the job's index keeps the current run.
+local function forget_stale_run(id, eid, origin, worker_executions)
+  local comp = id .. ':' .. eid
+  defer('DEL', false, RQ.execution .. comp)
+  redis.call('ZREM', RQ.executions .. id, eid)
+  defer('ZREM', RQ.started .. origin, comp)
+  defer('SREM', worker_executions, comp)
+end
+
+-- A claims set member: 'job id:execution id' (a run), or a bare job id (claimed by an earlier
+-- wicore, execution unknown: eid is nil).
+local function parse_run(member)
+  local id, eid = string.match(member, '^([^:]+):(.+)$')
+  if id then return id, eid end
+  return member, nil
 end
 
 -- Every execution of a job, when its execution ids are not known (a dead worker's claims).
 local function forget_executions(id, origin, worker_executions)
-  local index = 'rq:executions:' .. id
+  local index = RQ.executions .. id
   for _, eid in ipairs(redis.call('ZRANGE', index, 0, -1)) do
     local comp = id .. ':' .. eid
-    defer('DEL', false, 'rq:execution:' .. comp)
-    defer('ZREM', 'rq:wip:' .. origin, comp)
+    defer('DEL', false, RQ.execution .. comp)
+    defer('ZREM', RQ.started .. origin, comp)
     defer('SREM', worker_executions, comp)
   end
   defer('DEL', false, index)
 end
 
 local function push(origin, id, front)
-  local queue = 'rq:queue:' .. origin
+  local queue = RQ.queue .. origin
   if not redis.call('LPOS', queue, id) then
     if front then redis.call('LPUSH', queue, id) else redis.call('RPUSH', queue, id) end
   end
-  redis.call('SADD', 'rq:queues', queue)
+  redis.call('SADD', RQ.queues, queue)
 end
 
 -- A TTL as Redis takes it: an integer, -1 for "keep forever", `default` when unreadable; capped
@@ -113,7 +139,7 @@ end
 -- `retries`: the job's retries_left, spent by one when `spend` (it failed, or its worker died
 -- holding it).
 local function requeue(id, origin, now_text, front, spend, retries)
-  local job = 'rq:job:' .. id
+  local job = RQ.job .. id
   if spend then
     redis.call('HSET', job, 'status', 'queued', 'enqueued_at', now_text, 'retries_left', retries - 1)
   else
@@ -123,13 +149,13 @@ local function requeue(id, origin, now_text, front, spend, retries)
 end
 
 local function add_result(id, fields, ttl)
-  local results = 'rq:results:' .. id
+  local results = RQ.results .. id
   redis.call('XADD', results, 'MAXLEN', '~', 10, '*', unpack(fields))
   if ttl < 0 then redis.call('PERSIST', results) else redis.call('EXPIRE', results, ttl) end
 end
 
 local function expire_job(id, ttl)
-  if ttl < 0 then redis.call('PERSIST', 'rq:job:' .. id) else redis.call('EXPIRE', 'rq:job:' .. id, ttl) end
+  if ttl < 0 then redis.call('PERSIST', RQ.job .. id) else redis.call('EXPIRE', RQ.job .. id, ttl) end
 end
 
 local function registry_score(now, ttl)
@@ -138,7 +164,7 @@ local function registry_score(now, ttl)
 end
 
 local function fail(id, origin, exc, worker, eid, started, now, now_text, ttl)
-  redis.call('HSET', 'rq:job:' .. id, 'status', 'failed', 'ended_at', now_text)
+  redis.call('HSET', RQ.job .. id, 'status', 'failed', 'ended_at', now_text)
   local fields = {'type', 2, 'worker_name', worker, 'exc_string', exc}
   if eid ~= '' then
     for _, v in ipairs({'execution_id', eid, 'execution_started_at', started, 'execution_ended_at', now}) do
@@ -147,23 +173,22 @@ local function fail(id, origin, exc, worker, eid, started, now, now_text, ttl)
   end
   add_result(id, fields, ttl)
   expire_job(id, ttl)
-  defer('ZADD', 'rq:failed:' .. origin, registry_score(now, ttl), id)
-  defer('DEL', false, 'wicore:submitted:' .. id)  -- resubmitting a failed job runs it again
+  defer('ZADD', RQ.failed .. origin, registry_score(now, ttl), id)
+  defer('DEL', false, SUBMITTED .. id)  -- resubmitting a failed job runs it again
 end
 """
+)
 
-# KEYS: queue, claims set, worker executions index, worker hash, claimants set, dead-letter stream,
-# this worker's cancel set.
+# KEYS: queue, claims set, worker executions index, worker hash, claimants set, dead-letter stream.
 # ARGV: count, worker name, now (unix), now (RQ text), queue name, default job timeout, TTL of a
 # job without timeout, TTL grace, then `count` fresh execution ids.
 # Takes up to `count` jobs (one LPOP) and starts each as RQ's worker does (status, execution hash,
-# the job's executions index, the started registry, the worker's executions index); the claims
-# set (a sorted set, scored in claim order) holds each started id. An id RQ could not have made,
-# or one with no job hash, goes to the dead-letter stream; an id whose job is no longer queued (a
-# duplicate entry, or a job canceled while its id sat in the queue) is dropped, never started. A
-# cancel request this worker holds for a claimed id predates the claim (it was for an earlier run
-# of the job) and is dropped. Returns per started job: id, execution id, data, meta, origin,
-# result_ttl ('' for a missing field).
+# the job's executions index, the started registry, the worker's executions index), naming the new
+# execution the job's current run (RUN_FIELD); the claims set (a sorted set, scored in claim
+# order) holds each started run (id:execution id). An id RQ could not have made, or one with no
+# job hash, goes to the dead-letter stream; an id whose job is no longer queued (a duplicate entry,
+# or a job canceled while its id sat in the queue) is dropped, never started. Returns per started
+# job: id, execution id, data, meta, origin, result_ttl ('' for a missing field).
 CLAIM = (
     _LIB
     + """
@@ -181,7 +206,7 @@ local function dead_letter(id, reason)
 end
 -- data, meta, status, result_ttl, timeout; nil when the key holds no RQ job hash.
 local function read_job(id)
-  local f = redis.pcall('HMGET', 'rq:job:' .. id, 'data', 'meta', 'status', 'result_ttl', 'timeout', 'created_at')
+  local f = redis.pcall('HMGET', RQ.job .. id, 'data', 'meta', 'status', 'result_ttl', 'timeout', 'created_at')
   if f.err then return nil end
   for i = 1, 6 do if f[i] then return f end end
   return nil
@@ -192,21 +217,20 @@ local function start(id, eid, f)
   local ttl = timeout + grace
   if timeout < 0 then ttl = no_timeout_ttl end
   if ttl > longest then longest = ttl end
-  redis.call('HSET', 'rq:job:' .. id, 'status', 'started', 'started_at', now_text, 'last_heartbeat', now_text,
-             'worker_name', worker, 'origin', queue_name)
-  redis.call('HSET', 'rq:execution:' .. comp, 'id', eid, 'job_id', id, 'created_at', now,
+  redis.call('HSET', RQ.job .. id, 'status', 'started', 'started_at', now_text, 'last_heartbeat', now_text,
+             'worker_name', worker, 'origin', queue_name, RUN_FIELD, eid)
+  redis.call('HSET', RQ.execution .. comp, 'id', eid, 'job_id', id, 'created_at', now,
              'last_heartbeat', now, 'worker_name', worker)
-  redis.call('EXPIRE', 'rq:execution:' .. comp, ttl)
-  redis.call('ZADD', 'rq:executions:' .. id, now + ttl + grace, eid)
-  redis.call('EXPIRE', 'rq:executions:' .. id, ttl + grace)
-  defer('ZADD', 'rq:wip:' .. queue_name, now + ttl, comp)
+  redis.call('EXPIRE', RQ.execution .. comp, ttl)
+  redis.call('ZADD', RQ.executions .. id, now + ttl + grace, eid)
+  redis.call('EXPIRE', RQ.executions .. id, ttl + grace)
+  defer('ZADD', RQ.started .. queue_name, now + ttl, comp)
   defer('SADD', KEYS[3], comp)
   order = order + 1
-  defer('ZADD', KEYS[2], order, id)
+  defer('ZADD', KEYS[2], order, comp)
   out[#out + 1] = {id, eid, f[1] or '', f[2] or '', queue_name, f[4] or ''}
 end
 for i, id in ipairs(ids) do
-  defer('SREM', KEYS[7], id)
   if #id > 200 or not string.find(id, '^[%w_-]+$') then
     dead_letter(id, 'not a job id: RQ ids are letters, digits, _ and -')
   else
@@ -236,26 +260,32 @@ return out
 # failed with `value`; 'cancel': the engine aborted it on a cancel request (value as 'fail').
 # A job canceled while it ran (its status reads 'canceled') stays canceled whatever its kind: no
 # result, no retry, not counted as failed; a 'cancel' of a job not canceled fails it with
-# `value`. A job no longer in this worker's claims set is skipped. Returns how many were settled.
+# `value`. A run no longer in this worker's claims set is skipped; a run that is no longer its
+# job's current one (RUN_FIELD: the job was canceled and submitted again, or requeued and taken
+# again) leaves the job as it is and only drops its own records. Returns how many jobs were
+# settled.
 SETTLE = (
     _LIB
     + """
 local worker, now, now_text, default_ttl = ARGV[1], tonumber(ARGV[2]), ARGV[3], tonumber(ARGV[4])
 local notify_ttl = tonumber(ARGV[5])
 local ok, failed, canceled, worked = 0, 0, 0, 0
-local ids = {}
-for i = 6, #ARGV, 8 do ids[#ids + 1] = ARGV[i] end
-if #ids == 0 then return 0 end
-local held = call_many('ZMSCORE', KEYS[1], ids)
+local runs = {}
+for i = 6, #ARGV, 8 do runs[#runs + 1] = ARGV[i] .. ':' .. ARGV[i + 1] end
+if #runs == 0 then return 0 end
+local held = call_many('ZMSCORE', KEYS[1], runs)
 local function settle(i)
   local id, eid, origin, kind, value = ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3], ARGV[i + 4]
   local ttl, started, notify = ttl_of(ARGV[i + 5], 0), tonumber(ARGV[i + 6]), ARGV[i + 7]
-  local job = 'rq:job:' .. id
-  defer('ZREM', KEYS[1], id)
-  forget_execution(id, eid, origin, KEYS[2])
+  local job = RQ.job .. id
+  defer('ZREM', KEYS[1], id .. ':' .. eid)
   worked = worked + (now - (started or now))
-  local f = redis.call('HMGET', job, 'status', 'failure_ttl', 'retries_left')
-  if not f[1] then return end  -- the job hash is gone (deleted, or evicted)
+  local f = redis.call('HMGET', job, 'status', 'failure_ttl', 'retries_left', RUN_FIELD)
+  if f[4] ~= eid or not (f[1] == 'started' or f[1] == 'canceled') then  -- the job moved on (or is gone)
+    forget_stale_run(id, eid, origin, KEYS[2])
+    return
+  end
+  forget_execution(id, eid, origin, KEYS[2])
   if f[1] == 'canceled' then
     canceled = canceled + 1
   elseif kind == 'ok' then
@@ -263,10 +293,10 @@ local function settle(i)
     add_result(id, {'type', 1, 'worker_name', worker, 'return_value', value, 'execution_id', eid,
                     'execution_started_at', ARGV[i + 6], 'execution_ended_at', ARGV[2]}, ttl)
     if ttl == 0 then
-      defer('DEL', false, job, 'rq:results:' .. id)
+      defer('DEL', false, job, RQ.results .. id)
     else
       expire_job(id, ttl)
-      defer('ZADD', 'rq:finished:' .. origin, registry_score(now, ttl), id)
+      defer('ZADD', RQ.finished .. origin, registry_score(now, ttl), id)
     end
     ok = ok + 1
   elseif kind == 'retry' and retries_of(f[3]) > 0 then
@@ -283,9 +313,9 @@ local function settle(i)
   end
 end
 local settled = {}
-for j = 1, #ids do
-  if held[j] and not settled[ids[j]] then  -- an id given twice is settled once
-    settled[ids[j]] = true
+for j = 1, #runs do
+  if held[j] and not settled[runs[j]] then  -- a run given twice is settled once
+    settled[runs[j]] = true
     settle(6 + (j - 1) * 8)
   end
 end
@@ -302,33 +332,36 @@ return ok + failed + canceled
 # worker's key: when given and present, the worker is alive (again) and nothing is done (-1).
 # ARGV: now (unix), now (RQ text), spend ('1': the worker died holding these jobs, so a retry
 # is spent), exc_string for a job out of retries (base64 zlib), worker name, default failure ttl,
-# then the job ids to give back (none: every id in the set, and the set is deleted; a claims
-# list, as a worker of an earlier wicore kept it, is read too).
+# then the runs to give back (none: every run in the set, and the set is deleted; bare job ids,
+# and a claims list, as a worker of an earlier wicore kept them, are read too).
 # Returns the jobs to their queues' heads in their claimed order: unstarted ones as they were,
 # started ones with their execution records dropped (so RQ's started-registry cleanup never
 # counts them as abandoned again), or failed once their retries are spent. A job canceled while its
-# worker held it stays canceled; only its execution records go.
+# worker held it stays canceled; only its execution records go. A run that is no longer its job's
+# current one (RUN_FIELD) leaves the job as it is: only the run's own records go.
 REQUEUE = (
     _LIB
     + """
 local now, now_text, spend, exc, worker = tonumber(ARGV[1]), ARGV[2], ARGV[3] == '1', ARGV[4], ARGV[5]
 local default_ttl = tonumber(ARGV[6])
 if #KEYS > 2 and redis.call('EXISTS', KEYS[3]) == 1 then return -1 end
-local ids = {}
-for i = 7, #ARGV do ids[#ids + 1] = ARGV[i] end
-local whole = #ids == 0
+local members = {}
+for i = 7, #ARGV do members[#members + 1] = ARGV[i] end
+local whole = #members == 0
 if whole and redis.call('TYPE', KEYS[1])['ok'] == 'list' then
-  ids = redis.call('LRANGE', KEYS[1], 0, -1)
+  members = redis.call('LRANGE', KEYS[1], 0, -1)
 elseif whole then
-  ids = redis.call('ZRANGE', KEYS[1], 0, -1)
+  members = redis.call('ZRANGE', KEYS[1], 0, -1)
 end
 local handled = 0
-for i = #ids, 1, -1 do
-  local id = ids[i]
-  local mine = whole or redis.call('ZREM', KEYS[1], id) == 1
-  local f = redis.call('HMGET', 'rq:job:' .. id, 'status', 'origin', 'failure_ttl', 'retries_left')
+for i = #members, 1, -1 do
+  local id, eid = parse_run(members[i])
+  local mine = whole or redis.call('ZREM', KEYS[1], members[i]) == 1
+  local f = redis.call('HMGET', RQ.job .. id, 'status', 'origin', 'failure_ttl', 'retries_left', RUN_FIELD)
   if mine and f[2] then
-    if f[1] == 'queued' then
+    if eid and f[5] ~= eid then
+      forget_stale_run(id, eid, f[2], KEYS[2])
+    elseif f[1] == 'queued' then
       push(f[2], id, true)
     elseif f[1] == 'canceled' then
       forget_executions(id, f[2], KEYS[2])

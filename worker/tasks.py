@@ -45,5 +45,5 @@ def caption(payload: dict) -> dict:
     if not done.ok:
         raise (JobInputError if done.input_error else EngineError)(done.error)
     timings = Timings(queued_s=0.0, preprocess_s=loaded.preprocess_s, engine_s=done.engine_s, total_s=0.0)
-    result = caption_result(done, timings, worker=job.worker_name or "", engine=engine.name, model=model_id)
+    result = caption_result(job.id, done, timings, worker=job.worker_name or "", engine=engine.name, model=model_id)
     return result.model_dump(mode="json")
