@@ -24,7 +24,7 @@ QUEUE = Queue.redis_queue_namespace_prefix  # + queue name: the list of queued i
 QUEUES = Queue.redis_queues_keys  # the set of every queue key
 RESULTS = Result.get_key("")  # + job id: the result stream
 EXECUTIONS = ExecutionRegistry.key_template.format("")  # + job id: the job's execution ids
-EXECUTION = Execution("E", "J", connection=None).key.removesuffix("J:E")  # + 'job id:execution id': its hash
+EXECUTION = Execution("E", "J", connection=None).key.removesuffix("J:E")  # type: ignore[arg-type]  # + 'job id:execution id': its hash
 STARTED = StartedJobRegistry.key_template.format("")  # + queue name: running executions (RQ calls it wip)
 FINISHED = FinishedJobRegistry.key_template.format("")  # + queue name
 FAILED = FailedJobRegistry.key_template.format("")  # + queue name

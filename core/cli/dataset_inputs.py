@@ -308,6 +308,7 @@ def shard_rows(url: str, source, options: DatasetOptions) -> Iterator[Row]:
     """Samples in member order; a tar cut short or with a corrupt header ends the shard with an
     error line keyed `x.tar:@<offset>` (the samples before it keep theirs)."""
     last = None
+    unreadable: tuple[type[BaseException], ...] = (tarfile.TarError, EOFError, *store_errors())
     try:
         with tarfile.open(fileobj=source, mode="r|*") as tar:
             for key, members in grouped(tar, options):
@@ -315,7 +316,7 @@ def shard_rows(url: str, source, options: DatasetOptions) -> Iterator[Row]:
                 yield sample_row(f"{url}:{key}", members, options)
             if not all_zero(tar):
                 raise tarfile.ReadError("a corrupt member header; the rest of the shard is unread")
-    except (tarfile.TarError, EOFError, *store_errors()) as exc:
+    except unreadable as exc:
         after = f" after sample {last}" if last else ""
         yield Row(f"{url}:@error", error=f"InputError: {url}: unreadable tar{after} ({exc})")
 

@@ -254,7 +254,8 @@ class ParquetSink:
 
     def write(self, line: ResultLine) -> None:
         self.rows.append(parquet_row(line))
-        self.written.add(line.input)
+        if line.input is not None:
+            self.written.add(line.input)
         if len(self.rows) >= ROW_GROUP:
             self._flush()
 
