@@ -144,24 +144,33 @@ def too_large(where: str, size: int, limit: int) -> str:
 
 
 def parquet_rows(url: str, options: DatasetOptions) -> Iterator[Row]:
-    from wicore.cli.failures import require
-
-    require("pyarrow")
-    import pyarrow as pa
+    require_pyarrow()
     import pyarrow.parquet as pq
+
+    def columns_of(reader) -> list[str]:
+        return reader.schema_arrow.names
+
+    yield from arrow_table_rows(url, options, "Parquet", pq.ParquetFile, columns_of, row_group_batches)
+
+
+def arrow_table_rows(url: str, options: DatasetOptions, kind: str, open_reader, columns_of, batches) -> Iterator[Row]:
+    """The rows of a Parquet or Arrow file: `open_reader(source)` reads it, `columns_of(reader)` names
+    its columns, `batches(reader, columns)` gives its record batches; a file that does not open is
+    one error line."""
+    import pyarrow as pa
 
     try:
         source = options.store.open(url)
-        reader = pq.ParquetFile(source)
+        reader = open_reader(source)
     except (pa.ArrowException, *store_errors()) as exc:
-        yield Row(url, error=f"InputError: {url}: not a readable Parquet file ({exc})")
+        yield Row(url, error=f"InputError: {url}: not a readable {kind} file ({exc})")
         return
     with source:
-        columns = chosen_columns(url, reader.schema_arrow.names, options)
+        columns = chosen_columns(url, columns_of(reader), options)
         if isinstance(columns, str):
             yield Row(url, error=columns)
             return
-        yield from table_rows(url, row_group_batches(reader, [c for c in columns if c]), columns, options)
+        yield from table_rows(url, batches(reader, [c for c in columns if c]), columns, options)
 
 
 def row_group_batches(reader, columns: list[str]):
@@ -200,23 +209,22 @@ def read_json(store: Store, url: str) -> Any:
 
 def arrow_rows(url: str, options: DatasetOptions) -> Iterator[Row]:
     """An Arrow IPC stream file as `save_to_disk` writes them."""
+    require_pyarrow()
+    import pyarrow as pa
+
+    def columns_of(reader) -> list[str]:
+        return reader.schema.names
+
+    def batches(reader, columns: list[str]):
+        return reader
+
+    yield from arrow_table_rows(url, options, "Arrow", pa.ipc.open_stream, columns_of, batches)
+
+
+def require_pyarrow() -> None:
     from wicore.cli.failures import require
 
     require("pyarrow")
-    import pyarrow as pa
-
-    try:
-        source = options.store.open(url)
-        reader = pa.ipc.open_stream(source)
-    except (pa.ArrowException, *store_errors()) as exc:
-        yield Row(url, error=f"InputError: {url}: not a readable Arrow file ({exc})")
-        return
-    with source:
-        columns = chosen_columns(url, reader.schema.names, options)
-        if isinstance(columns, str):
-            yield Row(url, error=columns)
-            return
-        yield from table_rows(url, reader, columns, options)
 
 
 Columns = tuple[str, str | None, str | None]  # (image, key, prompt)
