@@ -96,6 +96,21 @@ class Settings(BaseSettings):
     allowed_roots: list[Path] = []  # path-referenced images must live under one of these; none by default
     max_image_bytes: int = Field(defaults.MAX_IMAGE_BYTES, ge=1)  # an image's encoded size; 32 MiB
     max_image_pixels: int = Field(defaults.MAX_IMAGE_PIXELS, ge=1)  # width x height of an image; 50 M
+    # Images by URL, fetched by the workers (never the gateway). Private, loopback and unique-local
+    # addresses are refused unless allow_private_urls; link-local ones (169.254.169.254, cloud metadata)
+    # unless url_allow_hosts names them. url_allow_hosts, when given, is the only hosts fetched from (names,
+    # '.example.com' for subdomains, addresses or networks); url_deny_hosts wins over everything.
+    allow_private_urls: bool = False
+    url_allow_hosts: Annotated[list[str], NoDecode] = []
+    url_deny_hosts: Annotated[list[str], NoDecode] = []
+    url_connect_timeout_s: float = Field(5.0, gt=0)  # 5 s
+    url_timeout_s: float = Field(30.0, gt=0)  # a whole fetch, redirects and body included; 30 s
+    url_max_redirects: int = Field(3, ge=0, le=20)  # 3
+    # S3-compatible endpoint for s3:// images and dataset inputs (MinIO, R2 ...); none: AWS_ENDPOINT_URL(_S3), else AWS
+    s3_endpoint_url: str | None = None
+    # auto: the checkpoint's generation_config.json gives the defaults of the sampling parameters a request
+    # leaves unset (temperature, top_p, top_k, max_new_tokens); none: wicore's own defaults.
+    generation_config: Literal["auto", "none"] = "auto"
     # Processes a worker reads, decodes and resizes images in, off the GIL of the thread that launches
     # kernels (engines that take resized images: fast); 0: threads. Default: on a GPU one per two cores of the
     # worker's share of the host, at most 8 (`defaults.gpu_decode_processes`), else 0.
@@ -149,10 +164,11 @@ class Settings(BaseSettings):
             raise ValueError(f"must be below batch_size ({batch_size}): the other lanes need a slot, got {value}")
         return value
 
-    @field_validator("api_keys", mode="before")
+    @field_validator("api_keys", "url_allow_hosts", "url_deny_hosts", mode="before")
     @classmethod
     def _comma_separated(cls, value: Any) -> Any:
-        """WICORE_API_KEYS=key1,key2 (the TOML file and flags give lists)."""
+        """WICORE_API_KEYS=key1,key2, WICORE_URL_ALLOW_HOSTS=a.example.com,10.0.0.0/8 (the TOML
+        file and flags give lists)."""
         return [k.strip() for k in value.split(",") if k.strip()] if isinstance(value, str) else value
 
     @classmethod

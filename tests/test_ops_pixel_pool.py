@@ -76,7 +76,7 @@ def test_processes_give_the_pixels_and_error_lines_of_loading_here(tmp_path):
     finally:
         pool.close()
     here = [load_pixels(source, rules, SPEC) for source in inputs]
-    for (pixels, error, _), (want_pixels, want_error, _) in zip(landed, here, strict=True):
+    for (pixels, error, _, _), (want_pixels, want_error, _, _) in zip(landed, here, strict=True):
         assert error == want_error
         assert (pixels is None and want_pixels is None) or np.array_equal(pixels, want_pixels)
     errors = [error.split(":")[0] for _, error, _ in landed if error]
@@ -116,7 +116,7 @@ def test_killing_the_decode_processes_loses_no_image():
             os.kill(pid, signal.SIGKILL)
         results = [future.result(timeout=120) for future in futures]
         assert [error for _, error, _ in results] == [""] * len(photos), "every image ran again"
-        for (pixels, _, _), data in zip(results, photos, strict=True):
+        for (pixels, _, _, _), data in zip(results, photos, strict=True):
             assert np.array_equal(pixels, load_pixels(blob(data), LoadRules(), SPEC)[0])
         assert pool.submit(blob(photos[0])).result(timeout=60)[1] == "", "the pool works after"
         assert not set(decode_processes()) & set(first), "new processes"
@@ -145,7 +145,7 @@ def test_an_image_whose_process_dies_twice_fails_alone_and_its_batch_mates_run()
         for _ in range(2):
             wait_until(found_heavy, 120, 0.005, what="decoding")
             os.kill(killed[-1], signal.SIGKILL)
-        pixels, error, _ = futures[0].result(timeout=120)
+        pixels, error, _, _ = futures[0].result(timeout=120)
         assert pixels is None and error.startswith("ImageError: the image decoding process died on this image")
         for future, source in zip(futures[1:], light, strict=True):
             assert np.array_equal(future.result(timeout=120)[0], load_pixels(source, LoadRules(), SPEC)[0])

@@ -1,5 +1,6 @@
-"""INPUT arguments of `wicore caption` / `wicore enqueue`: image files, folders (recursive) and
-JSONL manifests (one `ManifestEntry` per line), expanded into one item per input. Every file in
+"""INPUT arguments of `wicore caption` / `wicore enqueue`: image files, http(s):// and s3:// image
+URLs (a worker fetches them), folders (recursive) and JSONL manifests (one `ManifestEntry` per
+line), expanded into one item per input. Every file in
 a folder is an input (hidden ones aside): a file that is not an image gets an error item, so it
 still gets its line."""
 
@@ -7,14 +8,16 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
 
 from wicore.errors import ConfigError
-from wicore.schemas import ManifestEntry
+from wicore.producer.image_refs import is_image_url
+from wicore.redaction import masked_url
+from wicore.schemas import GenerationParams, ManifestEntry, image_url
 
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".webp", ".gif", ".bmp", ".tif", ".tiff"}
 MANIFEST_SUFFIX = ".jsonl"
@@ -25,15 +28,24 @@ class InputItem:
     input: str  # as the user gave it; the key of its output line
     path: Path | None
     prompt: str | None = None
-    max_new_tokens: int | None = None
+    params: dict[str, Any] = field(default_factory=dict)  # the generation parameters the line set
     metadata: dict[str, Any] = field(default_factory=dict)
     error: str | None = None  # known bad before any job is made (not an image, bad manifest line)
+    url: str | None = None  # an image a worker fetches, instead of a path
+
+    @property
+    def image(self) -> Path | str | None:
+        return self.url if self.url is not None else self.path
+
+    def generation(self, flags: dict[str, Any]) -> GenerationParams:
+        """The command's parameters (`flags`, the ones given) with this line's on top."""
+        return GenerationParams.model_validate({**flags, **self.params})
 
 
 def expand_inputs(args: list[str]) -> list[InputItem]:
     """One item per input, each input once (the first occurrence wins). A missing argument is a
     usage error, raised before anything starts."""
-    missing = [arg for arg in args if not Path(arg).exists()]
+    missing = [arg for arg in args if not is_image_url(arg) and not Path(arg).exists()]
     if missing:
         raise ConfigError(f"no such file or folder: {', '.join(missing)}")
     items: dict[str, InputItem] = {}
@@ -44,7 +56,9 @@ def expand_inputs(args: list[str]) -> list[InputItem]:
 
 
 def _expand(arg: str, path: Path) -> Iterator[InputItem]:
-    if path.is_dir():
+    if is_image_url(arg):
+        yield _url_item(arg, arg)
+    elif path.is_dir():
         yield from _folder(arg, path)
     elif path.suffix.lower() == MANIFEST_SUFFIX:
         yield from _manifest(path)
@@ -79,11 +93,25 @@ def _manifest_line(where: str, folder: Path, line: str) -> InputItem:
         return InputItem(
             where, None, error=f"InputError: {where}: not a manifest line ({entry}; see `wicore schema manifest`)"
         )
-    path = Path(entry.image) if Path(entry.image).is_absolute() else folder / entry.image
     key = entry.input or entry.image
+    try:
+        params = entry.generation().model_dump(exclude_unset=True)
+    except ValidationError as exc:
+        return InputItem(key, None, error=f"InputError: {where}: {_first_error(exc)}")
+    fields = {"prompt": entry.prompt, "params": params, "metadata": entry.metadata}
+    if is_image_url(entry.image):
+        return replace(_url_item(key, entry.image), **fields)
+    path = Path(entry.image) if Path(entry.image).is_absolute() else folder / entry.image
     if not path.is_file():
         return InputItem(key, None, error=f"InputError: {entry.image}: no such file ({where})")
-    return InputItem(key, path, prompt=entry.prompt, max_new_tokens=entry.max_new_tokens, metadata=entry.metadata)
+    return InputItem(key, path, **fields)
+
+
+def _url_item(key: str, url: str) -> InputItem:
+    try:
+        return InputItem(key, None, url=image_url(url))
+    except ValueError as exc:
+        return InputItem(key, None, error=f"InputError: {masked_url(url)}: {exc}")
 
 
 def _entry(line: str) -> ManifestEntry | str:
@@ -97,5 +125,17 @@ def _entry(line: str) -> ManifestEntry | str:
     try:
         return ManifestEntry.model_validate(raw)
     except ValidationError as exc:
-        error = exc.errors()[0]
-        return f"{'.'.join(str(p) for p in error['loc'])}: {error['msg']}"
+        return _first_error(exc)
+
+
+def _first_error(exc: ValidationError) -> str:
+    """'temperature: Input should be ...', or for an unknown key, what to do with it."""
+    error = exc.errors()[0]
+    where = ".".join(str(p) for p in error["loc"])
+    if error["type"] == "extra_forbidden":
+        return f"{where}: unknown key (put your own keys under metadata)"
+    return (
+        f"{where}: {error['msg'].removeprefix('Value error, ')}"
+        if where
+        else error["msg"].removeprefix("Value error, ")
+    )
