@@ -58,7 +58,12 @@ def fetch_url(url: str, policy: UrlPolicy, max_bytes: int) -> bytes:
     deadline = time.monotonic() + policy.timeout_s
     current = url
     for _ in range(policy.max_redirects + 1):
-        location = _fetch_http(current, policy, max_bytes, deadline)
+        try:
+            location = _fetch_http(current, policy, max_bytes, deadline)
+        except (ImageFetchError, ImageTooLarge) as exc:
+            if current == url:
+                raise
+            raise type(exc)(f"{masked_url(url)}: redirected to {exc}") from None
         if isinstance(location, bytes):
             return location
         current = urljoin(current, location)
@@ -72,8 +77,7 @@ def _fetch_http(url: str, policy: UrlPolicy, max_bytes: int, deadline: float) ->
     """The body, or the Location a redirect points to."""
     parts = _http_parts(url)
     host, port = parts.hostname or "", parts.port or (443 if parts.scheme == "https" else 80)
-    address = _checked_address(url, host, port, policy)
-    response = _request(url, parts, address, port, policy, deadline)
+    response = _first_connected(url, parts, _checked_addresses(url, host, port, policy), port, policy, deadline)
     try:
         if response.status in REDIRECTS:
             return _location(url, response)
@@ -81,7 +85,7 @@ def _fetch_http(url: str, policy: UrlPolicy, max_bytes: int, deadline: float) ->
             raise ImageFetchError(f"{masked_url(url)}: HTTP {response.status} {response.reason or ''}".rstrip())
         return _body(url, response, max_bytes, deadline)
     finally:
-        response.release_conn()
+        response.close()  # the connection too: an unread body is never drained
 
 
 def _http_parts(url: str):
@@ -104,7 +108,25 @@ def _location(url: str, response) -> str:
     return location
 
 
-def _request(url: str, parts, address: IPAddress, port: int, policy: UrlPolicy, deadline: float):
+def _first_connected(url: str, parts, addresses: list[IPAddress], port: int, policy: UrlPolicy, deadline: float):
+    """The response from the first address that takes the connection (a host may resolve to an
+    IPv6 address this machine cannot reach, and an IPv4 one it can)."""
+    import urllib3
+
+    for address in addresses[:-1]:
+        try:
+            return _request(parts, address, port, policy, deadline)
+        except urllib3.exceptions.NewConnectionError:
+            continue
+        except urllib3.exceptions.HTTPError as exc:
+            raise ImageFetchError(f"{masked_url(url)}: {_reason(exc)}") from None
+    try:
+        return _request(parts, addresses[-1], port, policy, deadline)
+    except urllib3.exceptions.HTTPError as exc:
+        raise ImageFetchError(f"{masked_url(url)}: {_reason(exc)}") from None
+
+
+def _request(parts, address: IPAddress, port: int, policy: UrlPolicy, deadline: float):
     import urllib3
 
     left = max(deadline - time.monotonic(), 0.001)
@@ -114,10 +136,7 @@ def _request(url: str, parts, address: IPAddress, port: int, policy: UrlPolicy, 
     headers = {"Host": parts.netloc.rpartition("@")[2], "Accept-Encoding": "identity", "User-Agent": "wicore"}
     if parts.username is not None:
         headers.update(urllib3.make_headers(basic_auth=f"{parts.username}:{parts.password or ''}"))
-    try:
-        return pool.urlopen("GET", path, headers=headers, redirect=False, retries=False, preload_content=False)
-    except urllib3.exceptions.HTTPError as exc:
-        raise ImageFetchError(f"{masked_url(url)}: {_reason(exc)}") from None
+    return pool.urlopen("GET", path, headers=headers, redirect=False, retries=False, preload_content=False)
 
 
 def _pool(scheme: str, address: str, port: int, hostname: str, timeout):
@@ -135,12 +154,12 @@ def _reason(exc: Exception) -> str:
     """urllib3's error, less the pool's repr (it names the address, not the URL)."""
     import urllib3
 
+    if isinstance(exc, urllib3.exceptions.NewConnectionError):  # a ConnectTimeoutError to urllib3
+        return "cannot connect (connection refused or unreachable)"
     if isinstance(exc, urllib3.exceptions.ConnectTimeoutError):
         return "no connection within the connect timeout"
     if isinstance(exc, urllib3.exceptions.ReadTimeoutError | TimeoutError | socket.timeout):
         return "the server did not answer within the timeout"
-    if isinstance(exc, urllib3.exceptions.NewConnectionError):
-        return "cannot connect (connection refused or unreachable)"
     if isinstance(exc, urllib3.exceptions.SSLError):
         return f"TLS failed ({exc})"
     return f"{type(exc).__name__}: {exc}"
@@ -177,14 +196,16 @@ def _read(url: str, response) -> bytes:
 # -- the address policy -----------------------------------------------------------------------
 
 
-def _checked_address(url: str, host: str, port: int, policy: UrlPolicy) -> IPAddress:
-    """The first address `host` resolves to, once every one of them passed the policy."""
-    addresses = _resolve(url, host, port)
+def _checked_addresses(url: str, host: str, port: int, policy: UrlPolicy) -> list[IPAddress]:
+    """The addresses `host` resolves to, once every one of them passed the policy."""
+    addresses = list(dict.fromkeys(_resolve(url, host, port)))
     for address in addresses:
         refusal = refusal_of(host, address, policy)
         if refusal:
             raise ImageFetchError(f"{masked_url(url)}: refused: {refusal}")
-    return addresses[0]
+    if not addresses:
+        raise ImageFetchError(f"{masked_url(url)}: host {host!r} resolves to no address")
+    return addresses
 
 
 def _resolve(url: str, host: str, port: int) -> list[IPAddress]:

@@ -26,7 +26,7 @@ def test_a_folder_gives_every_file_an_item_and_unsupported_ones_an_error(tmp_pat
     assert all(items[key].error is None and items[key].path is not None for key in images)
     for key in others:
         assert items[key].path is None and items[key].error == (
-            f"InputError: {key}: not an image file (supported: .bmp .gif .jpeg .jpg .png .tif .tiff .webp)"
+            f"InputError: {key}: not an image file (supported: .bmp .gif .heic .heif .jpeg .jpg .png .tif .tiff .webp)"
         )
 
 
@@ -45,7 +45,12 @@ def test_manifest_lines_each_get_an_item(tmp_path):
     manifest.write_text("\n".join([*map(json.dumps, lines), "{not json", "", "[1, 2]"]) + "\n")
     items = expand_inputs([str(manifest)])
     first = items[0]
-    assert (first.input, first.path, first.prompt, first.params) == ("first", image, "What color?", {"max_new_tokens": 5})
+    assert (first.input, first.path, first.prompt, first.params) == (
+        "first",
+        image,
+        "What color?",
+        {"max_new_tokens": 5},
+    )
     assert first.metadata == {"shop": 7} and first.error is None
     errors = [item.error for item in items[1:]]
     see = "; see `wicore schema manifest`)"

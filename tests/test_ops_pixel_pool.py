@@ -79,13 +79,13 @@ def test_processes_give_the_pixels_and_error_lines_of_loading_here(tmp_path):
     for (pixels, error, _, _), (want_pixels, want_error, _, _) in zip(landed, here, strict=True):
         assert error == want_error
         assert (pixels is None and want_pixels is None) or np.array_equal(pixels, want_pixels)
-    errors = [error.split(":")[0] for _, error, _ in landed if error]
+    errors = [result.error.split(":")[0] for result in landed if result.error]
     assert errors == ["ImageError", "ImageError", "ImageTooLarge", "ImageError"] + ["ImageNotAllowed"] + [
         "ImageError",
         "ImageError",
         "ImageNotAllowed",
     ]
-    good = [pixels for pixels, error, _ in landed if not error]
+    good = [result.pixels for result in landed if not result.error]
     assert len(good) == len(inputs) - 8 and all(p.shape == (32, 32, 3) and p.dtype == np.uint8 for p in good)
 
 
@@ -115,7 +115,7 @@ def test_killing_the_decode_processes_loses_no_image():
         for pid in first:
             os.kill(pid, signal.SIGKILL)
         results = [future.result(timeout=120) for future in futures]
-        assert [error for _, error, _ in results] == [""] * len(photos), "every image ran again"
+        assert [result.error for result in results] == [""] * len(photos), "every image ran again"
         for (pixels, _, _, _), data in zip(results, photos, strict=True):
             assert np.array_equal(pixels, load_pixels(blob(data), LoadRules(), SPEC)[0])
         assert pool.submit(blob(photos[0])).result(timeout=60)[1] == "", "the pool works after"

@@ -19,7 +19,7 @@ from wicore.producer.image_refs import is_image_url
 from wicore.redaction import masked_url
 from wicore.schemas import GenerationParams, ManifestEntry, image_url
 
-IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".webp", ".gif", ".bmp", ".tif", ".tiff"}
+IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".webp", ".gif", ".bmp", ".tif", ".tiff", ".heic", ".heif"}
 MANIFEST_SUFFIX = ".jsonl"
 
 
