@@ -227,12 +227,12 @@ def refusal_of(host: str, address: IPAddress, policy: UrlPolicy) -> str:
     if _listed(host, address, policy.deny_hosts):
         return f"{host} ({address}) is on the deny list (url_deny_hosts)"
     allowed = _listed(host, address, policy.allow_hosts)
+    if address.is_link_local and not allowed:
+        return f"{address} is a link-local address (cloud metadata lives there); list it in url_allow_hosts to allow"
     if policy.allow_hosts and not allowed:
         return f"{host} is not on the allow list (url_allow_hosts)"
     if allowed or address.is_global:
         return ""
-    if address.is_link_local:
-        return f"{address} is a link-local address (cloud metadata lives there); list it in url_allow_hosts to allow"
     if policy.allow_private and (address.is_private or address.is_loopback):
         return ""
     return f"{address} is not a public address; set allow_private_urls or list the host in url_allow_hosts"

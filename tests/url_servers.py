@@ -32,8 +32,7 @@ class ImageHandler(BaseHTTPRequestHandler):
     stop = threading.Event()
 
     def do_GET(self) -> None:  # noqa: N802 (http.server's name)
-        route, _, rest = self.path.lstrip("/").partition("/")
-        rest = rest.partition("?")[0]
+        route, _, rest = self.path.partition("?")[0].lstrip("/").partition("/")
         handler = getattr(self, "_" + route.replace("-", "_"), self._missing)
         handler(rest)
 
@@ -142,6 +141,6 @@ def upload_examples(endpoint: str) -> None:
     import s3fs
 
     fs = s3fs.S3FileSystem(endpoint_url=endpoint, skip_instance_cache=True)
-    fs.mkdir(BUCKET)
+    fs.makedirs(BUCKET, exist_ok=True)  # moto keeps its buckets for the life of the process
     for path in sorted(EXAMPLES.iterdir()):
         fs.pipe(f"{BUCKET}/examples/{path.name}", path.read_bytes())
