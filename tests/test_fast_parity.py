@@ -258,3 +258,23 @@ def test_torch_threads_option_sets_the_process_threads(tiny_model_dir):
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(saved)
+
+
+@pytest.mark.parametrize("engine", ["reference", "fast"])
+def test_seeded_sampling_gives_the_same_text_in_any_batch(engine, both_engines):
+    """Batch mates with the same seed and parameters, other sampled ones, greedy ones: a seeded
+    request's tokens are those it gets alone, on either engine."""
+    runner = both_engines[engine]
+    sampled = {"temperature": 0.9, "top_k": 40, "top_p": 0.95, "max_new_tokens": 12}
+    alone = runner.generate([request("x", variant=3, seed=11, **sampled)])
+    crowd = runner.generate(
+        [request("twin", variant=1, seed=11, **sampled), request("y", "Hi", variant=2, max_new_tokens=5)]
+        + [request("x", variant=3, seed=11, **sampled)]
+        + [request(f"z{i}", variant=i, temperature=1.0, max_new_tokens=7) for i in range(3)]
+    )
+    assert [c.token_ids for c in crowd if c.id == "x"] == [alone[0].token_ids]
+
+
+@pytest.fixture(scope="module")
+def both_engines(reference, fast):
+    return {"reference": reference, "fast": fast}
