@@ -76,7 +76,9 @@ def checkpoint_with(tiny_model_dir, tmp_path, config: dict):
 
 
 def test_generation_config_gives_the_defaults_and_the_log_says_so(tiny_model_dir, tmp_path, caplog):
-    model = checkpoint_with(tiny_model_dir, tmp_path, {"top_k": 64, "top_p": 0.95, "do_sample": True, "bos_token_id": 2})
+    model = checkpoint_with(
+        tiny_model_dir, tmp_path, {"top_k": 64, "top_p": 0.95, "do_sample": True, "bos_token_id": 2}
+    )
     caplog.set_level(logging.INFO, logger="wicore.worker.factory")
     assert generation_defaults(load_settings(), model) == {"top_k": 64, "top_p": 0.95}
     assert f"generation defaults from {model / 'generation_config.json'}" in caplog.text
