@@ -129,6 +129,27 @@ def test_missing_inputs_are_an_error_before_anything_starts(tmp_path, locked, en
     )
 
 
+@pytest.mark.parametrize(
+    ("flag", "value", "says"),
+    [
+        ("--max-new-tokens", "0", "Invalid value for '--max-new-tokens'"),
+        ("--max-new-tokens", "40000", "Invalid value for '--max-new-tokens'"),
+        ("--temperature", "-1", "Invalid value for '--temperature'"),
+        ("--seed", "-2", "Invalid value for '--seed'"),
+    ],
+)
+def test_out_of_range_generation_flags_are_usage_errors(image, locked, env, flag, value, says):
+    fails("enqueue", image, flag, value, "--redis-url", locked.url, code=USAGE, says=says, env=env)
+
+
+def test_a_bad_image_url_is_its_inputs_warning(locked, env):
+    run = wicore("enqueue", "s3://bucket-only", "--redis-url", locked.url, env=env, check=False)
+    assert run.returncode == 1
+    assert "warning: not enqueued: s3://bucket-only: InputError: s3://bucket-only: an s3:// URL needs a key" in (
+        run.stdout + run.stderr
+    )
+
+
 def test_an_output_folder_that_does_not_exist_is_a_usage_error(tmp_path, image, env):
     out = tmp_path / "no-such-folder" / "out.jsonl"
     fails("caption", image, "-o", str(out), code=USAGE, says=f"the folder {out.parent} does not exist", env=env)
