@@ -171,7 +171,8 @@ def _body(url: str, response, max_bytes: int, deadline: float) -> bytes:
     declared = response.headers.get("Content-Length", "")
     if declared.isdigit() and int(declared) > max_bytes:
         raise ImageTooLarge(f"{masked_url(url)}: {int(declared):,} bytes is over the {max_bytes:,}-byte limit")
-    chunks, size = [], 0
+    chunks: list[bytes] = []
+    size = 0
     while True:
         if time.monotonic() > deadline:
             raise ImageFetchError(f"{masked_url(url)}: not fetched within the timeout")

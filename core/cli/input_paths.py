@@ -98,13 +98,14 @@ def _manifest_line(where: str, folder: Path, line: str) -> InputItem:
         params = entry.generation().model_dump(exclude_unset=True)
     except ValidationError as exc:
         return InputItem(key, None, error=f"InputError: {where}: {_first_error(exc)}")
-    fields = {"prompt": entry.prompt, "params": params, "metadata": entry.metadata}
+    item = InputItem(key, None, prompt=entry.prompt, params=params, metadata=entry.metadata)
     if is_image_url(entry.image):
-        return replace(_url_item(key, entry.image), **fields)
+        fetched = _url_item(key, entry.image)
+        return replace(item, url=fetched.url, error=fetched.error)
     path = Path(entry.image) if Path(entry.image).is_absolute() else folder / entry.image
     if not path.is_file():
         return InputItem(key, None, error=f"InputError: {entry.image}: no such file ({where})")
-    return InputItem(key, path, **fields)
+    return replace(item, path=path)
 
 
 def _url_item(key: str, url: str) -> InputItem:
