@@ -96,16 +96,15 @@ class Settings(BaseSettings):
     allowed_roots: list[Path] = []  # path-referenced images must live under one of these; none by default
     max_image_bytes: int = Field(defaults.MAX_IMAGE_BYTES, ge=1)  # an image's encoded size; 32 MiB
     max_image_pixels: int = Field(defaults.MAX_IMAGE_PIXELS, ge=1)  # width x height of an image; 50 M
-    # Images by URL, fetched by the workers (never the gateway). Private, loopback and unique-local
-    # addresses are refused unless allow_private_urls; link-local ones (169.254.169.254, cloud metadata)
-    # unless url_allow_hosts names them. url_allow_hosts, when given, is the only hosts fetched from (names,
-    # '.example.com' for subdomains, addresses or networks); url_deny_hosts wins over everything.
-    allow_private_urls: bool = False
+    # Images by URL (http(s)://, s3://) are fetched by the workers, never the gateway.
+    allow_private_urls: bool = False  # fetch from private, loopback, unique-local addresses; off by default
+    # The only hosts image URLs are fetched from, when given: names, '.example.com' (and its subdomains),
+    # addresses or networks (10.0.0.0/8); they may be non-public. Link-local ones (169.254.169.254) only so.
     url_allow_hosts: Annotated[list[str], NoDecode] = []
-    url_deny_hosts: Annotated[list[str], NoDecode] = []
-    url_connect_timeout_s: float = Field(5.0, gt=0)  # 5 s
+    url_deny_hosts: Annotated[list[str], NoDecode] = []  # never fetched from (as url_allow_hosts); wins over it
+    url_connect_timeout_s: float = Field(5.0, gt=0)  # connecting to an image URL's host; 5 s
     url_timeout_s: float = Field(30.0, gt=0)  # a whole fetch, redirects and body included; 30 s
-    url_max_redirects: int = Field(3, ge=0, le=20)  # 3
+    url_max_redirects: int = Field(3, ge=0, le=20)  # redirects an image URL may take, each checked again; 3
     # S3-compatible endpoint for s3:// images and dataset inputs (MinIO, R2 ...); none: AWS_ENDPOINT_URL(_S3), else AWS
     s3_endpoint_url: str | None = None
     # auto: the checkpoint's generation_config.json gives the defaults of the sampling parameters a request
