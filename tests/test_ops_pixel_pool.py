@@ -151,3 +151,25 @@ def test_an_image_whose_process_dies_twice_fails_alone_and_its_batch_mates_run()
             assert np.array_equal(future.result(timeout=120)[0], load_pixels(source, LoadRules(), SPEC)[0])
     finally:
         pool.close()
+
+
+def test_urls_are_fetched_in_the_decode_processes_and_hashed_there():
+    """The sha256 of a URL's image is known only after its fetch: it comes back with the pixels.
+    A URL that fails (404, a server that never answers) is that task's error line alone."""
+    from tests.url_servers import EXAMPLES, image_http_server
+    from wicore.ops.image_fetch import UrlPolicy
+
+    rules = LoadRules(urls=UrlPolicy(allow_hosts=("127.0.0.1",), timeout_s=2.0))
+    name = "orange-circle-on-red.png"
+    data = (EXAMPLES / name).read_bytes()
+    with image_http_server() as base:
+        sources = [ImageSource(None, url=f"{base}/{route}") for route in (f"img/{name}", "missing", "hang")]
+        pool = PixelPool(1, SPEC, rules)
+        try:
+            good, missing, hang = [future.result(timeout=60) for future in [pool.submit(s) for s in sources]]
+        finally:
+            pool.close()
+    assert good.sha256 == hashlib.sha256(data).hexdigest() and good.error == ""
+    assert np.array_equal(good.pixels, load_pixels(blob(data), LoadRules(), SPEC).pixels)
+    assert missing.error == f"ImageFetchError: {base}/missing: HTTP 404 Not Found" and missing.sha256 is None
+    assert hang.error == f"ImageFetchError: {base}/hang: the server did not answer within the timeout"
