@@ -207,6 +207,9 @@ def test_images_by_url_are_fetched_by_the_worker(gateway, image_server):
     ]
     answer = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": content}])
     assert answer.choices[0].message.content == caption_of(other)
+    content[0] = {"type": "image_url", "image_url": {"url": f"{image_server}/missing"}}
+    with pytest.raises(openai.BadRequestError, match=r"ImageFetchError: http://127\.0\.0\.1:\d+/missing: HTTP 404"):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": content}])
 
     missing = gateway.post("/v1/jobs", json={"image_url": f"{image_server}/missing?token=abc"}).json()["job_id"]
     ended = wait_job(gateway, missing)
