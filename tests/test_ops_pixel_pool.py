@@ -173,3 +173,22 @@ def test_urls_are_fetched_in_the_decode_processes_and_hashed_there():
     assert np.array_equal(good.pixels, load_pixels(blob(data), LoadRules(), SPEC).pixels)
     assert missing.error == f"ImageFetchError: {base}/missing: HTTP 404 Not Found" and missing.sha256 is None
     assert hang.error == f"ImageFetchError: {base}/hang: the server did not answer within the timeout"
+
+
+def test_s3_urls_are_fetched_in_the_decode_processes():
+    from tests.url_servers import BUCKET, EXAMPLES, s3_server
+    from wicore.ops.image_fetch import UrlPolicy
+
+    name = "white-cross-on-red.jpg"
+    data = (EXAMPLES / name).read_bytes()
+    with s3_server() as endpoint:  # the processes start with its credentials in their environment
+        rules = LoadRules(urls=UrlPolicy(s3_endpoint_url=endpoint, timeout_s=10))
+        pool = PixelPool(1, SPEC, rules)
+        try:
+            sources = [ImageSource(None, url=f"s3://{BUCKET}/examples/{key}") for key in (name, "gone.jpg")]
+            good, gone = [future.result(timeout=60) for future in [pool.submit(s) for s in sources]]
+        finally:
+            pool.close()
+    assert good.sha256 == hashlib.sha256(data).hexdigest()
+    assert np.array_equal(good.pixels, load_pixels(blob(data), LoadRules(), SPEC).pixels)
+    assert gone.error == f"ImageFetchError: s3://{BUCKET}/examples/gone.jpg: no such object"

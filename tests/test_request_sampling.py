@@ -100,3 +100,31 @@ def test_a_worker_applies_the_checkpoints_defaults_to_unset_parameters(redis_url
     build_worker(settings, redis_conn, engine, MODEL, burst=True).run()
     assert producer.result(unset, timeout=30).output_tokens <= 2
     assert producer.result(given, timeout=30).output_tokens == 4
+
+
+@pytest.mark.slow
+def test_caption_does_what_each_manifest_line_says(tmp_path):
+    """`wicore caption` (the installed command, the demo captioner): a line's stop string, its
+    token budget, its seeded sampling (the same text twice), its metadata."""
+    from tests.helpers import wicore
+    from tests.url_servers import EXAMPLES
+    from wicore.schemas import ResultLine
+
+    star = str(EXAMPLES / "red-star-on-purple.png")
+    sampled = {"temperature": 1.5, "top_k": 5, "seed": 3, "max_new_tokens": 12}
+    lines = [
+        {"image": star, "input": "plain"},
+        {"image": star, "input": "stop", "stop": "purple"},
+        {"image": star, "input": "short", "params": {"max_new_tokens": 2}},
+        {"image": star, "input": "seeded-1", **sampled},
+        {"image": star, "input": "seeded-2", "params": sampled, "metadata": {"shelf": 4}},
+    ]
+    manifest = tmp_path / "lines.jsonl"
+    manifest.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    out = tmp_path / "out.jsonl"
+    wicore("caption", str(manifest), "-o", str(out), env={"XDG_CACHE_HOME": str(tmp_path / "cache")})
+    got = {line.input: line for line in map(ResultLine.model_validate_json, out.read_text().splitlines())}
+    assert got["plain"].text == "a red star on a purple background"
+    assert (got["stop"].text, got["stop"].finish_reason) == ("a red star on a ", "stop_string")
+    assert (got["short"].output_tokens, got["short"].finish_reason) == (2, "length")
+    assert got["seeded-1"].job_id == got["seeded-2"].job_id and got["seeded-1"].text == got["seeded-2"].text
