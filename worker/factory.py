@@ -193,6 +193,12 @@ def generation_defaults(settings: Settings, model_dir: Path) -> dict[str, Any]:
     except ValidationError as exc:
         raise ConfigError.from_validation(exc, GenerationParams, f"value in {path}") from None
     log.info("generation defaults from %s: %s (set generation_config = none to ignore it)", path, json.dumps(found))
+    if found.get("temperature", 0) > 0:
+        log.warning(
+            "requests that leave temperature unset sample at %s, yet are deduplicated as their own fields read: "
+            "a producer sets temperature (and no seed) for a fresh sample each time",
+            found["temperature"],
+        )
     return found
 
 
