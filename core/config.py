@@ -99,8 +99,20 @@ class Settings(BaseSettings):
     # Full-size pixel memory a worker's concurrent image decodes hold, in its threads or its decode
     # processes together; an image that needs more decodes alone. 512 MiB: two 50 Mpx RGB at once.
     decode_budget_bytes: int = Field(defaults.DECODE_BUDGET_BYTES, ge=2**20)
-    # S3-compatible endpoint for s3:// dataset inputs (MinIO, R2 ...); none: AWS_ENDPOINT_URL(_S3), else AWS
+    # Images by URL (http(s)://, s3://) are fetched by the workers, never the gateway.
+    allow_private_urls: bool = False  # fetch from private, loopback, unique-local addresses; off by default
+    # The only hosts image URLs are fetched from, when given: names, '.example.com' (and its subdomains),
+    # addresses or networks (10.0.0.0/8); they may be non-public. Link-local ones (169.254.169.254) only so.
+    url_allow_hosts: Annotated[list[str], NoDecode] = []
+    url_deny_hosts: Annotated[list[str], NoDecode] = []  # never fetched from (as url_allow_hosts); wins over it
+    url_connect_timeout_s: float = Field(5.0, gt=0)  # connecting to an image URL's host; 5 s
+    url_timeout_s: float = Field(30.0, gt=0)  # a whole fetch, redirects and body included; 30 s
+    url_max_redirects: int = Field(3, ge=0, le=20)  # redirects an image URL may take, each checked again; 3
+    # S3-compatible endpoint for s3:// images and dataset inputs (MinIO, R2 ...); none: AWS_ENDPOINT_URL(_S3), else AWS
     s3_endpoint_url: str | None = None
+    # auto: the checkpoint's generation_config.json gives the defaults of the sampling parameters a request
+    # leaves unset (temperature, top_p, top_k, max_new_tokens); none: wicore's own defaults.
+    generation_config: Literal["auto", "none"] = "auto"
     # Processes a worker reads, decodes and resizes images in, off the GIL of the thread that launches
     # kernels (engines that take resized images: fast); 0: threads. Default: on a GPU one per two cores of the
     # worker's share of the host, at most 8 (`defaults.gpu_decode_processes`), else 0.
@@ -154,10 +166,11 @@ class Settings(BaseSettings):
             raise ValueError(f"must be below batch_size ({batch_size}): the other lanes need a slot, got {value}")
         return value
 
-    @field_validator("api_keys", mode="before")
+    @field_validator("api_keys", "url_allow_hosts", "url_deny_hosts", mode="before")
     @classmethod
     def _comma_separated(cls, value: Any) -> Any:
-        """WICORE_API_KEYS=key1,key2 (the TOML file and flags give lists)."""
+        """WICORE_API_KEYS=key1,key2, WICORE_URL_ALLOW_HOSTS=a.example.com,10.0.0.0/8 (the TOML
+        file and flags give lists)."""
         return [k.strip() for k in value.split(",") if k.strip()] if isinstance(value, str) else value
 
     @classmethod

@@ -65,6 +65,10 @@ class ImageTooLarge(ImageError):
     """Over the byte or pixel limit (decompression bombs land here)."""
 
 
+class ImageFetchError(ImageError):
+    """An image URL could not be fetched: refused by the URL policy, an HTTP error, a timeout."""
+
+
 class ImageNotAllowed(ImageError):
     """A path outside every allowed root, or a blob that is missing from Redis."""
 

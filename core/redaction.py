@@ -42,3 +42,22 @@ def _joined(parts: SplitResult) -> str:
     """urlunsplit, keeping the `//` of an empty host (unix:///path)."""
     text = f"{parts.scheme}://{parts.netloc}{parts.path}"
     return text + (f"?{parts.query}" if parts.query else "") + (f"#{parts.fragment}" if parts.fragment else "")
+
+
+def masked_url(url: str) -> str:
+    """An image URL fit for an error line: its password and every query value masked
+    ('https://u:pw@host/a.jpg?X-Amz-Signature=abc' -> 'https://u:***@host/a.jpg?X-Amz-Signature=***'):
+    a presigned URL's query is its credential."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return redact(url)
+    if not parts.scheme or not url[len(parts.scheme) :].startswith("://"):
+        return url  # a path
+    netloc = parts.netloc
+    if parts.password is not None:
+        netloc = f"{parts.username or ''}:{MASK}@{netloc.rpartition('@')[2]}"
+    query = "&".join(f"{key}={MASK}" for key, _ in parse_qsl(parts.query, keep_blank_values=True))
+    if parts.query and not query:
+        query = MASK
+    return _joined(parts._replace(netloc=netloc, query=query, fragment=""))

@@ -11,8 +11,9 @@ import json
 import time
 from enum import Enum
 from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, field_serializer, model_validator
 
 DEFAULT_PROMPT = "Describe this image in detail."
 SHA256_HEX = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
@@ -79,16 +80,54 @@ class Lane(str, Enum):
         return list(Lane).index(self)
 
 
-class ImageRef(Strict):
-    """An image by reference: a path under the worker's allowed roots, or a blob the producer
-    stored in Redis under its sha256. The hash is always the hash of the image's bytes."""
+URL_SCHEMES = ("http", "https", "s3")
 
-    sha256: SHA256_HEX
+
+def image_url(value: str) -> str:
+    """http(s)://host/... or s3://bucket/key; what may be fetched is the worker's policy."""
+    try:
+        parts = urlsplit(value)
+        parts.port  # noqa: B018 (raises ValueError for a bad port)
+    except ValueError as exc:
+        raise ValueError(f"not a valid URL ({exc})") from None
+    if parts.scheme.lower() not in URL_SCHEMES:
+        raise ValueError(f"URL scheme {parts.scheme!r} is not fetched: use http://, https:// or s3://")
+    if not parts.hostname:
+        raise ValueError("the URL names no host (or bucket)")
+    if parts.scheme.lower() == "s3" and not parts.path.strip("/"):
+        raise ValueError("an s3:// URL needs a key: s3://bucket/key")
+    return unicode_text(value)
+
+
+ImageUrl = Annotated[str, Field(min_length=1, max_length=8192), AfterValidator(image_url)]
+
+
+class ImageRef(Strict):
+    """An image by reference: a path under the worker's allowed roots, a blob the producer
+    stored in Redis under its sha256, or a URL the worker fetches. The hash is always the hash
+    of the image's bytes; a URL's is known only once the worker has fetched it (None here)."""
+
+    sha256: SHA256_HEX | None = None
     path: FilePath | None = None
+    url: ImageUrl | None = None
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ImageRef:
+        if self.url is not None and (self.path is not None or self.sha256 is not None):
+            raise ValueError("an image by url carries neither a path nor a sha256")
+        if self.url is None and self.sha256 is None:
+            raise ValueError("an image needs its sha256 (or a url)")
+        return self
 
     @property
     def is_blob(self) -> bool:
-        return self.path is None
+        return self.path is None and self.url is None
+
+    @property
+    def identity(self) -> str:
+        """What the job id hashes: the bytes' sha256, or the URL as given (the producer fetches
+        nothing; the worker's caches key a URL's image by its fetched bytes' sha256)."""
+        return self.sha256 if self.sha256 is not None else f"url:{self.url}"
 
 
 class TextPart(Strict):
@@ -111,25 +150,48 @@ class ChatMessage(Strict):
         return sum(isinstance(part, ImagePart) for part in self.content)
 
 
-class GenerationParams(Strict):
-    max_new_tokens: int = Field(64, ge=1, le=32_768)
-    temperature: float = Field(0.0, ge=0.0, le=100.0)  # 0 = greedy
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0)  # 0 = off
-    seed: int | None = Field(None, ge=0, lt=2**63)
-    stop: tuple[Text, ...] = ()
-    ignore_eos: bool = False  # generate exactly max_new_tokens (benchmarks)
+MaxNewTokens = Annotated[int, Field(ge=1, le=32_768)]
+Temperature = Annotated[float, Field(ge=0.0, le=100.0)]  # 0 = greedy
+TopP = Annotated[float, Field(gt=0.0, le=1.0)]
+TopK = Annotated[int, Field(ge=0)]  # 0 = off
+Seed = Annotated[int, Field(ge=0, lt=2**63)]
+GENERATION_KEYS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop")  # a manifest line's too
 
-    @field_validator("stop")
-    @classmethod
-    def _nonempty_stops(cls, stop: tuple[str, ...]) -> tuple[str, ...]:
-        if any(s == "" for s in stop):
-            raise ValueError("stop strings must be non-empty")
-        return stop
+
+def nonempty_stops(stop: tuple[str, ...]) -> tuple[str, ...]:
+    if any(s == "" for s in stop):
+        raise ValueError("stop strings must be non-empty")
+    return stop
+
+
+Stops = Annotated[tuple[Text, ...], AfterValidator(nonempty_stops)]
+
+
+class GenerationParams(Strict):
+    """Which keys a request set is kept (`model_fields_set`, and a job's JSON holds only those):
+    the worker fills the others from the checkpoint's generation_config.json (`with_defaults`)."""
+
+    max_new_tokens: MaxNewTokens = 64
+    temperature: Temperature = 0.0
+    top_p: TopP = 1.0
+    top_k: TopK = 0
+    seed: Seed | None = None
+    stop: Stops = ()
+    ignore_eos: bool = False  # generate exactly max_new_tokens (benchmarks)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def unseeded_sampling(self) -> bool:
+        return not self.greedy and self.seed is None
+
+    def with_defaults(self, defaults: dict[str, Any]) -> GenerationParams:
+        """These parameters, with `defaults` for the keys the request did not set."""
+        if not defaults:
+            return self
+        return GenerationParams.model_validate({**defaults, **self.model_dump(exclude_unset=True)})
 
 
 class CaptionJob(Strict):
@@ -144,6 +206,13 @@ class CaptionJob(Strict):
     deadline: float | None = None  # unix seconds; past it the job fails unrun
     metadata: Annotated[dict[str, Any], BeforeValidator(shallow)] = {}
     submitted_at: float = Field(default_factory=time.time)
+    # Random for an unseeded sampled request (`Producer.prepare`): each is a job of its own, never
+    # deduplicated onto an earlier sample.
+    nonce: str | None = Field(None, pattern=r"^[0-9a-f]{32}$")
+
+    @field_serializer("params")
+    def _set_params_only(self, params: GenerationParams) -> dict[str, Any]:
+        return params.model_dump(mode="json", exclude_unset=True)
 
     @model_validator(mode="after")
     def _one_image(self) -> CaptionJob:
@@ -169,13 +238,16 @@ class CaptionJob(Strict):
 
 def job_id_for(job: CaptionJob) -> str:
     """Content-derived id: the same image, conversation, parameters and model give the same id,
-    so resubmitting the same work is deduplicated. Priority, deadline and metadata do not count."""
+    so resubmitting the same work is deduplicated. Priority, deadline and metadata do not count;
+    a parameter left to the checkpoint's default differs from one set (they may sample apart)."""
     work = {
-        "image": job.image.sha256,
+        "image": job.image.identity,
         "chat": job.chat(),
-        "params": job.params.model_dump(mode="json"),
+        "params": job.params.model_dump(mode="json", exclude_unset=True),
         "model": job.model,
     }
+    if job.nonce is not None:
+        work["nonce"] = job.nonce
     canonical = json.dumps(work, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     return "wc-" + hashlib.sha256(canonical.encode()).hexdigest()[:32]
 
@@ -204,20 +276,46 @@ class CaptionResult(Strict):
     model: str
 
 
-class ManifestEntry(BaseModel):
-    """One line of a JSONL manifest given to `wicore caption` or `wicore enqueue`. Keys not
-    listed here travel with the job as its metadata."""
+class ManifestEntry(Strict):
+    """One line of a JSONL manifest given to `wicore caption` or `wicore enqueue`. Generation
+    parameters sit at the top level or under `params` (not both for one key); anything else of
+    the caller's goes under `metadata`; any other key is an error."""
 
-    model_config = ConfigDict(extra="allow", frozen=True, title="wicore manifest line")
+    model_config = ConfigDict(title="wicore manifest line")
 
-    image: str = Field(description="Image file; a relative path is relative to the manifest's folder.")
-    prompt: str | None = Field(None, description=f"Prompt (default: {DEFAULT_PROMPT!r}).")
-    max_new_tokens: int | None = Field(None, ge=1, le=32_768, description="Most tokens to generate.")
+    image: str = Field(
+        min_length=1,
+        description="Image file (a relative path is relative to the manifest's folder), or an http(s):// or s3:// "
+        "URL the worker fetches.",
+    )
+    prompt: Text | None = Field(None, description=f"Prompt (default: {DEFAULT_PROMPT!r}).")
     input: str | None = Field(None, description="Key of the result line (default: `image` as written).")
+    max_new_tokens: MaxNewTokens | None = Field(None, description="Most tokens to generate.")
+    temperature: Temperature | None = Field(None, description="0 = greedy; above 0 samples.")
+    top_p: TopP | None = None
+    top_k: TopK | None = Field(None, description="0 = off.")
+    seed: Seed | None = Field(None, description="Sampling seed: the same text every time.")
+    stop: Text | Stops | None = Field(None, description="A stop string, or a list of them.")
+    params: GenerationParams | None = Field(None, description="The generation parameters as one object.")
+    metadata: Annotated[dict[str, Any], BeforeValidator(shallow)] = Field(
+        {}, description="Anything of yours: kept with the job, not part of its id."
+    )
 
-    @property
-    def metadata(self) -> dict[str, Any]:
-        return dict(self.model_extra or {})
+    @model_validator(mode="after")
+    def _each_parameter_once(self) -> ManifestEntry:
+        nested = self.params.model_fields_set if self.params is not None else set()
+        twice = sorted(key for key in GENERATION_KEYS if getattr(self, key) is not None and key in nested)
+        if twice:
+            raise ValueError(f"{', '.join(twice)} given both at the top level and under params")
+        return self
+
+    def generation(self, defaults: dict[str, Any] | None = None) -> GenerationParams:
+        """The line's parameters over `defaults` (the command's flags)."""
+        top = {key: getattr(self, key) for key in GENERATION_KEYS if getattr(self, key) is not None}
+        if isinstance(top.get("stop"), str):
+            top["stop"] = (top["stop"],)
+        nested = self.params.model_dump(exclude_unset=True) if self.params is not None else {}
+        return GenerationParams.model_validate({**(defaults or {}), **nested, **top})
 
 
 ResultStatus = Literal["finished", "failed", "canceled", "unfinished", "unknown"]

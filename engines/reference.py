@@ -26,7 +26,6 @@ from wicore.engines.checkpoint import load_hf_model, load_processor
 from wicore.engines.text import finish_sequence, stop_token_ids
 from wicore.errors import ConfigError, JobInputError, PromptTooLong
 from wicore.ops.image_preprocess import PreprocessSpec
-from wicore.schemas import GenerationParams
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +56,7 @@ class ReferenceEngine(StaticBatchEngine):
             except JobInputError as error:
                 done.append(failed(request.id, error, input_error=True))
                 continue
-            groups[sampling_key(request.params)].append((request, text))
+            groups[sampling_key(request)].append((request, text))
         for group in groups.values():
             done.extend(self._run_isolating_failures(group))
         return done
@@ -148,9 +147,13 @@ def plain_resize_size(processor) -> tuple[int, int] | None:
         return None
 
 
-def sampling_key(params: GenerationParams) -> tuple:
+def sampling_key(request: EngineRequest) -> tuple:
     """Requests that can share one `generate` call: same sampling rule (max_new_tokens differs
-    freely: each output is cut to its own length afterwards)."""
+    freely: each output is cut to its own length afterwards). A seeded sampled request runs
+    alone: `generate` draws every row from one generator, so batch mates would change its sample."""
+    params = request.params
     if params.greedy:
         return ("greedy", params.ignore_eos)
-    return ("sample", params.temperature, params.top_p, params.top_k, params.seed, params.ignore_eos)
+    if params.seed is not None:
+        return ("seeded", request.id)
+    return ("sample", params.temperature, params.top_p, params.top_k, params.ignore_eos)

@@ -63,6 +63,25 @@ _ORIENTATION = 0x0112  # EXIF tag
 _SWAPS_AXES = frozenset({5, 6, 7, 8})  # orientations that turn the image a quarter
 
 
+def _register_heif() -> bool:
+    """HEIC / HEIF through pillow-heif (the `heif` extra) when installed; registered once, here."""
+    try:
+        from pillow_heif import register_heif_opener
+    except ImportError:
+        return False
+    register_heif_opener()
+    return True
+
+
+HEIF_READABLE = _register_heif()
+HEIF_BRANDS = (b"heic", b"heix", b"hevc", b"hevx", b"heim", b"heis", b"mif1", b"msf1")
+
+
+def is_heif(data: bytes) -> bool:
+    """An ISO-BMFF 'ftyp' box naming a HEIF brand."""
+    return data[4:8] == b"ftyp" and data[8:12] in HEIF_BRANDS
+
+
 def decode_image(data: bytes, limits: ImageLimits = DEFAULT_LIMITS, fit: tuple[int, int] | None = None) -> Image.Image:
     """A fully loaded RGB image: first frame, EXIF orientation applied, alpha composited onto
     white. `fit`: the (height, width) it will be resized to next; an image far larger comes
@@ -219,6 +238,10 @@ def _pillow_errors(data: bytes, limits: ImageLimits) -> Iterator[None]:
         limit = pixel_limit(limits)
         raise ImageTooLarge(f"image is {size}, over the limit of {limit:,} pixels{RAISE_PIXELS}") from error
     except UnidentifiedImageError as error:
+        if is_heif(data) and not HEIF_READABLE:
+            raise ImageError(
+                "a HEIC/HEIF image: the worker needs pillow-heif to read it (pip install 'wicore[heif]')"
+            ) from error
         raise ImageError(
             f"not an image Pillow can identify: unknown format or broken header (starts with {data[:8]!r})"
         ) from error

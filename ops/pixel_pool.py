@@ -31,14 +31,11 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-import numpy as np
-
 from wicore.errors import ImageError
 from wicore.ops.decode_budget import DecodeBudget, use_budget
-from wicore.ops.image_load import ImageSource, LoadRules, input_error_message, load_pixels
+from wicore.ops.image_load import ImageSource, LoadRules, PixelResult, input_error_message, load_pixels
 from wicore.ops.image_preprocess import PreprocessSpec
 
-PixelResult = tuple[np.ndarray | None, str, float]  # `load_pixels`: (pixels, error line, seconds)
 TASKS_PER_PROCESS = 2  # one running, one queued: no process waits between images
 
 
@@ -62,7 +59,7 @@ class PixelPool:
         self._executor = self._start()
 
     def submit(self, source: ImageSource, then: Callable[[PixelResult], Any] | None = None) -> Future:
-        """A future of (uint8 [H, W, 3] | None, error line ("" when none), seconds spent), or of
+        """A future of a `PixelResult` (uint8 [H, W, 3] | None, error line, seconds, sha256), or of
         `then(that)`, called in the pool's result thread. Canceling it drops the work if it has
         not started."""
         task = _Task(source, Future(), then)
@@ -145,9 +142,9 @@ class PixelPool:
 def _result(inner: Future) -> PixelResult:
     error = inner.exception()
     if isinstance(error, BrokenProcessPool):
-        return None, f"{ImageError.__name__}: the image decoding process died on this image ({error})", 0.0
+        return PixelResult(None, f"{ImageError.__name__}: the image decoding process died on this image ({error})", 0.0)
     if error is not None:
-        return None, input_error_message(error), 0.0
+        return PixelResult(None, input_error_message(error), 0.0)
     return inner.result()
 
 

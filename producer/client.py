@@ -202,6 +202,7 @@ class Producer:
             priority=submission.priority,
             deadline=submission.deadline,
             metadata=submission.metadata,
+            nonce=uuid.uuid4().hex if submission.params.unseeded_sampling else None,
         )
         return Prepared(job, data, submission.label)
 
@@ -250,7 +251,7 @@ class Producer:
             failure_ttl=self.config.failure_ttl_s,
             retry=Retry(max=self.config.retries) if self.config.retries else None,
             meta={"notify": self.notify_key} if self.config.notify else {},
-            description=f"caption {label or job.image.path or job.image.sha256[:12]}",
+            description=f"caption {label or job.image.path or (job.image.sha256 or '')[:12]}",
             status=JobStatus.QUEUED,
         )
         rq_job.enqueued_at = now()

@@ -7,8 +7,13 @@ import os
 import stat
 from pathlib import Path
 
+from pydantic import ValidationError
+
 from wicore.errors import ImageError, ImageTooLarge
+from wicore.redaction import masked_url
 from wicore.schemas import ImageRef
+
+URL_PREFIXES = ("http://", "https://", "s3://")
 
 RAISE_BYTES = "; raise the setting max_image_bytes to allow it"
 
@@ -46,8 +51,21 @@ def resolved(image: str | Path) -> Path:
         raise ImageError(f"{image}: cannot be resolved ({exc})") from exc
 
 
+def is_image_url(image: object) -> bool:
+    """An http(s):// or s3:// URL (a str): the worker fetches it; the producer reads nothing."""
+    return isinstance(image, str) and image[:8].lower().startswith(URL_PREFIXES)
+
+
 def prepare_image(image: str | Path | bytes, *, by_path: bool, limit: int) -> tuple[ImageRef, bytes | None]:
-    """(reference, bytes to store as a blob or None when the reference is a path)."""
+    """(reference, bytes to store as a blob or None when the reference is a path or a URL)."""
+    if not isinstance(image, str | Path | bytes | bytearray | memoryview):
+        raise ImageError(f"image must be a file path, a URL or the image's bytes, got {type(image).__name__}")
+    if is_image_url(image):
+        try:
+            return ImageRef(url=str(image)), None
+        except ValidationError as exc:
+            reason = exc.errors()[0]["msg"].removeprefix("Value error, ")
+            raise ImageError(f"image: {masked_url(str(image))}: {reason}") from None
     if isinstance(image, bytes | bytearray | memoryview):
         data = bytes(image)
         if not data:

@@ -7,12 +7,13 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from wicore import defaults
+from wicore.redaction import masked_url
 from wicore.schemas import CaptionJob, ChatMessage, GenerationParams, Lane
 
 
 @dataclass(frozen=True)
 class Submission:
-    image: str | Path | bytes  # a file path, or the image's bytes
+    image: str | Path | bytes  # a file path, an http(s):// or s3:// URL (the worker fetches it), or the bytes
     prompt: str | None = None
     messages: tuple[ChatMessage, ...] | None = None
     params: GenerationParams = field(default_factory=GenerationParams)
@@ -25,7 +26,9 @@ class Submission:
     def label(self) -> str | None:
         if self.name is not None:
             return self.name
-        return None if isinstance(self.image, bytes | bytearray | memoryview) else str(self.image)
+        if isinstance(self.image, str | Path):
+            return masked_url(str(self.image))  # a path passes unchanged
+        return None
 
 
 class Prepared(NamedTuple):

@@ -126,6 +126,27 @@ def test_missing_inputs_are_an_error_before_anything_starts(tmp_path, locked, en
     )
 
 
+@pytest.mark.parametrize(
+    ("flag", "value", "says"),
+    [
+        ("--max-new-tokens", "0", "Invalid value for '--max-new-tokens'"),
+        ("--max-new-tokens", "40000", "Invalid value for '--max-new-tokens'"),
+        ("--temperature", "-1", "Invalid value for '--temperature'"),
+        ("--seed", "-2", "Invalid value for '--seed'"),
+    ],
+)
+def test_out_of_range_generation_flags_are_usage_errors(image, locked, env, flag, value, says):
+    fails("enqueue", image, flag, value, "--redis-url", locked.url, code=USAGE, says=says, env=env)
+
+
+def test_a_bad_image_url_is_its_inputs_warning(locked, env):
+    run = wicore("enqueue", "s3://bucket-only", "--redis-url", locked.url, env=env, check=False)
+    assert run.returncode == 1
+    assert "warning: not enqueued: s3://bucket-only: InputError: s3://bucket-only: an s3:// URL needs a key" in (
+        run.stdout + run.stderr
+    )
+
+
 def test_an_output_folder_that_does_not_exist_is_a_usage_error(tmp_path, image, env):
     out = tmp_path / "no-such-folder" / "out.jsonl"
     fails("caption", image, "-o", str(out), code=USAGE, says=f"the folder {out.parent} does not exist", env=env)
@@ -211,7 +232,7 @@ def test_enqueue_names_each_input_and_reports_each_it_could_not_enqueue(tmp_path
     assert [item for _, item in pairs] == [str(p) for p in images]
     warnings = run.stderr.strip().splitlines()
     assert warnings[0] == f"warning: not enqueued: {tmp_path / 'photos' / 'notes.txt'}: InputError: " + (
-        f"{tmp_path / 'photos' / 'notes.txt'}: not an image file (supported: .bmp .gif .jpeg .jpg .png .tif .tiff .webp)"
+        f"{tmp_path / 'photos' / 'notes.txt'}: not an image file (supported: .bmp .gif .heic .heif .jpeg .jpg .png .tif .tiff .webp)"
     )
     assert warnings[1].startswith("warning: no live worker serves model democap (live workers serve: none)")
     connection = Redis.from_url(locked.url)

@@ -26,23 +26,31 @@ def test_a_folder_gives_every_file_an_item_and_unsupported_ones_an_error(tmp_pat
     assert all(items[key].error is None and items[key].path is not None for key in images)
     for key in others:
         assert items[key].path is None and items[key].error == (
-            f"InputError: {key}: not an image file (supported: .bmp .gif .jpeg .jpg .png .tif .tiff .webp)"
+            f"InputError: {key}: not an image file (supported: .bmp .gif .heic .heif .jpeg .jpg .png .tif .tiff .webp)"
         )
 
 
 def test_manifest_lines_each_get_an_item(tmp_path):
     [image] = write_images(tmp_path, 1)
     lines = [
-        {"image": image.name, "prompt": "What color?", "max_new_tokens": 5, "input": "first", "shop": 7},
+        {"image": image.name, "prompt": "What color?", "max_new_tokens": 5, "input": "first", "metadata": {"shop": 7}},
         {"image": "missing.png"},
         {"prompt": "no image"},
         {"image": image.name, "max_new_tokens": 0},
+        {"image": image.name, "shop": 7},
+        {"image": image.name, "temperature": 0.5, "params": {"temperature": 0.7}},
+        {"image": image.name, "params": {"top_p": 0}},
     ]
     manifest = tmp_path / "batch.jsonl"
     manifest.write_text("\n".join([*map(json.dumps, lines), "{not json", "", "[1, 2]"]) + "\n")
     items = expand_inputs([str(manifest)])
     first = items[0]
-    assert (first.input, first.path, first.prompt, first.max_new_tokens) == ("first", image, "What color?", 5)
+    assert (first.input, first.path, first.prompt, first.params) == (
+        "first",
+        image,
+        "What color?",
+        {"max_new_tokens": 5},
+    )
     assert first.metadata == {"shop": 7} and first.error is None
     errors = [item.error for item in items[1:]]
     see = "; see `wicore schema manifest`)"
@@ -50,10 +58,46 @@ def test_manifest_lines_each_get_an_item(tmp_path):
         f"InputError: missing.png: no such file ({manifest}:2)",
         f"InputError: {manifest}:3: not a manifest line (image: Field required{see}",
         f"InputError: {manifest}:4: not a manifest line (max_new_tokens: Input should be greater than or equal to 1{see}",
-        f"InputError: {manifest}:5: not a manifest line (invalid JSON: Expecting property name enclosed in double "
+        f"InputError: {manifest}:5: not a manifest line (shop: unknown key (put your own keys under metadata){see}",
+        f"InputError: {manifest}:6: not a manifest line (temperature given both at the top level and under params{see}",
+        f"InputError: {manifest}:7: not a manifest line (params.top_p: Input should be greater than 0{see}",
+        f"InputError: {manifest}:8: not a manifest line (invalid JSON: Expecting property name enclosed in double "
         f"quotes{see}",
-        f"InputError: {manifest}:7: not a manifest line (not a JSON object{see}",
+        f"InputError: {manifest}:10: not a manifest line (not a JSON object{see}",
     ]
+
+
+def test_manifest_generation_parameters_sit_at_the_top_level_or_under_params(tmp_path):
+    [image] = write_images(tmp_path, 1)
+    lines = [
+        {"image": image.name, "temperature": 0.7, "seed": 3, "stop": ".", "top_k": 5, "input": "a"},
+        {"image": image.name, "params": {"temperature": 0.7, "seed": 3, "stop": ["."], "top_p": 0.9}, "input": "b"},
+    ]
+    manifest = tmp_path / "batch.jsonl"
+    manifest.write_text("\n".join(map(json.dumps, lines)) + "\n")
+    a, b = expand_inputs([str(manifest)])
+    assert a.params == {"temperature": 0.7, "seed": 3, "stop": (".",), "top_k": 5}
+    assert b.params == {"temperature": 0.7, "seed": 3, "stop": (".",), "top_p": 0.9}
+    flags = {"max_new_tokens": 9, "temperature": 0.0}
+    assert a.generation(flags).model_dump(exclude_unset=True) == {**a.params, "max_new_tokens": 9}
+
+
+def test_image_urls_are_items_a_worker_fetches(tmp_path):
+    lines = [
+        {"image": "https://images.example.com/a.jpg?sig=x", "input": "a"},
+        {"image": "s3://bucket/photos/b.jpg"},
+        {"image": "ftp://host/c.jpg"},
+        {"image": "s3://bucket-only"},
+    ]
+    manifest = tmp_path / "batch.jsonl"
+    manifest.write_text("\n".join(map(json.dumps, lines)) + "\n")
+    a, b, ftp, bucket = expand_inputs([str(manifest), "http://127.0.0.1:9/d.png"])[:4]
+    assert (a.input, a.url, a.path, a.error) == ("a", "https://images.example.com/a.jpg?sig=x", None, None)
+    assert (b.input, b.image) == ("s3://bucket/photos/b.jpg", "s3://bucket/photos/b.jpg")
+    assert ftp.error == f"InputError: ftp://host/c.jpg: no such file ({manifest}:3)"  # not a scheme fetched
+    assert bucket.error == "InputError: s3://bucket-only: an s3:// URL needs a key: s3://bucket/key"
+    [direct] = expand_inputs(["http://127.0.0.1:9/d.png"])
+    assert direct.url == "http://127.0.0.1:9/d.png"
 
 
 def test_a_missing_argument_is_an_error_before_anything_else(tmp_path):

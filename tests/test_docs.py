@@ -107,7 +107,8 @@ def service(tmp_path_factory):
     with EmbeddedRedis() as redis_server:
         metrics, port = free_port(), free_port()
         worker = start_worker("--redis-url", redis_server.url, "--engine", "fast", "--engine-option", "torch_threads=1",
-                              "--metrics-port", str(metrics), "--allow-root", images, log=work / "worker.log")  # fmt: skip
+                              "--metrics-port", str(metrics), "--allow-root", images, log=work / "worker.log",
+                              env={"WICORE_URL_ALLOW_HOSTS": "127.0.0.1"})  # the pages' image servers  # fmt: skip
         gateway = start_gateway("--redis-url", redis_server.url, "--port", str(port), "--allow-root", images,
                                 log=work / "gateway.log")  # fmt: skip
         try:

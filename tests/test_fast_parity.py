@@ -278,7 +278,7 @@ def test_a_far_larger_image_shrunk_on_load_gives_both_engines_the_same_tokens(fa
     decoded = decode_image(data, fit=fast.image_size())
     assert decoded.size == (-(-big.width // 3), -(-big.height // 2))  # reduced by (3, 2)
     source = ImageSource(hashlib.sha256(data).hexdigest(), data)
-    pixels, error, _ = load_pixels(source, LoadRules(), fast.pixel_spec())
+    pixels, error, _, _ = load_pixels(source, LoadRules(), fast.pixel_spec())
     assert error == ""
     expected = reference.generate([request_with(decoded)])
     for shrunk in (decoded, pixels):
@@ -296,3 +296,23 @@ def test_the_reference_engine_decodes_whole_images_for_a_processor_that_crops(re
     processor.image_processor.do_pan_and_scan = True  # crops of the full image: no shrinking first
     assert plain_resize_size(processor) is None
     assert plain_resize_size(reference.processor) == reference.image_size()
+
+
+@pytest.mark.parametrize("engine", ["reference", "fast"])
+def test_seeded_sampling_gives_the_same_text_in_any_batch(engine, both_engines):
+    """Batch mates with the same seed and parameters, other sampled ones, greedy ones: a seeded
+    request's tokens are those it gets alone, on either engine."""
+    runner = both_engines[engine]
+    sampled = {"temperature": 0.9, "top_k": 40, "top_p": 0.95, "max_new_tokens": 12}
+    alone = runner.generate([request("x", variant=3, seed=11, **sampled)])
+    crowd = runner.generate(
+        [request("twin", variant=1, seed=11, **sampled), request("y", "Hi", variant=2, max_new_tokens=5)]
+        + [request("x", variant=3, seed=11, **sampled)]
+        + [request(f"z{i}", variant=i, temperature=1.0, max_new_tokens=7) for i in range(3)]
+    )
+    assert [c.token_ids for c in crowd if c.id == "x"] == [alone[0].token_ids]
+
+
+@pytest.fixture(scope="module")
+def both_engines(reference, fast):
+    return {"reference": reference, "fast": fast}

@@ -16,6 +16,7 @@ import httpx
 import pytest
 
 from tests.helpers import metric_total, scrape_metrics, start_gateway, start_worker, stop, wait_http, wait_until
+from tests.url_servers import image_http_server
 from wicore.embedded import EmbeddedRedis, free_port
 
 pytestmark = pytest.mark.slow
@@ -62,7 +63,8 @@ def worker(redis_server, tmp_path_factory):
         str(metrics_port),
         "--allow-root",
         str(IMAGES),
-        env={"WICORE_LIVENESS_TTL_S": "4"},  # short, for the readiness test; heartbeats every 1.3 s
+        # short liveness, for the readiness test (heartbeats every 1.3 s); the image server on loopback
+        env={"WICORE_LIVENESS_TTL_S": "4", "WICORE_URL_ALLOW_HOSTS": "127.0.0.1", "WICORE_URL_TIMEOUT_S": "5"},
         log=log,
     )
     wait_http(f"http://127.0.0.1:{metrics_port}/metrics", 120, process)
@@ -181,6 +183,38 @@ def test_openai_client(gateway):
         client.chat.completions.create(model=MODEL, messages=body["messages"], stream=True)
     with pytest.raises(openai.NotFoundError, match="not served"):
         client.chat.completions.create(model="no-such-model", messages=body["messages"])
+
+
+@pytest.fixture(scope="module")
+def image_server():
+    with image_http_server() as base:
+        yield base
+
+
+def test_images_by_url_are_fetched_by_the_worker(gateway, image_server):
+    import openai
+
+    image = IMAGES / "red-star-on-purple.png"
+    reply = gateway.post("/v1/jobs", json={"image_url": f"{image_server}/img/{image.name}"})
+    assert reply.status_code == 202, reply.text
+    assert wait_job(gateway, reply.json()["job_id"])["result"]["text"] == caption_of(image)
+
+    client = openai.OpenAI(base_url=str(gateway.base_url) + "/v1", api_key="unused")
+    other = IMAGES / "white-cross-on-red.jpg"
+    content = [
+        {"type": "image_url", "image_url": {"url": f"{image_server}/to-img/{other.name}"}},
+        {"type": "text", "text": "Describe this image in detail."},
+    ]
+    answer = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": content}])
+    assert answer.choices[0].message.content == caption_of(other)
+    content[0] = {"type": "image_url", "image_url": {"url": f"{image_server}/missing"}}
+    with pytest.raises(openai.BadRequestError, match=r"ImageFetchError: http://127\.0\.0\.1:\d+/missing: HTTP 404"):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": content}])
+
+    missing = gateway.post("/v1/jobs", json={"image_url": f"{image_server}/missing?token=abc"}).json()["job_id"]
+    ended = wait_job(gateway, missing)
+    assert ended["status"] == "failed"
+    assert ended["error"] == f"ImageFetchError: {image_server}/missing?token=***: HTTP 404 Not Found"
 
 
 def test_cancel_a_queued_and_a_running_job(gateway, redis_server):

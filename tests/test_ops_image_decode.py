@@ -432,3 +432,36 @@ def test_working_bytes_count_the_buffer_and_its_full_size_copies(mode, per_pixel
 def test_a_palette_with_transparency_counts_its_rgba_copies():
     image = Image.open(io.BytesIO(MODE_CASES["P png with transparency"]()))
     assert working_bytes(image) == 40 * 30 * (1 + 4 + 4 + 1)
+
+
+def heic_bytes(size: tuple[int, int] = (64, 48)) -> bytes:
+    import pillow_heif
+
+    image = Image.new("RGB", size, (200, 10, 10))
+    out = io.BytesIO()
+    pillow_heif.from_pillow(image).save(out, format="HEIF")
+    return out.getvalue()
+
+
+def test_heic_decodes_through_pillow_heif():
+    image = decode_image(heic_bytes())
+    assert image.size == (64, 48) and image.mode == "RGB"
+    red, green, _ = image.getpixel((32, 24))
+    assert red > 150 and green < 60
+
+
+def test_without_pillow_heif_a_heic_image_is_named_as_such(tmp_path):
+    """In a process where pillow_heif cannot be imported."""
+    sample = tmp_path / "photo.heic"
+    sample.write_bytes(heic_bytes())
+    code = (
+        "import sys; sys.modules['pillow_heif'] = None\n"
+        "from wicore.ops.image_decode import decode_image\n"
+        "from wicore.errors import ImageError\n"
+        f"data = open({str(sample)!r}, 'rb').read()\n"
+        "try:\n    decode_image(data)\nexcept ImageError as exc:\n    print(exc)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == (
+        "a HEIC/HEIF image: the worker needs pillow-heif to read it (pip install 'wicore[heif]')"
+    )

@@ -76,16 +76,16 @@ def test_processes_give_the_pixels_and_error_lines_of_loading_here(tmp_path):
     finally:
         pool.close()
     here = [load_pixels(source, rules, SPEC) for source in inputs]
-    for (pixels, error, _), (want_pixels, want_error, _) in zip(landed, here, strict=True):
+    for (pixels, error, _, _), (want_pixels, want_error, _, _) in zip(landed, here, strict=True):
         assert error == want_error
         assert (pixels is None and want_pixels is None) or np.array_equal(pixels, want_pixels)
-    errors = [error.split(":")[0] for _, error, _ in landed if error]
+    errors = [result.error.split(":")[0] for result in landed if result.error]
     assert errors == ["ImageError", "ImageError", "ImageTooLarge", "ImageError"] + ["ImageNotAllowed"] + [
         "ImageError",
         "ImageError",
         "ImageNotAllowed",
     ]
-    good = [pixels for pixels, error, _ in landed if not error]
+    good = [result.pixels for result in landed if not result.error]
     assert len(good) == len(inputs) - 8 and all(p.shape == (32, 32, 3) and p.dtype == np.uint8 for p in good)
 
 
@@ -115,8 +115,8 @@ def test_killing_the_decode_processes_loses_no_image():
         for pid in first:
             os.kill(pid, signal.SIGKILL)
         results = [future.result(timeout=120) for future in futures]
-        assert [error for _, error, _ in results] == [""] * len(photos), "every image ran again"
-        for (pixels, _, _), data in zip(results, photos, strict=True):
+        assert [result.error for result in results] == [""] * len(photos), "every image ran again"
+        for (pixels, _, _, _), data in zip(results, photos, strict=True):
             assert np.array_equal(pixels, load_pixels(blob(data), LoadRules(), SPEC)[0])
         assert pool.submit(blob(photos[0])).result(timeout=60)[1] == "", "the pool works after"
         assert not set(decode_processes()) & set(first), "new processes"
@@ -145,9 +145,50 @@ def test_an_image_whose_process_dies_twice_fails_alone_and_its_batch_mates_run()
         for _ in range(2):
             wait_until(found_heavy, 120, 0.005, what="decoding")
             os.kill(killed[-1], signal.SIGKILL)
-        pixels, error, _ = futures[0].result(timeout=120)
+        pixels, error, _, _ = futures[0].result(timeout=120)
         assert pixels is None and error.startswith("ImageError: the image decoding process died on this image")
         for future, source in zip(futures[1:], light, strict=True):
             assert np.array_equal(future.result(timeout=120)[0], load_pixels(source, LoadRules(), SPEC)[0])
     finally:
         pool.close()
+
+
+def test_urls_are_fetched_in_the_decode_processes_and_hashed_there():
+    """The sha256 of a URL's image is known only after its fetch: it comes back with the pixels.
+    A URL that fails (404, a server that never answers) is that task's error line alone."""
+    from tests.url_servers import EXAMPLES, image_http_server
+    from wicore.ops.image_fetch import UrlPolicy
+
+    rules = LoadRules(urls=UrlPolicy(allow_hosts=("127.0.0.1",), timeout_s=2.0))
+    name = "orange-circle-on-red.png"
+    data = (EXAMPLES / name).read_bytes()
+    with image_http_server() as base:
+        sources = [ImageSource(None, url=f"{base}/{route}") for route in (f"img/{name}", "missing", "hang")]
+        pool = PixelPool(1, SPEC, rules)
+        try:
+            good, missing, hang = [future.result(timeout=60) for future in [pool.submit(s) for s in sources]]
+        finally:
+            pool.close()
+    assert good.sha256 == hashlib.sha256(data).hexdigest() and good.error == ""
+    assert np.array_equal(good.pixels, load_pixels(blob(data), LoadRules(), SPEC).pixels)
+    assert missing.error == f"ImageFetchError: {base}/missing: HTTP 404 Not Found" and missing.sha256 is None
+    assert hang.error == f"ImageFetchError: {base}/hang: the server did not answer within the timeout"
+
+
+def test_s3_urls_are_fetched_in_the_decode_processes():
+    from tests.url_servers import BUCKET, EXAMPLES, s3_server
+    from wicore.ops.image_fetch import UrlPolicy
+
+    name = "white-cross-on-red.jpg"
+    data = (EXAMPLES / name).read_bytes()
+    with s3_server() as endpoint:  # the processes start with its credentials in their environment
+        rules = LoadRules(urls=UrlPolicy(s3_endpoint_url=endpoint, timeout_s=10))
+        pool = PixelPool(1, SPEC, rules)
+        try:
+            sources = [ImageSource(None, url=f"s3://{BUCKET}/examples/{key}") for key in (name, "gone.jpg")]
+            good, gone = [future.result(timeout=60) for future in [pool.submit(s) for s in sources]]
+        finally:
+            pool.close()
+    assert good.sha256 == hashlib.sha256(data).hexdigest()
+    assert np.array_equal(good.pixels, load_pixels(blob(data), LoadRules(), SPEC).pixels)
+    assert gone.error == f"ImageFetchError: s3://{BUCKET}/examples/gone.jpg: no such object"

@@ -226,11 +226,19 @@ def test_poison_jobs_fail_alone_at_once_and_their_batch_mates_run(redis_conn, en
     queue = Job.fetch(good[0], connection=redis_conn).origin
     payload = json.loads(zlib.decompress(redis_conn.hget(f"rq:job:{good[0]}", "data")))[2][0]
     nul_path = {**payload, "image": {**payload["image"], "path": "/allowed/good.png\x00.txt"}}
+    ftp_url = {**payload, "image": {"url": "ftp://host/a.png"}}
+    refused_url = {**payload, "image": {"url": "http://127.0.0.1:9/a.png"}}
+    url_and_hash = {**payload, "image": {**payload["image"], "url": "https://host/a.png"}}
     poison = {
         plant_job(redis_conn, queue, "bad-data", good[0], data=b"{not json"): "InvalidJob: data is not JSON",
         plant_job(redis_conn, queue, "pickled-meta", good[0], meta=pickle.dumps({"a": 1})): "InvalidJob: meta",
         plant_job(redis_conn, queue, "no-data", good[0], data=None): "InvalidJob: the job hash has no data",
         plant_job(redis_conn, queue, "nul-path", good[0], data=payload_data(nul_path)): "InvalidJob: payload",
+        plant_job(redis_conn, queue, "ftp-url", good[0], data=payload_data(ftp_url)): "InvalidJob: payload",
+        plant_job(redis_conn, queue, "url-and-hash", good[0], data=payload_data(url_and_hash)): "InvalidJob: payload",
+        # a URL the policy refuses (loopback): fails at its fetch, alone
+        plant_job(redis_conn, queue, "refused-url", good[0], data=payload_data(refused_url)): "ImageFetchError: "
+        "http://127.0.0.1:9/a.png: refused: 127.0.0.1 is not a public address",
     }
     plant_job(redis_conn, queue, "no-hash", "nothing-here")
     more = producer.submit_many([Submission(png_bytes(10 + i), f"more {i}", params=params) for i in range(3)])

@@ -7,7 +7,9 @@ import json
 import logging
 import os
 from pathlib import Path
+from typing import Any
 
+from pydantic import ValidationError
 from redis import Redis
 
 from wicore.config import Settings
@@ -16,7 +18,9 @@ from wicore.engines import Engine, EngineConfig, create_engine
 from wicore.engines.options import FastOptions
 from wicore.errors import ConfigError
 from wicore.ops.image_decode import ImageLimits
+from wicore.ops.image_fetch import UrlPolicy
 from wicore.scheduler.policy import BatchPolicy
+from wicore.schemas import GenerationParams
 from wicore.worker.job_inputs import InputConfig
 from wicore.worker.loop import BatchingWorker
 from wicore.worker.worker_config import WorkerConfig
@@ -131,6 +135,8 @@ def build_worker(
         allowed_roots=tuple(Path(r) for r in settings.allowed_roots),
         limits=ImageLimits(settings.max_image_bytes, settings.max_image_pixels, settings.decode_budget_bytes),
         processes=decode_processes(settings, engine),
+        urls=url_policy(settings),
+        generation_defaults=generation_defaults(settings, Path(engine.config.model_dir)),
     )
     attach_shared_caches(settings, connection, engine, model_id)
     log_config(settings, engine, inputs)
@@ -150,6 +156,60 @@ def build_worker(
         max_jobs=max_jobs,
     )
     return BatchingWorker(connection, engine, config)
+
+
+def url_policy(settings: Settings) -> UrlPolicy:
+    return UrlPolicy(
+        allow_private=settings.allow_private_urls,
+        allow_hosts=tuple(settings.url_allow_hosts),
+        deny_hosts=tuple(settings.url_deny_hosts),
+        connect_timeout_s=settings.url_connect_timeout_s,
+        timeout_s=settings.url_timeout_s,
+        max_redirects=settings.url_max_redirects,
+        s3_endpoint_url=s3_endpoint_url(settings.s3_endpoint_url),
+    )
+
+
+def s3_endpoint_url(setting: str | None) -> str | None:
+    """The setting, else AWS_ENDPOINT_URL_S3, else AWS_ENDPOINT_URL (the AWS SDKs' names), else AWS."""
+    return setting or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or None
+
+
+GENERATION_CONFIG_KEYS = ("temperature", "top_p", "top_k", "max_new_tokens")  # those vLLM takes too
+
+
+def generation_defaults(settings: Settings, model_dir: Path) -> dict[str, Any]:
+    """The sampling defaults of the checkpoint's generation_config.json ({} when the setting
+    generation_config is none, or the checkpoint has none); logged, so the worker's log says which
+    defaults its jobs get. A value wicore cannot take is a configuration error."""
+    path = model_dir / "generation_config.json"
+    if settings.generation_config == "none" or not path.is_file():
+        reason = "generation_config = none" if settings.generation_config == "none" else f"no {path.name}"
+        log.info("generation defaults: wicore's own (%s)", reason)
+        return {}
+    found = _generation_keys(path)
+    try:
+        GenerationParams.model_validate(found)
+    except ValidationError as exc:
+        raise ConfigError.from_validation(exc, GenerationParams, f"value in {path}") from None
+    log.info("generation defaults from %s: %s (set generation_config = none to ignore it)", path, json.dumps(found))
+    if found.get("temperature", 0) > 0:
+        log.warning(
+            "requests that leave temperature unset sample at %s, yet are deduplicated as their own fields read: "
+            "a producer sets temperature (and no seed) for a fresh sample each time",
+            found["temperature"],
+        )
+    return found
+
+
+def _generation_keys(path: Path) -> dict[str, Any]:
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"cannot read {path}: {exc}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: not a JSON object")
+    return {key: raw[key] for key in GENERATION_CONFIG_KEYS if raw.get(key) is not None}
 
 
 def log_config(settings: Settings, engine: Engine, inputs: InputConfig) -> None:

@@ -1,5 +1,5 @@
-"""From a claimed job to an engine request: parse its payload, fetch the image (blob or allowed
-path), check its hash, decode it; for an engine that takes its images resized (`Engine.pixel_spec`)
+"""From a claimed job to an engine request: parse its payload, fetch the image (blob, allowed
+path or URL), check its hash, decode it; for an engine that takes its images resized (`Engine.pixel_spec`)
 and a worker given decode processes, all of that and the resize run in those processes
 (`wicore.ops.pixel_pool`), off this process's GIL. Every failure here is the job's own (an
 input error), reported per job, with the same message on either path."""
@@ -12,6 +12,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 from redis import Redis
 
@@ -19,6 +20,7 @@ from wicore import keys
 from wicore.engines.base import EngineRequest
 from wicore.errors import DeadlineExceeded, ImageNotAllowed, InvalidJob
 from wicore.ops.image_decode import ImageLimits
+from wicore.ops.image_fetch import UrlPolicy
 from wicore.ops.image_load import ImageSource, LoadRules, input_error_message, load_image
 from wicore.ops.image_preprocess import PreprocessSpec
 from wicore.ops.pixel_pool import PixelPool, PixelResult
@@ -37,6 +39,9 @@ class InputConfig:
     # Processes that read, decode and resize images for an engine with a `pixel_spec`; 0: the
     # threads above decode and the engine resizes.
     processes: int = 0
+    urls: UrlPolicy = field(default_factory=UrlPolicy)  # which image URLs are fetched, and the bounds
+    # The checkpoint's generation_config.json defaults for the parameters a request leaves unset.
+    generation_defaults: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -60,7 +65,7 @@ class InputLoader:
         self.connection = connection
         self.config = config
         self.fit = fit
-        self.rules = LoadRules(tuple(root.resolve() for root in config.allowed_roots), config.limits)
+        self.rules = LoadRules(tuple(root.resolve() for root in config.allowed_roots), config.limits, config.urls)
         self.pool = PriorityPool(config.threads, "wicore-decode")  # a high-lane job's image goes first
         use_processes = config.processes > 0 and pixel_spec is not None
         self.pixels = PixelPool(config.processes, pixel_spec, self.rules) if use_processes else None
@@ -68,7 +73,7 @@ class InputLoader:
     def submit(self, jobs: list[tuple[str, CaptionJob]]) -> list[Future[Loaded]]:
         """One MGET for every blob now; loading runs in the pool, by lane. Order follows `jobs`:
         (request id, job) pairs, each request id becoming its `EngineRequest`'s."""
-        blob_shas = [job.image.sha256 for _, job in jobs if job.image.is_blob]
+        blob_shas = [job.image.sha256 or "" for _, job in jobs if job.image.is_blob]
         blobs = dict(zip(blob_shas, self.connection.mget([keys.blob(s) for s in blob_shas]))) if blob_shas else {}
         return [self._submit_one(request_id, job, blobs.get(job.image.sha256)) for request_id, job in jobs]
 
@@ -83,15 +88,16 @@ class InputLoader:
             source = _source(job, blob)
         except ImageNotAllowed as exc:
             return _done(Loaded(error=input_error_message(exc)))
-        return self.pixels.submit(source, partial(_resized, request_id, job))
+        return self.pixels.submit(source, partial(_resized, request_id, job, self.config.generation_defaults))
 
     def _load_one(self, request_id: str, job: CaptionJob, blob: bytes | None) -> Loaded:
         start = time.perf_counter()
         try:
-            image = load_image(_source(job, blob), self.rules, self.fit)
+            image, sha256 = load_image(_source(job, blob), self.rules, self.fit)
+            params = job.params.with_defaults(self.config.generation_defaults)
         except Exception as exc:  # whatever an input does to the loaders is that job's alone
             return Loaded(error=input_error_message(exc), preprocess_s=time.perf_counter() - start)
-        request = EngineRequest(request_id, job.chat(), [image], job.params, [job.image.sha256], job.priority)
+        request = EngineRequest(request_id, job.chat(), [image], params, [sha256], job.priority)
         return Loaded(request=request, preprocess_s=time.perf_counter() - start)
 
     def close(self) -> None:
@@ -101,21 +107,26 @@ class InputLoader:
 
 
 def _source(job: CaptionJob, blob: bytes | None) -> ImageSource:
-    """Where the job's image bytes are: the blob fetched from Redis, or a path."""
-    if not job.image.is_blob:
-        return ImageSource(job.image.sha256, path=job.image.path or "")
+    """Where the job's image bytes are: the blob fetched from Redis, a path, or a URL."""
+    if job.image.url is not None:
+        return ImageSource(None, url=job.image.url)
+    if job.image.path is not None:
+        return ImageSource(job.image.sha256, path=job.image.path)
     if blob is None:
-        raise ImageNotAllowed(f"image blob {job.image.sha256[:12]} is not in Redis (expired?)")
+        raise ImageNotAllowed(f"image blob {(job.image.sha256 or '')[:12]} is not in Redis (expired?)")
     return ImageSource(job.image.sha256, data=blob)
 
 
-def _resized(request_id: str, job: CaptionJob, result: PixelResult) -> Loaded:
+def _resized(request_id: str, job: CaptionJob, defaults: dict[str, Any], result: PixelResult) -> Loaded:
     """A decode process's result as the job's: its request carries the resized uint8 image."""
-    pixels, error, seconds = result
-    if pixels is None:
-        return Loaded(error=error, preprocess_s=seconds)
-    request = EngineRequest(request_id, job.chat(), [pixels], job.params, [job.image.sha256], job.priority)
-    return Loaded(request, preprocess_s=seconds)
+    if result.pixels is None or result.sha256 is None:
+        return Loaded(error=result.error, preprocess_s=result.seconds)
+    try:
+        params = job.params.with_defaults(defaults)
+    except ValueError as exc:  # pydantic's errors are ValueErrors
+        return Loaded(error=input_error_message(exc), preprocess_s=result.seconds)
+    request = EngineRequest(request_id, job.chat(), [result.pixels], params, [result.sha256], job.priority)
+    return Loaded(request, preprocess_s=result.seconds)
 
 
 def _done(loaded: Loaded) -> Future[Loaded]:

@@ -100,7 +100,9 @@ def caption(
     gpus: str = typer.Option(None, help="all, or GPU indices (0,1): one worker process per GPU instead of --workers."),
     batch_size: int = BatchSizeOption,
     prompt: str = typer.Option(None, help="Prompt (default: 'Describe this image in detail.')."),
-    max_new_tokens: int = typer.Option(64, min=1, help="Most tokens to generate per image."),
+    max_new_tokens: int = typer.Option(
+        None, min=1, max=32_768, help="Most tokens to generate per image (default: the checkpoint's, else 64)."
+    ),
     device: str = DeviceOption,
     dtype: str = DtypeOption,
     redis_dir: Path = typer.Option(None, help="Keep the embedded Redis's data here (default: a temp folder)."),
@@ -226,11 +228,16 @@ class RunConfig:
     model_id: str
     output: Path
     prompt: str | None
-    max_new_tokens: int
+    max_new_tokens: int | None
     redis_dir: Path | None
     extra_args: tuple[str, ...] = ()
     file_roots: tuple[Path, ...] = ()  # folders of the image files given (on the embedded Redis, they travel as paths)
     total: int | None = None  # inputs to run, when known before they are read (the progress bar's end)
+
+    @property
+    def generation(self) -> dict[str, int]:
+        """The generation parameters the command's flags set (a manifest line's win over them)."""
+        return {} if self.max_new_tokens is None else {"max_new_tokens": self.max_new_tokens}
 
     @property
     def embedded(self) -> bool:
@@ -336,9 +343,8 @@ class CaptionRun:
 
     def _submission(self, item: InputItem):
         from wicore.producer import Submission
-        from wicore.schemas import GenerationParams
 
-        params = GenerationParams(max_new_tokens=item.max_new_tokens or self.config.max_new_tokens)
+        params = item.generation(self.config.generation)
         prompt = item.prompt or self.config.prompt
         return Submission(item.image, prompt, params=params, metadata=item.metadata, name=item.input)
 

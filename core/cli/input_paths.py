@@ -1,14 +1,14 @@
-"""INPUT arguments of `wicore caption` / `wicore enqueue`: image files, folders (recursive), JSONL
-manifests (one `ManifestEntry` per line) and datasets (Parquet, WebDataset shards, `datasets`
-folders, s3://: dataset_inputs.py), expanded lazily into one item per input. Every file in a
-folder is an input (hidden ones aside): a file that is not an image gets an error item, so it
-still gets its line."""
+"""INPUT arguments of `wicore caption` / `wicore enqueue`: image files, http(s):// and s3:// image
+URLs (a worker fetches them), folders (recursive), JSONL manifests (one `ManifestEntry` per line)
+and datasets (Parquet, WebDataset shards, `datasets` folders, s3:// prefixes: dataset_inputs.py),
+expanded lazily into one item per input. Every file in a folder is an input (hidden ones aside): a
+file that is not an image gets an error item, so it still gets its line."""
 
 from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -16,9 +16,11 @@ from pydantic import ValidationError
 
 from wicore.cli.dataset_inputs import DatasetOptions, Row, dataset_rows, is_dataset, missing, require_extras
 from wicore.errors import ConfigError
-from wicore.schemas import ManifestEntry
+from wicore.producer.image_refs import is_image_url
+from wicore.redaction import masked_url
+from wicore.schemas import GenerationParams, ManifestEntry, image_url
 
-IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".webp", ".gif", ".bmp", ".tif", ".tiff"}
+IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".webp", ".gif", ".bmp", ".tif", ".tiff", ".heic", ".heif"}
 MANIFEST_SUFFIX = ".jsonl"
 
 
@@ -27,24 +29,40 @@ class InputItem:
     input: str  # as the user gave it; the key of its output line
     path: Path | None
     prompt: str | None = None
-    max_new_tokens: int | None = None
+    params: dict[str, Any] = field(default_factory=dict)  # the generation parameters the line set
     metadata: dict[str, Any] = field(default_factory=dict)
     error: str | None = None  # known bad before any job is made (not an image, bad manifest line)
+    url: str | None = None  # an image a worker fetches, instead of a path
     data: bytes | None = None  # the image's bytes, for an image read from a dataset
 
     @property
-    def image(self) -> Path | bytes | None:
-        """What the job is made from: the bytes, else the file."""
-        return self.data if self.data is not None else self.path
+    def image(self) -> Path | str | bytes | None:
+        """What the job is made from: the bytes, else the URL, else the file."""
+        if self.data is not None:
+            return self.data
+        return self.url if self.url is not None else self.path
+
+    def generation(self, flags: dict[str, Any]) -> GenerationParams:
+        """The command's parameters (`flags`, the ones given) with this line's on top."""
+        return GenerationParams.model_validate({**flags, **self.params})
+
+
+def is_url_input(arg: str) -> bool:
+    """An INPUT a worker fetches: an http(s) URL, or an s3:// object named like an image (other
+    s3:// INPUTs are prefixes and dataset files, read here)."""
+    if not is_image_url(arg):
+        return False
+    return not arg.lower().startswith("s3://") or Path(arg).suffix.lower() in IMAGE_SUFFIXES
 
 
 def iter_inputs(args: list[str], options: DatasetOptions | None = None) -> Iterator[InputItem]:
     """One item per input, each input once (the first occurrence wins), read as they are used.
     A missing argument is a usage error, raised here, before anything starts."""
     options = options or DatasetOptions()
-    datasets = [arg for arg in args if is_dataset(arg, options.store)]
+    local = [arg for arg in args if not is_url_input(arg)]
+    datasets = [arg for arg in local if is_dataset(arg, options.store)]
     require_extras(datasets)
-    absent = missing(datasets, options.store) + [a for a in args if a not in datasets and not Path(a).exists()]
+    absent = missing(datasets, options.store) + [a for a in local if a not in datasets and not Path(a).exists()]
     if absent:
         raise ConfigError(f"no such file or folder: {', '.join(a for a in args if a in absent)}")
     return _unique(item for arg in args for item in _expand(arg, arg in datasets, options))
@@ -63,7 +81,7 @@ class LocalFiles:
 
 
 def local_files(args: list[str], options: DatasetOptions, settled: set[str]) -> LocalFiles:
-    files = [arg for arg in args if not is_dataset(arg, options.store)]
+    files = [arg for arg in args if not is_url_input(arg) and not is_dataset(arg, options.store)]
     roots, todo = set(), 0
     for item in iter_inputs(files, options):
         todo += item.input not in settled
@@ -82,7 +100,9 @@ def _unique(items: Iterable[InputItem]) -> Iterator[InputItem]:
 
 def _expand(arg: str, dataset: bool, options: DatasetOptions) -> Iterator[InputItem]:
     path = Path(arg)
-    if dataset:
+    if is_url_input(arg):
+        yield _url_item(arg, arg)
+    elif dataset:
         yield from map(_dataset_item, dataset_rows(arg, options))
     elif path.is_dir():
         yield from _folder(arg, path)
@@ -123,11 +143,26 @@ def _manifest_line(where: str, folder: Path, line: str) -> InputItem:
         return InputItem(
             where, None, error=f"InputError: {where}: not a manifest line ({entry}; see `wicore schema manifest`)"
         )
-    path = Path(entry.image) if Path(entry.image).is_absolute() else folder / entry.image
     key = entry.input or entry.image
+    try:
+        params = entry.generation().model_dump(exclude_unset=True)
+    except ValidationError as exc:
+        return InputItem(key, None, error=f"InputError: {where}: {_first_error(exc)}")
+    item = InputItem(key, None, prompt=entry.prompt, params=params, metadata=entry.metadata)
+    if is_image_url(entry.image):
+        fetched = _url_item(key, entry.image)
+        return replace(item, url=fetched.url, error=fetched.error)
+    path = Path(entry.image) if Path(entry.image).is_absolute() else folder / entry.image
     if not path.is_file():
         return InputItem(key, None, error=f"InputError: {entry.image}: no such file ({where})")
-    return InputItem(key, path, prompt=entry.prompt, max_new_tokens=entry.max_new_tokens, metadata=entry.metadata)
+    return replace(item, path=path)
+
+
+def _url_item(key: str, url: str) -> InputItem:
+    try:
+        return InputItem(key, None, url=image_url(url))
+    except ValueError as exc:
+        return InputItem(key, None, error=f"InputError: {masked_url(url)}: {exc}")
 
 
 def _entry(line: str) -> ManifestEntry | str:
@@ -141,5 +176,17 @@ def _entry(line: str) -> ManifestEntry | str:
     try:
         return ManifestEntry.model_validate(raw)
     except ValidationError as exc:
-        error = exc.errors()[0]
-        return f"{'.'.join(str(p) for p in error['loc'])}: {error['msg']}"
+        return _first_error(exc)
+
+
+def _first_error(exc: ValidationError) -> str:
+    """'temperature: Input should be ...', or for an unknown key, what to do with it."""
+    error = exc.errors()[0]
+    where = ".".join(str(p) for p in error["loc"])
+    if error["type"] == "extra_forbidden":
+        return f"{where}: unknown key (put your own keys under metadata)"
+    return (
+        f"{where}: {error['msg'].removeprefix('Value error, ')}"
+        if where
+        else error["msg"].removeprefix("Value error, ")
+    )

@@ -31,7 +31,7 @@ from wicore.cli.failures import DebugOption, ExitCode, debug_level
 from wicore.cli.input_paths import InputItem, iter_inputs
 from wicore.cli.redis_check import connect
 from wicore.models import model_dir_and_id
-from wicore.schemas import GenerationParams, Lane
+from wicore.schemas import Lane
 
 ID_FILE_HELP = "Job ids printed by `wicore enqueue`, or - to read its output (id, tab, input per line) from stdin."
 
@@ -48,9 +48,11 @@ def enqueue(
     model_id: str = ModelIdOption,
     model: Path = typer.Option(None, help="Checkpoint dir (only its name is used, as the model id)."),
     prompt: str = typer.Option(None, help="Prompt (default: 'Describe this image in detail.')."),
-    max_new_tokens: int = typer.Option(64, help="Most tokens to generate."),
-    temperature: float = typer.Option(0.0, help="0 = greedy."),
-    seed: int = typer.Option(None, help="Sampling seed."),
+    max_new_tokens: int = typer.Option(
+        None, min=1, max=32_768, help="Most tokens to generate (default: the checkpoint's, else 64)."
+    ),
+    temperature: float = typer.Option(None, min=0.0, max=100.0, help="0 = greedy (the default)."),
+    seed: int = typer.Option(None, min=0, help="Sampling seed."),
     priority: Lane = typer.Option(Lane.NORMAL, help="Lane: high jobs are taken first."),
     deadline_s: float = typer.Option(None, help="Fail jobs not started within this many seconds."),
     by_path: bool = typer.Option(False, help="Send file paths (workers must see them) instead of image bytes."),
@@ -77,11 +79,16 @@ def enqueue(
     served_id = model_dir_and_id(settings)[1]
     producer = Producer(connect(settings.redis_url), model=served_id, config=producer_config)
     deadline = time.time() + deadline_s if deadline_s is not None else None
-    params = GenerationParams(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
+    flags = {"max_new_tokens": max_new_tokens, "temperature": temperature, "seed": seed}
+    given = {key: value for key, value in flags.items() if value is not None}
 
     def submission(item: InputItem) -> Submission:
-        item_params = params.model_copy(update={"max_new_tokens": item.max_new_tokens or max_new_tokens})
-        fields = {"params": item_params, "priority": priority, "deadline": deadline, "metadata": item.metadata}
+        fields = {
+            "params": item.generation(given),
+            "priority": priority,
+            "deadline": deadline,
+            "metadata": item.metadata,
+        }
         return Submission(item.image, item.prompt or prompt, name=item.input, **fields)
 
     failed = _enqueue_items(producer, items, submission)

@@ -1,6 +1,7 @@
 """Images as HTTP clients send them: base64 or a data URI (the bytes travel to Redis as a blob),
-or an absolute path under the allowed roots (workers read the file; the gateway reads it once to
-hash it, so it must see the same files)."""
+an absolute path under the allowed roots (workers read the file; the gateway reads it once to
+hash it, so it must see the same files), or an http(s):// or s3:// URL, which the gateway only
+checks the form of: a worker fetches it, under its URL policy."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import stat
 from pathlib import Path
 
 from wicore.gateway.errors import ApiError
+from wicore.redaction import masked_url
+from wicore.schemas import image_url
 
 DATA_URI = re.compile(r"^data:(?:[\w.+-]+/[\w.+-]+)?(?:;[\w.+-]+=[\w.+-]+)*;base64,", re.IGNORECASE)
 FILE_URL = "file://"
@@ -68,15 +71,26 @@ def regular_or_missing(path: Path) -> bool:
         return True
 
 
-def image_from_url(url: str, roots: tuple[Path, ...], field: str) -> bytes | Path:
-    """An OpenAI `image_url.url`: a data URI, or a path / file:// URL under the allowed roots."""
+def fetched_url(url: str, field: str) -> str:
+    """An http(s):// or s3:// URL a worker will fetch, its form checked here."""
+    try:
+        return image_url(url)
+    except ValueError as exc:
+        raise ApiError(400, f"{field}: {masked_url(url)}: {exc}", param=field) from None
+
+
+def image_from_url(url: str, roots: tuple[Path, ...], field: str) -> bytes | Path | str:
+    """An OpenAI `image_url.url`: a data URI, a path / file:// URL under the allowed roots, or an
+    http(s):// / s3:// URL (returned as given: a worker fetches it)."""
     if url[:5].lower() == "data:":
         return decode_image(url, field)
     if url.startswith(("/", FILE_URL)):
         return allowed_path(url, roots, field)
+    if "://" in url[:10]:
+        return fetched_url(url, field)
     raise ApiError(
         400,
-        f"{field}: the gateway fetches no URLs; send a data URI (data:image/png;base64,...) "
+        f"{field}: send a data URI (data:image/png;base64,...), an http(s):// or s3:// URL, "
         "or a path under the allowed roots",
         param=field,
     )

@@ -125,7 +125,7 @@ def generation_params(request: ChatCompletionRequest) -> GenerationParams:
 def chat_submission(request: ChatCompletionRequest, roots: tuple[Path, ...]) -> Submission:
     """The request as a wicore submission: its one image part becomes the job's image."""
     check_supported(request)
-    images: list[bytes | Path] = []
+    images: list[bytes | Path | str] = []
     messages = tuple(_message(m, i, images, roots) for i, m in enumerate(request.messages))
     if len(images) != 1:
         raise ApiError(400, f"messages: exactly one image_url part is needed, found {len(images)}", param="messages")

@@ -24,16 +24,20 @@ class JobFields(BaseModel):
 
 
 class JobRequest(JobFields):
-    """One caption job. Give the image as `image` (base64 or a data URI) or `image_path`, and a
-    `prompt` or chat `messages` (with exactly one image part); the rest is optional."""
+    """One caption job. Give the image as `image` (base64 or a data URI), `image_path` or
+    `image_url`, and a `prompt` or chat `messages` (with exactly one image part); the rest is optional."""
 
     image: str | None = Field(None, description="The image's bytes, base64 or a data URI (data:image/png;base64,...).")
     image_path: str | None = Field(None, description="Or an absolute path under the allowed roots.")
+    image_url: str | None = Field(
+        None, description="Or an http(s):// or s3:// URL; a worker fetches it, under its URL policy."
+    )
 
     @model_validator(mode="after")
     def _one_image_source(self) -> JobRequest:
-        if (self.image is None) == (self.image_path is None):
-            raise ValueError("give exactly one of image (base64 or data URI) and image_path")
+        given = [self.image, self.image_path, self.image_url]
+        if sum(value is not None for value in given) != 1:
+            raise ValueError("give exactly one of image (base64 or data URI), image_path and image_url")
         return self
 
 

@@ -14,7 +14,7 @@ from pydantic import ValidationError
 
 from wicore.errors import WicoreError
 from wicore.gateway.errors import ApiError, describe_validation
-from wicore.gateway.images import allowed_path, decode_image
+from wicore.gateway.images import allowed_path, decode_image, fetched_url
 from wicore.gateway.openai_schemas import ChatCompletionRequest, chat_submission
 from wicore.gateway.schemas import BatchLine, BatchReply, JobAccepted, JobFields, JobRequest, OpenAIBatchLine
 from wicore.producer import Submission
@@ -36,14 +36,16 @@ class Line:
     job_id: str | None = None
 
 
-def job_submission(job: JobFields, image: bytes | Path) -> Submission:
+def job_submission(job: JobFields, image: bytes | Path | str) -> Submission:
     messages = tuple(job.messages) if job.messages is not None else None
     return Submission(image, job.prompt, messages, job.params, job.priority, job.deadline, job.metadata)
 
 
-def image_of(job: JobRequest, roots: tuple[Path, ...]) -> bytes | Path:
+def image_of(job: JobRequest, roots: tuple[Path, ...]) -> bytes | Path | str:
     if job.image is not None:
         return decode_image(job.image, "image")
+    if job.image_url is not None:
+        return fetched_url(job.image_url, "image_url")
     return allowed_path(job.image_path or "", roots, "image_path")
 
 
