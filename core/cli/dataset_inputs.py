@@ -104,7 +104,7 @@ def require_extras(urls: list[str]) -> None:
     if any(not url.lower().endswith(TAR_SUFFIXES) or is_s3(url) for url in urls):
         require("pyarrow")
     if any(is_s3(url) for url in urls):
-        require("s3fs")
+        require("s3fs", extra="datasets")
 
 
 def missing(urls: list[str], store: Store) -> list[str]:

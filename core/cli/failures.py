@@ -122,11 +122,17 @@ def _installed(module: str) -> bool:
         return False
 
 
-def require(module: str) -> None:
+def require(module: str, extra: str | None = None) -> None:
     """Fail now, in the one line that names the extra to install, when the top-level `module` is
-    not installed: before a long run, not at its end."""
-    if not _installed(module):
-        raise ModuleNotFoundError(f"No module named {module!r}", name=module)
+    not installed: before a long run, not at its end. `extra`: the one to name where several
+    extras install the module (s3fs: `urls` for image URLs, `datasets` for dataset inputs)."""
+    if _installed(module):
+        return
+    if extra is not None:
+        from wicore.errors import ConfigError
+
+        raise ConfigError(f"{module} is not installed: pip install 'wicore[{extra}]'")
+    raise ModuleNotFoundError(f"No module named {module!r}", name=module)
 
 
 def _missing_extra(exc: ModuleNotFoundError) -> str | None:
