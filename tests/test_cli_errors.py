@@ -143,8 +143,9 @@ def test_a_bad_image_url_is_its_inputs_warning(locked, env):
     # an s3:// INPUT named like an image is one image URL (other s3:// INPUTs are dataset prefixes)
     run = wicore("enqueue", "s3://bucket-only.jpg", "--redis-url", locked.url, env=env, check=False)
     assert run.returncode == 1
-    assert "warning: not enqueued: s3://bucket-only.jpg: InputError: s3://bucket-only.jpg: an s3:// URL needs a key" in (
-        run.stdout + run.stderr
+    assert (
+        "warning: not enqueued: s3://bucket-only.jpg: InputError: s3://bucket-only.jpg: an s3:// URL needs a key"
+        in (run.stdout + run.stderr)
     )
 
 
