@@ -280,3 +280,48 @@ def test_existing_batch_route_stays(gateway):
     line = json.dumps(good_line(0, sorted(IMAGES.iterdir())[0]))
     reply = httpx.post(gateway + "/v1/jobs/batch", content=line, headers={"content-type": "application/jsonl"})
     assert reply.status_code == 202 and reply.json()["accepted"] == 1
+
+
+def write_jsonl(path: Path, good: list[dict], extra: list[str] = ()) -> Path:
+    path.write_bytes(jsonl(good, extra))
+    return path
+
+
+def test_the_batch_verbs_over_the_api(gateway, tmp_path):
+    from tests.helpers import wicore
+
+    api = ("--base-url", gateway + "/v1")
+    good = good_lines(30)
+    for line in good:
+        line["body"]["seed"] += 30_000
+    source = write_jsonl(tmp_path / "in.jsonl", good, list(bad_lines().values()))
+    batch = json.loads(wicore("batch", "submit", str(source), "--metadata", "team=vision", *api).stdout)
+    assert batch["status"] == "validating" and batch["metadata"] == {"team": "vision"}
+    waited = wicore("batch", "wait", batch["id"], *api, check=False)
+    assert waited.returncode == 0 and json.loads(waited.stdout)["status"] == "completed", waited
+    status = json.loads(wicore("batch", "status", batch["id"], *api).stdout)
+    assert status["request_counts"] == {"total": 37, "completed": 30, "failed": 7}
+    wicore("batch", "download", batch["id"], "-o", str(tmp_path / "out.jsonl"), *api)
+    lines = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    check_answers([line for line in lines if line["error"] is None and line["response"]["status_code"] == 200])
+    assert len(lines) == 37 and len(no_line_twice(lines)) == 37
+    late = wicore("batch", "cancel", batch["id"], *api, check=False)
+    assert late.returncode == 2 and late.stderr.count("\n") == 1 and "completed" in late.stderr
+    missing = wicore("batch", "status", "batch-nothere", *api, check=False)
+    assert missing.returncode == 2 and "no batch" in missing.stderr
+    down = wicore("batch", "status", batch["id"], "--base-url", f"http://127.0.0.1:{free_port()}/v1", check=False)
+    assert down.returncode == 1 and down.stderr.count("\n") == 1
+
+
+def test_run_batch_offline(tmp_path):
+    from tests.helpers import wicore
+
+    good = good_lines(12)
+    source = write_jsonl(tmp_path / "in.jsonl", good, [bad_lines()["bad-model"]])
+    run = wicore("run-batch", str(source), "-o", str(tmp_path / "out.jsonl"), "--engine", "fast", check=False)
+    assert run.returncode == 1 and "12 answered, 1 errors of 13 lines" in run.stderr, run
+    lines = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    check_answers(lines[:12])
+    assert lines[12]["custom_id"] == "bad-model" and lines[12]["response"]["status_code"] == 400
+    again = wicore("run-batch", str(write_jsonl(tmp_path / "good.jsonl", good)), "-o", str(tmp_path / "o2.jsonl"))
+    assert again.returncode == 0
