@@ -64,6 +64,7 @@ def cancel(worker: str) -> str:
 def probe(token: str) -> str:
     return PROBE.format(token=token)
 
+
 # OpenAI files and batches (the gateway's Batch API). A file's metadata (a hash: the FileObject's
 # fields), its bytes when the Redis store holds them, and every file id by creation time.
 FILE = PREFIX + ":file:{file_id}"

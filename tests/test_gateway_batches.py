@@ -148,7 +148,7 @@ def check_answers(output: list[dict]) -> None:
 
 
 def no_line_twice(*files: list[dict]) -> list[str]:
-    ids = [line["custom_id"] for lines in files for line in lines]
+    ids = [line["custom_id"] for lines in files for line in lines if line["custom_id"] is not None]
     assert not [cid for cid, n in Counter(ids).items() if n > 1], "a custom_id written twice"
     return ids
 
@@ -180,6 +180,27 @@ def test_every_good_line_answered_and_every_bad_line_in_the_error_file(gateway):
     listed = {f.id: f for f in client.files.list()}
     assert listed[batch.output_file_id].purpose == "batch_output"
     assert batch.id in [b.id for b in client.batches.list()]
+
+
+def test_a_thousand_lines_and_twenty_one_bad_ones(gateway):
+    """The issue's acceptance size: 1,000 good lines of the six examples, three of each bad kind."""
+    client = client_of(gateway)
+    good = good_lines(1000)
+    for line in good:
+        line["body"]["seed"] += 40_000
+    bad = [
+        raw.replace(f'"{cid}"', f'"{cid}-{copy}"') if cid else raw
+        for copy in range(3)
+        for cid, raw in bad_lines().items()
+    ]
+    batch = wait_ended(client, submit(client, jsonl(good[:500], bad) + jsonl(good[500:])).id, timeout=600)
+    assert batch.status == "completed"
+    assert (batch.request_counts.total, batch.request_counts.completed, batch.request_counts.failed) == (1021, 1000, 21)
+    output, errors = lines_of(client, batch.output_file_id), lines_of(client, batch.error_file_id)
+    check_answers(output)
+    assert sorted(line["custom_id"] for line in output) == sorted(line["custom_id"] for line in good)
+    assert len(errors) == 21 and all(line["response"]["status_code"] == 400 for line in errors)
+    no_line_twice(output, errors)
 
 
 def test_bad_requests_get_openai_errors_naming_the_field(gateway):
@@ -250,7 +271,11 @@ def test_gateway_and_worker_killed_mid_batch_lose_nothing(redis_server, tmp_path
     """kill -9 the gateway and the worker while the batch runs; a new gateway takes the batch
     over once the dead one's lease runs out, a new worker reruns the jobs the dead one held."""
     worker = worker_process(redis_server.url, tmp_path / "worker1.log")
-    process, url = gateway_process(redis_server.url, tmp_path, log="gateway1.log")
+    try:
+        process, url = gateway_process(redis_server.url, tmp_path, log="gateway1.log")
+    except BaseException:
+        stop(worker, signal.SIGKILL)
+        raise
     try:
         client = client_of(url)
         good = good_lines(300, max_tokens=48)

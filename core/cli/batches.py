@@ -61,6 +61,7 @@ class Api:
     """The few calls the verbs make, with the gateway's error message as the failure."""
 
     def __init__(self, base_url: str, api_key: str | None):
+        require("httpx")
         import httpx
 
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
