@@ -42,12 +42,12 @@ from wicore.gateway.batch_lines import (
     refused_line,
 )
 from wicore.gateway.batch_shapes import BatchStatus, FileObject
-from wicore.gateway.batch_state import BatchRecord, BatchRecords, FileRecords, errors_json
+from wicore.gateway.batch_state import BatchRecord, BatchRecords, Fields, FileRecords, errors_json, text
 from wicore.gateway.errors import ApiError
-from wicore.gateway.file_store import FileStore, lines_from
+from wicore.gateway.file_store import FileStore, as_bytes, lines_from
 from wicore.gateway.submissions import problem
 from wicore.gateway.workers import live_models
-from wicore.producer import Producer, ProducerConfig
+from wicore.producer import Producer, ProducerConfig, Submission
 from wicore.producer.client import ENDED, MISSING
 
 log = logging.getLogger(__name__)
@@ -282,7 +282,7 @@ class BatchDriver:
         for line in lines:
             try:
                 producer = self.producer(line.model)
-                by_model[producer.model].append((line, producer.prepare(line.submission)))
+                by_model[producer.model].append((line, producer.prepare(submission_of(line))))
             except (ValidationError, WicoreError, ApiError) as exc:
                 line.error = problem(exc)
         waiting: dict[str, list[list]] = defaultdict(list)
@@ -292,13 +292,13 @@ class BatchDriver:
                 waiting[job_id].append([line.number, line.custom_id, model])
         return waiting
 
-    def merged(self, waiting: dict[str, list[list]]) -> dict[str, str]:
+    def merged(self, waiting: dict[str, list[list]]) -> Fields:
         """The chunk's waiting lines added to those already waiting on the same jobs; a line
         read again after a restart is there once."""
         if not waiting:
             return {}
         ids = list(waiting)
-        merged = {}
+        merged: Fields = {}
         for job_id, raw in zip(ids, self.connection.hmget(self.pending_key, ids)):
             entries = parse_entries(raw)
             known = {entry[0] for entry in entries}
@@ -327,7 +327,7 @@ class BatchDriver:
 
     def collect(self, canceled_as: tuple[str, str] = CANCELLED) -> bool:
         """Write the lines of every job that ended (notified, or found by the sweep)."""
-        ended = {raw.decode(errors="replace") for raw in self.connection.lpop(self.notify_key, 4096) or []}
+        ended = {text(raw) for raw in as_list(self.connection.lpop(self.notify_key, 4096))}
         if time.monotonic() >= self.next_sweep:
             ended |= self.sweep()
             self.next_sweep = time.monotonic() + self.settings.sweep_s
@@ -336,7 +336,9 @@ class BatchDriver:
         ids = list(ended)
         outcomes = {o.job_id: o for o in self.producer(None).outcomes(ids) if o.done or o.status == MISSING}
         found = [(job_id, raw) for job_id, raw in zip(ids, self.connection.hmget(self.pending_key, ids)) if raw]
-        out, err, completed, failed, done = [], [], 0, 0, []
+        out: list[bytes] = []
+        err: list[bytes] = []
+        completed, failed, done = 0, 0, []
         for job_id, raw in found:
             if job_id not in outcomes:
                 continue
@@ -357,7 +359,7 @@ class BatchDriver:
                 for job_id in ids:
                     pipe.hget(f"rq:job:{job_id}", "status")
                 statuses = pipe.execute()
-            ended |= {job_id for job_id, s in zip(ids, statuses) if s is None or s.decode(errors="replace") in ENDED}
+            ended |= {job_id for job_id, s in zip(ids, statuses) if s is None or text(s) in ENDED}
         return ended
 
     def pending_pages(self) -> Iterator[list[tuple[str, bytes]]]:
@@ -389,7 +391,7 @@ class BatchDriver:
         err: bytes = b"",
         completed: int = 0,
         failed: int = 0,
-        waiting: dict[str, str] | None = None,
+        waiting: Fields | None = None,
         done: list[str] | None = None,
         offset: int | None = None,
         lines: int | None = None,
@@ -400,7 +402,7 @@ class BatchDriver:
             self.out_bytes = self.store.append(self.out_file, out)
         if err:
             self.err_bytes = self.store.append(self.err_file, err)
-        progress: dict[str, int] = {"out_bytes": self.out_bytes, "err_bytes": self.err_bytes}
+        progress: Fields = {"out_bytes": self.out_bytes, "err_bytes": self.err_bytes}
         if offset is not None and lines is not None:
             progress.update(offset=offset, lines=lines)
         with self.connection.pipeline(transaction=True) as pipe:
@@ -415,10 +417,16 @@ class BatchDriver:
             pipe.execute()
 
 
-def parse_entries(raw: bytes | None) -> list[list]:
+def submission_of(line: InputLine) -> Submission:
+    if line.submission is None:
+        raise ApiError(400, line.error or "the line has no request")
+    return line.submission
+
+
+def parse_entries(raw: object) -> list[list]:
     """[[number, custom_id, model], ...] from a waiting-lines field; [] for one we cannot read."""
     try:
-        entries = json.loads(raw) if raw else []
+        entries = json.loads(raw) if isinstance(raw, bytes | str) and raw else []
     except ValueError:
         return []
     if not isinstance(entries, list):
@@ -431,8 +439,13 @@ def iter_hscan(connection: Redis, key: str, count: int = 1000) -> Iterator[tuple
     cursor = None
     while cursor != 0:
         cursor, fields = connection.hscan(key, cursor or 0, count=count)
-        if fields:
-            yield cursor, [(k.decode(errors="replace"), v) for k, v in fields.items()]
+        if isinstance(fields, dict) and fields:
+            yield cursor, [(text(k), as_bytes(v)) for k, v in fields.items()]
+
+
+def as_list(raw: object) -> list:
+    """LPOP with a count: a list, or None when the list is empty."""
+    return raw if isinstance(raw, list) else []
 
 
 def batch_output(file_id: str, filename: str, size: int) -> FileObject:

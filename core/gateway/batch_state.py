@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from pydantic import ValidationError
 from redis import Redis
+from redis.typing import EncodableT
 
 from wicore import keys
 from wicore.gateway.batch_shapes import Batch, BatchError, BatchErrors, BatchStatus, FileObject, RequestCounts
@@ -21,8 +22,16 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{secrets.token_hex(12)}"
 
 
-def text_fields(raw: dict[bytes, bytes]) -> dict[str, str]:
-    return {k.decode(errors="replace"): v.decode(errors="replace") for k, v in raw.items()}
+Fields = dict[EncodableT, EncodableT]  # what HSET takes
+
+
+def text(raw: object) -> str:
+    """A Redis reply (bytes: no client here decodes responses) as text."""
+    return raw.decode(errors="replace") if isinstance(raw, bytes) else str(raw)
+
+
+def text_fields(raw: dict) -> dict[str, str]:
+    return {text(k): text(v) for k, v in raw.items()}
 
 
 class FileRecords:
@@ -30,7 +39,7 @@ class FileRecords:
         self.connection = connection
 
     def save(self, record: FileObject) -> None:
-        fields = {k: v for k, v in record.model_dump(mode="json").items() if v is not None}
+        fields: Fields = {k: v for k, v in record.model_dump(mode="json").items() if v is not None}
         with self.connection.pipeline(transaction=True) as pipe:
             pipe.hset(keys.file(record.id), mapping=fields)
             pipe.zadd(keys.FILES, {record.id: record.created_at})
@@ -56,7 +65,7 @@ class FileRecords:
 
 def ids_after(connection: Redis, index: str, after: str | None) -> list[str]:
     """Ids of `index` newest first, those after the id `after` (a list's cursor)."""
-    ids = [raw.decode(errors="replace") for raw in connection.zrevrange(index, 0, LIST_LIMIT - 1)]
+    ids = [text(raw) for raw in connection.zrevrange(index, 0, LIST_LIMIT - 1)]
     return ids[ids.index(after) + 1 :] if after in ids else ids
 
 
@@ -74,7 +83,7 @@ class BatchRecord:
     ending: str = ""  # 'expired' or 'cancelled' while the batch is being ended that way
 
     @classmethod
-    def parse(cls, raw: dict[bytes, bytes]) -> BatchRecord | None:
+    def parse(cls, raw: dict) -> BatchRecord | None:
         fields = text_fields(raw)
         try:
             batch = Batch.model_validate_json(fields["batch"])
@@ -111,7 +120,7 @@ class BatchRecords:
         self.connection = connection
 
     def create(self, batch: Batch, store: str) -> None:
-        fields = {
+        fields: Fields = {
             "store": store,
             "batch": batch.model_dump_json(),
             "status": batch.status.value,
@@ -134,19 +143,19 @@ class BatchRecords:
 
     def active(self, store: str) -> list[str]:
         """Unfinished batches whose files are in `store`."""
-        ids = [raw.decode(errors="replace") for raw in self.connection.smembers(keys.BATCHES_ACTIVE)]
+        ids = [text(raw) for raw in self.connection.smembers(keys.BATCHES_ACTIVE)]
         with self.connection.pipeline(transaction=False) as pipe:
             for batch_id in ids:
                 pipe.hget(keys.batch(batch_id), "store")
             stores = pipe.execute()
         return [batch_id for batch_id, found in zip(ids, stores) if found in (None, store.encode())]
 
-    def set_status(self, batch_id: str, status: BatchStatus, pipe=None, **fields) -> None:
+    def set_status(self, batch_id: str, status: BatchStatus, pipe=None, **fields: str) -> None:
         """The new status, stamped `<status>_at` now (OpenAI's field names)."""
         target = pipe if pipe is not None else self.connection
-        target.hset(
-            keys.batch(batch_id), mapping={"status": status.value, f"{status.value}_at": int(time.time()), **fields}
-        )
+        mapping: Fields = {"status": status.value, f"{status.value}_at": int(time.time())}
+        mapping.update(fields)
+        target.hset(keys.batch(batch_id), mapping=mapping)
 
     def request_cancel(self, batch_id: str) -> None:
         self.set_status(batch_id, BatchStatus.CANCELLING)

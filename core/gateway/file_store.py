@@ -107,12 +107,17 @@ class RedisStore:
             self.connection.set(key, kept)
 
     def chunks(self, file_id: str, start: int = 0) -> Iterator[bytes]:
-        while piece := self.connection.getrange(keys.file_data(file_id), start, start + CHUNK - 1):
+        while piece := as_bytes(self.connection.getrange(keys.file_data(file_id), start, start + CHUNK - 1)):
             yield piece
             start += len(piece)
 
     def delete(self, file_id: str) -> None:
         self.connection.delete(keys.file_data(file_id))
+
+
+def as_bytes(raw: object) -> bytes:
+    """A reply of a client that does not decode responses (every client here)."""
+    return raw if isinstance(raw, bytes) else str(raw).encode()
 
 
 def open_store(config: FilesConfig, connection: Redis) -> FileStore:
