@@ -216,6 +216,10 @@ def test_bad_requests_get_openai_errors_naming_the_field(gateway):
         client.batches.create(input_file_id="file-nothere", endpoint="/v1/chat/completions", completion_window="24h")
     with pytest.raises(openai.BadRequestError, match="purpose"):
         client.files.create(file=("r.jsonl", b"{}"), purpose="fine-tune")
+    blank = client.files.create(file=("blank.jsonl", b"\n \n"), purpose="batch")
+    chat = {"endpoint": "/v1/chat/completions", "completion_window": "24h"}
+    failed = wait_ended(client, client.batches.create(input_file_id=blank.id, **chat).id)
+    assert failed.status == "failed" and failed.failed_at and failed.errors.data[0].code == "empty_file"
     assert client.files.retrieve(uploaded.id).bytes == len(jsonl(good_lines(1)))
     assert client.files.content(uploaded.id).content == jsonl(good_lines(1))
     assert client.files.delete(uploaded.id).deleted

@@ -63,6 +63,7 @@ return 0
 """
 _RELEASE_LUA = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
 MODELS_TTL_S = 2.0  # a read of the live workers' models is reused this long
+REDIS_RETRY_S = 1.0  # the runner's pause after Redis failed it
 
 
 @dataclass(frozen=True)
@@ -98,8 +99,9 @@ class BatchRunner:
             try:
                 busy = self.turn()
             except RedisError as exc:  # Redis down: batches wait in Redis, the runner retries
-                log.warning("batch runner: %s", exc)
-                busy = False
+                log.warning("batch runner: %s; retrying in %g s", exc, REDIS_RETRY_S)
+                stop.wait(REDIS_RETRY_S)
+                continue
             if not busy:
                 stop.wait(self.settings.idle_s)
         self.release_all()
@@ -109,8 +111,19 @@ class BatchRunner:
         busy = False
         for batch_id in self.records.active(self.store.name):
             if self.hold(batch_id):
-                busy |= self.drivers[batch_id].advance()
+                busy |= self.step(batch_id)
         return busy
+
+    def step(self, batch_id: str) -> bool:
+        """The batch's next step; a batch whose step fails for another reason than Redis (its
+        files unreadable, a bug) ends `failed` with the reason, and the others go on."""
+        try:
+            return self.drivers[batch_id].advance()
+        except RedisError:
+            raise
+        except Exception as exc:  # noqa: BLE001 (one batch's failure must not stop every batch)
+            log.exception("batch %s failed", batch_id)
+            return self.drivers[batch_id].fail("internal_error", f"{type(exc).__name__}: {exc}")
 
     def run_until_ended(self, batch_id: str) -> None:
         """Drive the batches until `batch_id` has ended (`wicore run-batch`)."""
