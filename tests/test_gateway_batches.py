@@ -153,7 +153,9 @@ def no_line_twice(*files: list[dict]) -> list[str]:
     return ids
 
 
-def test_every_good_line_answered_and_every_bad_line_in_the_error_file(gateway):
+def test_every_good_line_answered_and_every_bad_line_in_the_error_file(gateway, redis_server):
+    from redis import Redis
+
     client = client_of(gateway)
     bad = bad_lines()
     good = good_lines(300)
@@ -177,6 +179,8 @@ def test_every_good_line_answered_and_every_bad_line_in_the_error_file(gateway):
     assert "no-such-image" in by_id["bad-image"]["response"]["body"]["error"]["message"]
     assert "url" in by_id["bad-url"]["response"]["body"]["error"]["message"]
     no_line_twice(output, errors)
+    job = Redis.from_url(redis_server.url).hget(f"rq:job:{output[0]['response']['request_id']}", "origin")
+    assert job is not None and b".low." in job, "batch lines run in the low lane, after interactive jobs"
     listed = {f.id: f for f in client.files.list()}
     assert listed[batch.output_file_id].purpose == "batch_output"
     assert batch.id in [b.id for b in client.batches.list()]
