@@ -190,7 +190,7 @@ class BatchDriver:
     def validate(self, record: BatchRecord) -> bool:
         if FileRecords(self.connection).get(record.batch.input_file_id) is None:
             return self.fail("file_not_found", f"input file {record.batch.input_file_id} no longer exists")
-        total = sum(1 for _, raw in lines_from(self.store, record.batch.input_file_id, 0) if raw.strip())
+        total = self.count_lines(record)
         if not total:
             return self.fail("empty_file", "the input file has no lines")
         with self.connection.pipeline(transaction=True) as pipe:
@@ -198,6 +198,10 @@ class BatchDriver:
             self.records.set_status(self.batch_id, BatchStatus.IN_PROGRESS, pipe)
             pipe.execute()
         return True
+
+    def count_lines(self, record: BatchRecord) -> int:
+        """The input's non-blank lines, read once through."""
+        return sum(1 for _, raw in lines_from(self.store, record.batch.input_file_id, 0) if raw.strip())
 
     def fail(self, code: str, message: str) -> bool:
         with self.connection.pipeline(transaction=True) as pipe:
@@ -217,6 +221,8 @@ class BatchDriver:
     def cancel(self, record: BatchRecord) -> bool:
         """Queued jobs this batch enqueued are canceled (their lines: batch_cancelled); running
         ones finish and keep their answers; then the lines never submitted are written off."""
+        if not record.batch.request_counts.total:  # cancelled while validating
+            self.connection.hset(keys.batch(self.batch_id), "total", self.count_lines(record))
         for page in self.pending_pages():
             self.producer(None).cancel([job_id for job_id, _ in page], own_queued_only=True)
         self.collect()
