@@ -275,9 +275,11 @@ def test_a_batch_past_its_window_ends_expired_with_its_done_lines(redis_server, 
 
 
 @pytest.mark.faults
-def test_gateway_and_worker_killed_mid_batch_lose_nothing(redis_server, tmp_path):
-    """kill -9 the gateway and the worker while the batch runs; a new gateway takes the batch
-    over once the dead one's lease runs out, a new worker reruns the jobs the dead one held."""
+@pytest.mark.parametrize("stop_gateway", [signal.SIGTERM, signal.SIGKILL], ids=["restarted", "killed"])
+def test_gateway_and_worker_killed_mid_batch_lose_nothing(redis_server, tmp_path, stop_gateway):
+    """Stop the gateway (SIGTERM: it hands its lease back; kill -9: the lease runs out) and
+    kill -9 the worker while the batch runs; a new gateway takes the batch over, a new worker
+    reruns the jobs the dead one held."""
     worker = worker_process(redis_server.url, tmp_path / "worker1.log")
     try:
         process, url = gateway_process(redis_server.url, tmp_path, log="gateway1.log")
@@ -288,10 +290,10 @@ def test_gateway_and_worker_killed_mid_batch_lose_nothing(redis_server, tmp_path
         client = client_of(url)
         good = good_lines(300, max_tokens=48)
         for line in good:
-            line["body"]["seed"] += 20_000
+            line["body"]["seed"] += 20_000 + 1000 * stop_gateway
         batch = submit(client, jsonl(good))
         wait_until(lambda: client.batches.retrieve(batch.id).request_counts.completed >= 20, 120, 0.05, "done lines")
-        process.send_signal(signal.SIGKILL)
+        process.send_signal(stop_gateway)
         worker.send_signal(signal.SIGKILL)
         process.wait(), worker.wait()
         worker = worker_process(redis_server.url, tmp_path / "worker2.log")
