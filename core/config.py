@@ -144,6 +144,13 @@ class Settings(BaseSettings):
     body_timeout_s: float = Field(30.0, gt=0)  # 30 s
     keep_alive_s: float = Field(5.0, gt=0)  # 5 s
     max_connections: int = Field(2048, ge=1)  # 2048
+    # OpenAI's Files and Batches at `wicore serve`: where files live (folder: under files_dir; redis: in
+    # Redis, for small files), the largest upload (an upload is a request too: max_request_bytes bounds it
+    # as well), and how long a batch's "24h" completion window really lasts (lines not done by then expire).
+    files_store: Literal["folder", "redis"] = "folder"  # folder
+    files_dir: Path = Path(os.environ.get("XDG_DATA_HOME", Path.home() / ".local/share")) / "wicore"  # batch files
+    max_file_bytes: int = Field(64 * 2**20, ge=1)  # 64 MiB
+    batch_window_s: float = Field(86_400.0, gt=0)  # one day
 
     @model_validator(mode="before")
     @classmethod

@@ -75,3 +75,38 @@ def run(job_id: str, execution_id: str) -> str:
 
 def probe(token: str) -> str:
     return PROBE.format(token=token)
+
+
+# OpenAI files and batches (the gateway's Batch API). A file's metadata (a hash: the FileObject's
+# fields), its bytes when the Redis store holds them, and every file id by creation time.
+FILE = PREFIX + ":file:{file_id}"
+FILE_DATA = PREFIX + ":file-data:{file_id}"
+FILES = PREFIX + ":files"
+# A batch's record (a hash: the Batch object's fields and its progress), every batch id by
+# creation time, the ids not yet ended, the lines waiting on each job (job id -> JSON
+# [[line, custom_id], ...]) and the lease of the gateway driving it.
+BATCH = PREFIX + ":batch:{batch_id}"
+BATCHES = PREFIX + ":batches"
+BATCHES_ACTIVE = PREFIX + ":batches:active"
+BATCH_PENDING = PREFIX + ":batch:{batch_id}:pending"
+BATCH_LEASE = PREFIX + ":batch:{batch_id}:lease"
+
+
+def file(file_id: str) -> str:
+    return FILE.format(file_id=file_id)
+
+
+def file_data(file_id: str) -> str:
+    return FILE_DATA.format(file_id=file_id)
+
+
+def batch(batch_id: str) -> str:
+    return BATCH.format(batch_id=batch_id)
+
+
+def batch_pending(batch_id: str) -> str:
+    return BATCH_PENDING.format(batch_id=batch_id)
+
+
+def batch_lease(batch_id: str) -> str:
+    return BATCH_LEASE.format(batch_id=batch_id)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import time
 import uuid
+import zlib
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TypeVar
@@ -146,12 +147,15 @@ class Producer:
         model: str,
         config: ProducerConfig | None = None,
         rules: ShapeRules | None = None,
+        session: str | None = None,
     ):
+        """`session`: names this producer's notification list and dedup marks (default: a new
+        one); a caller that outlives its process (a gateway's batch) passes its own."""
         self.connection = Redis.from_url(connection) if isinstance(connection, str) else connection
         self.model = model
         self.config = config or ProducerConfig()
         self.rules = rules or ShapeRules()
-        self.session = uuid.uuid4().hex
+        self.session = session or uuid.uuid4().hex
         self.notify_key = keys.notify(self.session)
         self._cancel = self.connection.register_script(_CANCEL_LUA)
         self._mark = self.connection.register_script(_MARK_LUA)
@@ -286,6 +290,28 @@ class Producer:
         status = self.connection.hget(job.key, "status")
         outcome = outcome_of(job_id, status.decode(errors="replace") if status else "unknown", latest)
         return outcome, latest.id if latest else NO_ENTRY
+
+    def outcomes(self, job_ids: Sequence[str]) -> list[Outcome]:
+        """Each job's outcome now, read in one round trip (status and latest result of each);
+        an id with no job reads 'missing'."""
+        with self.connection.pipeline(transaction=False) as pipe:
+            for job_id in job_ids:
+                pipe.xrevrange(result_stream(job_id), "+", "-", count=1)
+                pipe.hget(f"rq:job:{job_id}", "status")
+            replies = pipe.execute()
+        return [self._outcome_read(job_id, *replies[2 * i : 2 * i + 2]) for i, job_id in enumerate(job_ids)]
+
+    def _outcome_read(self, job_id: str, entries: list, status: bytes | None) -> Outcome:
+        if status is None:
+            return Outcome(job_id, MISSING, error="job no longer in Redis (expired or deleted)")
+        try:
+            latest = None
+            if entries:
+                entry_id, payload = entries[0]
+                latest = Result.restore(job_id, entry_id.decode(), payload, self.connection, JSONSerializer)
+            return outcome_of(job_id, status.decode(errors="replace"), latest)
+        except (ValueError, TypeError, KeyError, zlib.error) as exc:  # a result record we cannot read
+            return Outcome(job_id, status.decode(errors="replace"), error=f"unreadable result ({exc})")
 
     def result(self, job_id: str, timeout: float | None = None) -> CaptionResult:
         """The job's result; raises JobFailed (JobCanceled), ResultTimeout or UnknownJob."""

@@ -53,6 +53,36 @@ def queue(
 
 @app.command()
 @friendly_errors
+def batch(
+    lines: int = typer.Option(100_000, min=10, help="Lines of the batch (also run at a tenth, for memory)."),
+    redis_url: str = typer.Option(None, help="Redis to use (default: a fresh embedded one)."),
+    as_json: bool = typer.Option(False, "--json", help="End with one JSON line."),
+    out: Path = typer.Option(Path("bench/results"), help="Folder for batch-<host>.json and .png."),
+) -> None:
+    """An OpenAI batch through `wicore serve` vs `Producer.submit_many` on the same lines (null
+    engine), with the gateway's peak memory at the line count and at a tenth of it."""
+    require(PLOTS)
+    require("fastapi")  # the gateway it starts
+    from wicore.bench.batch_bench import run_bench, write_results
+    from wicore.embedded import redis_url_or_embedded
+
+    with redis_url_or_embedded(redis_url) as url:
+        report = run_bench(url, lines)
+    console.print(
+        f"batch:    {report['batch_lines_per_s']:.0f} lines/s end to end (all lines jobs at "
+        f"{report['batch_submit_lines_per_s']:.0f} lines/s), output {report['output_bytes']:,} bytes streamed\n"
+        f"producer: {report['producer_lines_per_s']:.0f} lines/s with submit_many + wait\n"
+        f"ratio: {report['throughput_ratio']:.2f}x; gateway RSS peak {report['gateway_rss_peak_mib']} MiB at "
+        f"{lines} lines, {report['gateway_rss_peak_mib_at_tenth']} MiB at {report['tenth_lines']}"
+    )
+    for path in write_results(report, out):
+        console.print(f"wrote {path}")
+    if as_json:
+        typer.echo(json.dumps({k: v for k, v in report.items() if k != "rss_samples_mib"}))
+
+
+@app.command()
+@friendly_errors
 def http(
     jobs: int = typer.Option(2000, help="Jobs per side."),
     redis_url: str = typer.Option(None, help="Redis to use (default: a fresh embedded one)."),

@@ -84,6 +84,7 @@ def check_port_free(host: str, port: int) -> None:
 
 
 def gateway_config(settings: Settings):
+    from wicore.gateway.file_store import FilesConfig
     from wicore.gateway.state import GatewayConfig
     from wicore.producer import ProducerConfig
 
@@ -102,6 +103,8 @@ def gateway_config(settings: Settings):
         max_request_bytes=settings.max_request_bytes,
         request_timeout_s=settings.request_timeout_s,
         producer=producer,
+        files=FilesConfig(store=settings.files_store, folder=settings.files_dir, max_bytes=settings.max_file_bytes),
+        batch_window_s=settings.batch_window_s,
     )
 
 

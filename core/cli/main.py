@@ -6,7 +6,7 @@ import sys
 
 import typer
 
-from wicore.cli import bench, caption, daemons, formats, gateway, jobs, models
+from wicore.cli import batches, bench, caption, daemons, formats, gateway, jobs, models
 from wicore.cli.failures import ExitCode, exit_codes_help, report
 
 try:  # recent typer vendors click
@@ -32,6 +32,8 @@ app.command(epilog=exit_codes_help(E.USAGE, E.REDIS, E.INTERRUPTED))(gateway.ser
 app.command(epilog=exit_codes_help(E.USAGE, E.REDIS, E.INTERRUPTED))(daemons.dashboard)
 app.command("make-model", epilog=exit_codes_help(E.USAGE))(models.make_model)
 app.command(epilog=exit_codes_help(E.USAGE))(formats.schema)
+app.command("run-batch", epilog=exit_codes_help(E.FAILED, E.USAGE, E.WORKERS, E.INTERRUPTED))(batches.run_batch)
+app.add_typer(batches.app, name="batch", epilog=exit_codes_help(E.FAILED, E.USAGE, E.UNFINISHED))
 app.add_typer(bench.app, name="bench")
 
 

@@ -9,11 +9,12 @@ from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
 from pydantic.json_schema import models_json_schema
 
-from wicore.gateway import jobs, openai_routes, service
+from wicore.gateway import batches, files, jobs, openai_routes, service
 from wicore.gateway.errors import ErrorBody, install_error_handlers
 from wicore.gateway.limits import BodyLimit, BodyTooLarge, too_large
 from wicore.gateway.metrics import HttpMetrics
 from wicore.gateway.schemas import JobRequest, OpenAIBatchLine
+from wicore.gateway.service_batches import BatchService
 from wicore.gateway.state import Gateway, GatewayConfig
 
 DOCUMENTED = (JobRequest, OpenAIBatchLine, ErrorBody)  # bodies read by Content-Type, and the error shape
@@ -25,21 +26,24 @@ ERRORS = {
 
 def create_app(config: GatewayConfig) -> FastAPI:
     gateway = Gateway(config)
+    batch_service = BatchService(config)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        yield
+        with batch_service.running():
+            yield
         await gateway.close()
 
     app = FastAPI(title="wicore gateway", version="1", lifespan=lifespan, description=__doc__)
     app.state.gateway = gateway
+    app.state.batches = batch_service
     install_error_handlers(app)
 
     @app.exception_handler(BodyTooLarge)
     async def body_too_large(request: Request, exc: BodyTooLarge):
         return too_large(config.max_request_bytes)
 
-    for router in (jobs.router, openai_routes.router, service.router):
+    for router in (jobs.router, openai_routes.router, service.router, files.router, batches.router):
         app.include_router(router)
     app.add_middleware(BodyLimit, max_bytes=config.max_request_bytes)
     app.add_middleware(HttpMetrics, metrics=gateway.metrics)

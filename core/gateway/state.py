@@ -15,6 +15,7 @@ from starlette.requests import Request
 
 from wicore.gateway.disconnect import ClientGone, client_gone
 from wicore.gateway.errors import ApiError
+from wicore.gateway.file_store import FilesConfig
 from wicore.gateway.metrics import GatewayMetrics
 from wicore.gateway.results import ResultReader
 from wicore.gateway.workers import live_models
@@ -33,6 +34,8 @@ class GatewayConfig:
     max_request_bytes: int = 64 * 2**20
     request_timeout_s: float = 300.0
     producer: ProducerConfig = field(default_factory=lambda: ProducerConfig(by_path=True, notify=False))
+    files: FilesConfig = field(default_factory=FilesConfig)  # where uploaded and batch output files live
+    batch_window_s: float = 86_400.0  # how long a batch's "24h" completion window lasts
 
 
 class Gateway:
