@@ -23,7 +23,7 @@ from torch import nn
 from wicore.engines.checkpoint import check_model_dir, torch_dtype
 from wicore.engines.fast.model import fp8
 from wicore.engines.fast.model.text_decoder import DecoderLayer, TextDecoder
-from wicore.engines.fast.model.vision_tower import ImageEncoder
+from wicore.engines.fast.model.vision_tower import ImageEncoder, SiglipLayer
 from wicore.engines.fast.model.weight_sources import WeightSource, open_source
 from wicore.engines.fast.model.weights import Gemma3Parts
 from wicore.errors import ConfigError
@@ -79,7 +79,8 @@ def load_gemma3(
     config = AutoConfig.from_pretrained(path)
     check_tied(config)
     with torch.device("meta"):
-        root = nn.ModuleDict({"encoder": ImageEncoder(config), "decoder": TextDecoder(config.text_config)})
+        encoder, decoder = ImageEncoder(config), TextDecoder(config.text_config)
+    root = nn.ModuleDict({"encoder": encoder, "decoder": decoder})
     expected = set(root.state_dict())
     bytes_in_dtype = meta_bytes(root, torch_dtype(dtype))
     source = open_source(path, config, expected, seed)
@@ -87,10 +88,10 @@ def load_gemma3(
         check_names(expected, source.names())
         with LoadMeter(device) as meter:
             streamer = Streamer(source, device, torch_dtype(dtype), fp8_plan)
-            streamer.load(root)
+            streamer.load(encoder, decoder, root)
     finally:
         source.close()
-    parts = Gemma3Parts(config, root["encoder"].eval(), root["decoder"].eval())
+    parts = Gemma3Parts(config, encoder.eval(), decoder.eval())
     parts.decoder.to_device(device)
     parts.report = load_report(parts, meter, streamer, bytes_in_dtype)
     return parts
@@ -121,8 +122,8 @@ class Streamer:
         if plan is not None and device.type == "cuda":
             load_cuda_kernels()  # the MLP quantizes GELU(gate) * up in one pass (ops.fp8.gated_gelu_linear)
 
-    def load(self, root: nn.Module) -> None:
-        tower, decoder = root["encoder"].vision_tower, root["decoder"]
+    def load(self, encoder: ImageEncoder, decoder: TextDecoder, root: nn.Module) -> None:
+        tower = encoder.vision_tower
         for index, layer in enumerate(tower.layers):
             tower.layers[index] = self.vision_layer(layer, index)
         for index, layer in enumerate(decoder.layers):
@@ -144,7 +145,7 @@ class Streamer:
                 weight = nn.Parameter(self.tensor(prefix + name, param.shape), requires_grad=False)
                 setattr(module.get_submodule(owner), leaf, weight)
 
-    def vision_layer(self, layer: nn.Module, index: int) -> nn.Module:
+    def vision_layer(self, layer: SiglipLayer, index: int) -> nn.Module:
         self.materialize(layer, f"encoder.vision_tower.layers.{index}.")
         if self.fp8 is None or self.plan is None:
             return layer
