@@ -167,3 +167,20 @@ def test_loading_frees_nothing_it_keeps(tiny_model_dir):
     parts = load_gemma3(tiny_model_dir, CPU, "bfloat16")
     modules = nn.ModuleList([parts.encoder, parts.decoder])
     assert all(not p.is_meta and p.dtype == torch.bfloat16 for p in modules.parameters())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("model", ["mid_seeded", "mid_safetensors"])
+@pytest.mark.parametrize("fp8_gemms", [False, True])
+def test_gpu_load_peak_is_the_model_plus_one_layer(model, fp8_gemms, request):
+    from tests.helpers import fp8_gpu
+
+    if fp8_gemms and not fp8_gpu():
+        pytest.skip("needs a CUDA GPU of compute capability 8.9+")
+    model_dir = request.getfixturevalue(model)
+    torch.cuda.empty_cache()
+    parts = load_gemma3(model_dir, torch.device("cuda"), "bfloat16", fp8_plan=FP8Plan() if fp8_gemms else None)
+    report = parts.report
+    assert report["load_peak_bytes"] <= report["weight_bytes"] + largest_layer_bytes(model_dir, torch.bfloat16)
+    del parts
