@@ -43,13 +43,12 @@ class FP8Plan:
 
 @dataclass
 class LoadMeter:
-    """Seconds of a load and, on CUDA, the allocator's peak and final bytes above what was
-    allocated before it (None on the CPU)."""
+    """Seconds of a load and, on CUDA, the allocator's peak above what was allocated before it
+    (None on the CPU)."""
 
     device: torch.device
     seconds: float = 0.0
     peak_bytes: int | None = None
-    final_bytes: int | None = None
 
     def __enter__(self) -> LoadMeter:
         if self.device.type == "cuda":
@@ -63,7 +62,6 @@ class LoadMeter:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             self.peak_bytes = torch.cuda.max_memory_allocated(self.device) - self._base
-            self.final_bytes = torch.cuda.memory_allocated(self.device) - self._base
         self.seconds = time.perf_counter() - self._start
 
 
