@@ -6,6 +6,7 @@ engine's, FP8 quantized in blocks equals quantized whole; and the fit check befo
 from __future__ import annotations
 
 import logging
+import shutil
 from pathlib import Path
 
 import pytest
@@ -25,7 +26,7 @@ from wicore.engines.fast.model.loader import FP8Plan, load_gemma3
 from wicore.engines.fast.model.text_decoder import TextDecoder
 from wicore.engines.fast.model.vision_tower import ImageEncoder
 from wicore.engines.options import FastOptions
-from wicore.models.gemma3 import gemma3_config
+from wicore.models.gemma3 import gemma3_config, write_seeded_weights
 from wicore.ops.fp8 import quantize_weight
 
 CPU = torch.device("cpu")
@@ -184,3 +185,21 @@ def test_gpu_load_peak_is_the_model_plus_one_layer(model, fp8_gemms, request):
     report = parts.report
     assert report["load_peak_bytes"] <= report["weight_bytes"] + largest_layer_bytes(model_dir, torch.bfloat16)
     del parts
+
+
+def test_seeded_weights_written_as_shards_load_as_the_seeded_ones(tiny_model_dir, tmp_path):
+    # `make-model gemma3-27b --weights` at toy size: bf16 shards under transformers' names and
+    # their index; both engines read them, and they hold what a config-only load draws.
+    written = tmp_path / "written"
+    shutil.copytree(tiny_model_dir, written, ignore=shutil.ignore_patterns("*.safetensors"))
+    config = AutoConfig.from_pretrained(tiny_model_dir)
+    write_seeded_weights(written, config, seed=3, shard_bytes=200_000)
+    assert len(list(written.glob("model-*.safetensors"))) > 1
+    seeded = tmp_path / "seeded"
+    shutil.copytree(tiny_model_dir, seeded, ignore=shutil.ignore_patterns("*.safetensors"))
+    (seeded / "wicore_init.json").write_text('{"seed": 3}')
+    ours, drawn = load_gemma3(written, CPU, "bfloat16"), load_gemma3(seeded, CPU, "bfloat16")
+    for a, b in zip(ours.decoder.parameters(), drawn.decoder.parameters(), strict=True):
+        assert torch.equal(a, b)
+    hf = load_hf_model(written, "cpu", "bfloat16")
+    assert torch.equal(hf.model.language_model.layers[0].mlp.up_proj.weight, ours.decoder.layers[0].mlp.up_proj.weight)

@@ -29,6 +29,12 @@ def make_model(
     ),
     out_dir: Path = typer.Argument(..., help="Directory to write."),
     seed: int = typer.Option(0, help="Weight seed."),
+    weights: bool = typer.Option(
+        False,
+        "--weights",
+        help="gemma3-*: also write the seeded weights as bf16 safetensors shards (drawn on the CPU; minutes for "
+        "27B), a checkpoint read from disk as a user's is: time to ready from disk.",
+    ),
     debug: bool = DebugOption,
 ) -> None:
     """Write a Gemma-3 checkpoint directory that loads offline like a user's own."""
@@ -36,5 +42,9 @@ def make_model(
         quiet_progress_bars()  # transformers' shard-writing bar is noise in a log
     from wicore.models.gemma3 import make_seeded, make_tiny
 
-    path = make_tiny(out_dir, seed=seed) if preset is Preset.tiny else make_seeded(out_dir, preset.value, seed=seed)
+    path = (
+        make_tiny(out_dir, seed=seed)
+        if preset is Preset.tiny
+        else make_seeded(out_dir, preset.value, seed=seed, weights=weights)
+    )
     console.print(f"wrote {preset.value} to {path}")

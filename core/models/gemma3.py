@@ -10,6 +10,7 @@ load time (`wicore.engines.seeded_weights`).
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 from transformers import (
@@ -89,6 +90,7 @@ TEXT_SHAPES = {
     ),
 }  # fmt: skip
 SEEDED_PRESETS = tuple(TEXT_SHAPES)
+SHARD_BYTES = 5 * 2**30  # safetensors shards of seeded weights, as transformers' save_pretrained
 
 
 def gemma3_config(preset: str) -> Gemma3Config:
@@ -146,9 +148,10 @@ def make_tiny(out_dir: str | Path, *, seed: int = 0, sliding_window: int = 16) -
     return out
 
 
-def make_seeded(out_dir: str | Path, preset: str, *, seed: int = 0) -> Path:
+def make_seeded(out_dir: str | Path, preset: str, *, seed: int = 0, weights: bool = False) -> Path:
     """Config + processor of a Gemma-3 family member (`SEEDED_PRESETS`); weights are seeded at
-    load time (`wicore.engines.seeded_weights`).
+    load time (`wicore.engines.seeded_weights`), or, with `weights`, written now as bf16
+    safetensors shards (`write_seeded_weights`: a checkpoint read from disk as a user's is).
 
     The tokenizer is ours (trained locally) with its special tokens placed at Gemma-3's ids, so
     prompts expand to the real image-token layout (boi 255999, 256 x 262144, eoi 256000).
@@ -160,8 +163,51 @@ def make_seeded(out_dir: str | Path, preset: str, *, seed: int = 0) -> Path:
     tokenizer = _place_specials_like_gemma3(tokenizer, config)
     config.save_pretrained(out)
     make_processor(tokenizer, config).save_pretrained(out)
-    (out / SEED_FILE).write_text(json.dumps({"seed": seed}))
+    if weights:
+        write_seeded_weights(out, config, seed)
+    else:
+        (out / SEED_FILE).write_text(json.dumps({"seed": seed}))
     return out
+
+
+def write_seeded_weights(out: Path, config: Gemma3Config, seed: int, shard_bytes: int = SHARD_BYTES) -> None:
+    """The seeded weights (drawn on the CPU) as bf16 safetensors shards of at most `shard_bytes`
+    under transformers' names, with their index: one shard's tensors in memory at a time."""
+    from safetensors.torch import save_file
+
+    weight_map: dict[str, str] = {}
+    shard: dict = {}
+    index = total = 0
+    for name, tensor in _seeded_tensors(config, seed):
+        if shard and sum(t.nbytes for t in shard.values()) + tensor.nbytes > shard_bytes:
+            save_file(shard, out / _shard_name(index), metadata={"format": "pt"})
+            shard, index = {}, index + 1
+        shard[name], weight_map[name] = tensor, _shard_name(index)
+        total += tensor.nbytes
+    save_file(shard, out / _shard_name(index), metadata={"format": "pt"})
+    manifest = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (out / "model.safetensors.index.json").write_text(json.dumps(manifest, indent=2))
+
+
+def _seeded_tensors(config: Gemma3Config, seed: int) -> Iterator:
+    """(transformers' name, bf16 tensor) of every weight but the tied lm_head, one at a time."""
+    import torch
+    from transformers import Gemma3ForConditionalGeneration
+
+    from wicore.engines.seeded_weights import fill_seeded
+    from wicore.engines.weight_names import our_name
+
+    with torch.device("meta"):
+        shapes = [(n, p.shape) for n, p in Gemma3ForConditionalGeneration(config).named_parameters()]
+    for name, shape in shapes:
+        if (ours := our_name(name)) is not None:
+            tensor = torch.empty(shape, dtype=torch.bfloat16)
+            fill_seeded(tensor, ours, seed, config)
+            yield name, tensor
+
+
+def _shard_name(index: int) -> str:
+    return f"model-{index + 1:05d}.safetensors"
 
 
 def make_gemma3_4b(out_dir: str | Path, *, seed: int = 0) -> Path:
