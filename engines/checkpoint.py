@@ -68,7 +68,7 @@ def load_hf_model(model_dir: str | Path, device: str, dtype: str, seed: int = 0)
 
     A directory with safetensors loads through `from_pretrained` (offline, straight to the
     device). A config-only directory (`wicore make-model gemma3-4b`) gets seeded random weights
-    created on the device: the same seed gives the same weights in every engine.
+    (`seeded_weights`) drawn on the device: the same seed gives the same weights in every engine.
     """
     from transformers import AutoConfig, AutoModelForImageTextToText
 
@@ -77,8 +77,26 @@ def load_hf_model(model_dir: str | Path, device: str, dtype: str, seed: int = 0)
         # device_map would need accelerate; CPU -> device is one copy of the weights.
         model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch_dtype(dtype))
         return model.to(device).eval()
-    seed = json.loads((path / SEED_FILE).read_text()).get("seed", seed)
-    return seeded_model(AutoConfig.from_pretrained(path), seed, torch_dtype(dtype), device)
+    config = AutoConfig.from_pretrained(path)
+    return reseeded(seeded_model(config, 0, torch_dtype(dtype), device), config, config_seed(path, seed))
+
+
+def config_seed(model_dir: str | Path, default: int = 0) -> int:
+    """The weight seed a config-only directory names (`make-model --seed`)."""
+    return json.loads((Path(model_dir) / SEED_FILE).read_text()).get("seed", default)
+
+
+def reseeded(model, config, seed: int):
+    """`model` (HF) with every weight overwritten in place by `seeded_weights`, as the fast
+    engine's loader draws them."""
+    from wicore.engines.seeded_weights import fill_seeded
+    from wicore.engines.weight_names import our_name
+
+    for name, param in model.named_parameters():
+        ours = our_name(name)
+        if ours is not None:
+            fill_seeded(param.data, ours, seed, config)
+    return model
 
 
 def seeded_model(config, seed: int, dtype: torch.dtype | None = None, device: str | torch.device = "cpu"):

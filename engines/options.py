@@ -42,6 +42,13 @@ class FastOptions(BaseModel):
     num_kv_blocks: int | None = Field(
         None, ge=1, description="KV pages in the pool. Default: as many as fit in the free device memory."
     )
+    memory_budget_bytes: int | None = Field(
+        None,
+        ge=1,
+        description="Device memory the start-up fit check counts on, in place of the GPU's total x "
+        "gpu_memory_utilization - memory in use (on the CPU, the only way to run the check: tests, dry runs). "
+        "Default: the GPU's figures; no check on the CPU.",
+    )
     cuda_graphs: bool = Field(
         True, description="Capture decode and short prefills as CUDA graphs per size bucket (CUDA only). Default on."
     )
@@ -258,6 +265,7 @@ class FastOptions(BaseModel):
             max_prefill_tokens=prefill_tokens,
             gpu_memory_utilization=self.gpu_memory_utilization,
             num_kv_blocks=self.num_kv_blocks,
+            memory_budget_bytes=self.memory_budget_bytes,
             cuda_graphs=graphs,
             vision_graph=graphs and _default(self.vision_graph, True),
             graph_batch_sizes=self._graph_sizes(max_batch_size) if graphs else (),
@@ -344,6 +352,7 @@ class ResolvedFastConfig:
     max_prefill_tokens: int
     gpu_memory_utilization: float
     num_kv_blocks: int | None  # None: sized from the free device memory at start
+    memory_budget_bytes: int | None  # None: the GPU's figures (no fit check on the CPU)
     cuda_graphs: bool  # on CUDA only
     vision_graph: bool  # with cuda_graphs only
     graph_batch_sizes: tuple[int, ...]

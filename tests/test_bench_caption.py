@@ -23,7 +23,7 @@ from wicore.bench.caption_scaling import (
 from wicore.bench.report import gpu_slug, write_caption_report, write_scaling_report
 from wicore.bench.roofline import Ceilings, image_work, roofline_images_per_s
 from wicore.errors import ConfigError
-from wicore.models.gemma3 import gemma3_4b_config
+from wicore.models.gemma3 import gemma3_4b_config, gemma3_config
 
 pytestmark = pytest.mark.slow
 
@@ -212,3 +212,27 @@ def test_scaling_bench_runs_end_to_end_on_cpu(tmp_path, tiny_model_dir):
     assert all(stats["jobs_done"] > 0 for stats in workers.values()), "both served"
     paths = write_scaling_report(report, tmp_path / "results")
     assert [p.name for p in paths] == ["caption-gemma3-4b-cpu-x2.json", "caption-gemma3-4b-cpu-x2.png"]
+
+
+def test_roofline_of_the_27b():
+    work = image_work(gemma3_config("gemma3-27b"), prompt_tokens=276, new_tokens=64)
+    assert work.kv_bytes_per_token == 62 * 2 * 16 * 128 * 2  # 62 layers x K and V x 16 heads x 128 x bf16
+    assert work.weight_bytes_per_step / 1e9 == pytest.approx(54.0, abs=0.3)  # 25.6 B in layers + 1.4 B lm_head
+    assert work.vision_flops == image_work(gemma3_4b_config(), 276, 64).vision_flops  # the same SigLIP tower
+
+
+def test_a_presets_report_is_named_and_reruns_as_that_preset(tmp_path):
+    bench = CaptionBench(workdir=tmp_path, preset="gemma3-27b", images=512, gpus=2)
+    report = scaling_report(bench, product_run(10.0), product_run(19.0), "NVIDIA H100 80GB HBM3")
+    json_path, _ = write_scaling_report(report, tmp_path / "results")
+    assert json_path.name == "caption-gemma3-27b-h100-x2.json"
+    assert report["command"] == "wicore bench caption --preset gemma3-27b --gpus 2 --images 512"
+
+
+def test_an_unknown_preset_is_refused_before_anything_runs(tmp_path):
+    run = wicore("bench", "caption", "--preset", "gemma3-70b", "--workdir", str(tmp_path), check=False)
+    assert (run.returncode, run.stderr) == (
+        2,
+        "error: unknown preset 'gemma3-70b'; choose one of gemma3-4b, gemma3-12b, gemma3-27b\n",
+    )
+    assert not any(tmp_path.iterdir()), "nothing made, nothing run"

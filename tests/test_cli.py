@@ -181,3 +181,16 @@ def test_caption_fast_and_reference_engines_write_identical_texts(tmp_path, tiny
         texts[engine] = {line["input"]: line["text"] for line in read_lines(out)}
         assert all(line["engine"] == engine for line in read_lines(out))
     assert len(texts["fast"]) == 12 and texts["fast"] == texts["reference"]
+
+
+def test_the_fast_worker_reports_its_time_to_ready(tmp_path, server, tiny_model_dir):
+    log = tmp_path / "worker.log"
+    worker = start_worker("--redis-url", server.url, "--model", str(tiny_model_dir), "--engine", "fast", "--burst",
+                          log=log)  # fmt: skip
+    assert worker.wait(timeout=120) == 0
+    text = log.read_text()
+    assert "weights loaded: " in text and "peak during load not measured on the CPU" in text
+    assert "engine ready: load " in text and ", ready in " in text  # the INFO log's phases; the serving line
+    connection = Redis.from_url(server.url)
+    [published] = [json.loads(connection.get(key)) for key in connection.scan_iter("wicore:stats:*")]
+    assert published["ready_s"] >= published["load_s"] > 0 and published["weight_bytes"] > 0

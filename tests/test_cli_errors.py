@@ -283,3 +283,15 @@ def test_redact_hides_passwords_in_any_url():
         "at redis://:***@h:6379/0 and rediss://user:***@h/1."
     )
     assert redact("redis://h:6379/0 redis://user@h/0") == "redis://h:6379/0 redis://user@h/0"
+
+
+@pytest.mark.slow
+def test_a_model_that_does_not_fit_is_refused_in_one_line_before_loading(tmp_path, locked, env):
+    model = tmp_path / "gemma3-27b"
+    wicore("make-model", "gemma3-27b", str(model), env=env)
+    args = ["--redis-url", locked.url, "--model", str(model), "--allow-random-weights", "--engine", "fast"]
+    budget = ["--engine-option", f"memory_budget_bytes={32 * 2**30}"]  # a 32 GiB device, as the fit check sees it
+    says = "the model does not fit: it needs 55.8 GiB (weights 51.1 GiB + KV 1.1 GiB"
+    line = fails("worker", *args, "--dtype", "bfloat16", *budget, code=USAGE, says=says, env=env)
+    assert "but 32.0 GiB is available (memory_budget_bytes); try --dtype fp8 (weights 26.9 GiB)" in line
+    assert "a lower max_model_len (now 8192), a lower --batch-size (now 8), a GPU with more memory" in line

@@ -19,8 +19,8 @@ from tests.helpers import fp8_gpu
 from wicore.engines.base import EngineConfig
 from wicore.engines.fast import FastEngine
 from wicore.engines.fast.model import fp8
+from wicore.engines.fast.model.loader import load_gemma3
 from wicore.engines.fast.model.vision_tower import SiglipLayer, VisionTower
-from wicore.engines.fast.model.weights import load_gemma3
 from wicore.engines.fast.model_runner import ModelRunner
 from wicore.engines.fast.sampler import Sampler
 from wicore.engines.kvcache.kv_layout import KVLayout

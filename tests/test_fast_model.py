@@ -8,7 +8,8 @@ import torch
 
 from tests.fast_requests import image, one_torch_thread  # noqa: F401 (fixture)
 from wicore.engines.checkpoint import load_hf_model, load_processor
-from wicore.engines.fast.model.weights import load_gemma3, our_name
+from wicore.engines.fast.model.loader import load_gemma3
+from wicore.engines.fast.model.weights import our_name
 from wicore.engines.fast.model_runner import ModelRunner
 from wicore.engines.fast.prompt_inputs import InputProcessor
 from wicore.engines.fast.sampler import Sampler

@@ -19,6 +19,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tests.fast_requests import image, mismatches, mixed_requests, one_torch_thread, request  # noqa: F401 (fixture)
+from tests.model_shapes import LIKE_12B, LIKE_27B, reshaped
 from wicore.engines.base import EngineConfig, EngineRequest
 from wicore.engines.fast import FastEngine
 from wicore.engines.options import FastOptions
@@ -316,3 +317,30 @@ def test_seeded_sampling_gives_the_same_text_in_any_batch(engine, both_engines):
 @pytest.fixture(scope="module")
 def both_engines(reference, fast):
     return {"reference": reference, "fast": fast}
+
+
+@pytest.fixture(scope="module", params=["12b", "27b"])
+def shaped_model_dir(request, tiny_model_dir, tmp_path_factory):
+    """The tiny checkpoint's text model reshaped as Gemma-3-12B's or 27B's ratios (heads to KV
+    heads, head_dim against hidden, query_pre_attn_scalar; 5 sliding layers to 1 full)."""
+    shape = {"12b": LIKE_12B, "27b": LIKE_27B}[request.param]
+    return reshaped(tiny_model_dir, tmp_path_factory.mktemp("models") / f"like-{request.param}", shape, weights=True)
+
+
+def test_12b_and_27b_shapes_match_reference(shaped_model_dir):
+    config = EngineConfig(str(shaped_model_dir), max_batch_size=4)
+    requests = mixed_requests()
+    out, ref = FastEngine(config).generate(requests), ReferenceEngine(config).generate(requests)
+    assert mismatches(out, ref) == []
+    assert len({tuple(c.token_ids) for c in ref}) > 1  # the outputs are not all alike
+
+
+def test_12b_and_27b_shapes_config_only_match_reference(shaped_model_dir, tmp_path):
+    # Seeded weights drawn tensor by tensor into the fast engine's fused buffers, and into HF's model.
+    seeded = tmp_path / "seeded"
+    shutil.copytree(shaped_model_dir, seeded, ignore=shutil.ignore_patterns("*.safetensors"))
+    (seeded / "wicore_init.json").write_text('{"seed": 5}')
+    config = EngineConfig(str(seeded), max_batch_size=4)
+    requests = mixed_requests()[:4]
+    out, ref = FastEngine(config).generate(requests), ReferenceEngine(config).generate(requests)
+    assert mismatches(out, ref) == []

@@ -1,7 +1,8 @@
-"""`wicore bench caption --preset gemma3-4b`: bulk captioning through the whole product
-(embedded Redis, producer, scheduler, worker, engine) against HF `generate` on the same model,
-images and token counts, in the same run; with the roofline from the config and the ceilings
-measured at the start of the run."""
+"""`wicore bench caption --preset gemma3-4b|gemma3-12b|gemma3-27b`: bulk captioning through the
+whole product (embedded Redis, producer, scheduler, worker, engine) against HF `generate` on the
+same model, images and token counts, in the same run (HF after the worker has exited, at each
+of its batch sizes that fits); with the roofline from the config, the ceilings measured at the
+start of the run and the worker's time to ready."""
 
 from __future__ import annotations
 
@@ -21,7 +22,6 @@ from wicore.bench.gpu_busy import GpuBusySampler
 from wicore.bench.roofline import Ceilings, image_work, measure_ceilings, roofline_images_per_s
 from wicore.schemas import DEFAULT_PROMPT
 
-MODEL_ID = "gemma3-4b"
 START_JOBS = 32  # the first jobs submitted, whose timings show how the pipeline fills (`start_timeline`)
 START_WINDOW_S = 2.0  # the timed window's first seconds, apart in the sampled loop thread's report
 DIP_BUSY = 0.95  # a later second whose GPU busy share is below this gets its own sampled table
@@ -31,6 +31,7 @@ DIP_ROWS = 8  # rows of each such table
 @dataclass
 class CaptionBench:
     workdir: Path
+    preset: str = "gemma3-4b"  # the seeded model's shape (`wicore.models.gemma3.SEEDED_PRESETS`); its model id too
     images: int = 1024
     new_tokens: int = 64
     batch_size: int = 384  # the engine's running sequences and the scheduler's claim size
@@ -48,7 +49,7 @@ class CaptionBench:
     prompt: str = DEFAULT_PROMPT
     device: str = "cuda"
     gpus: int = 0  # 0: the plain worker; N: also a worker process per GPU on N GPUs (caption_scaling.py)
-    model_dir: Path | None = None  # default: `make-model gemma3-4b` (seeded weights on the device)
+    model_dir: Path | None = None  # default: `make-model <preset>` (seeded weights on the device)
     hf_peers: bool = True  # False (`--no-hf`): the product alone, for A/B runs of engine options
     decode_processes: int | None = None  # the worker's `--decode-processes`; None: its default
     sample_stacks: bool = False  # the worker's loop thread sampled (`stack_sampler`): `host_stacks` in the JSON
@@ -85,7 +86,7 @@ def wait_for_workers(connection, process, log: Path, count: int, timeout: float 
 def worker_command(bench: CaptionBench, url: str, model_dir: Path, root: Path, gpus: int) -> list[str]:
     """`wicore worker` as the benchmark runs it: plain (gpus=0), or one worker process per GPU
     under the supervisor (`--gpus 0,...,N-1`; on CPU, `--workers N`)."""
-    args = ["--redis-url", url, "--model", str(model_dir), "--model-id", MODEL_ID, "--engine", bench.engine,
+    args = ["--redis-url", url, "--model", str(model_dir), "--model-id", bench.preset, "--engine", bench.engine,
             "--device", bench.device, "--batch-size", str(bench.batch_size), "--allow-root", str(root),
             "--max-queue-delay-ms", "20", "--allow-random-weights"]  # fmt: skip
     for key, value in bench.engine_options.items():
@@ -122,7 +123,7 @@ def run_product(
             started = time.perf_counter()
             names = wait_for_workers(connection, worker, log, max(1, gpus))
             load_s = time.perf_counter() - started
-            producer = Producer(server.url, model=MODEL_ID, config=ProducerConfig(by_path=True))
+            producer = Producer(server.url, model=bench.preset, config=ProducerConfig(by_path=True))
             warm_ids = producer.submit_many(Submission(p, bench.prompt, params=params) for p in warm)
             list(producer.wait(warm_ids, timeout=900))
             start, start_wall = time.perf_counter(), time.time()
@@ -227,16 +228,21 @@ def run_peers(bench: CaptionBench, model_dir: Path, paths: list[Path]) -> dict:
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     runs = {1: run_generate(model, processor, images[: bench.hf_single_images], bench.prompt, bench.new_tokens, 1, eos)}
-    passes = {}
+    passes: dict[str, list[float] | str] = {}
     for batch in bench.hf_batches:
-        timed_runs = [
-            run_generate(model, processor, images[: bench.hf_images], bench.prompt, bench.new_tokens, batch, eos)
-            for _ in range(bench.hf_repeats)
-        ]
+        try:
+            timed_runs = [
+                run_generate(model, processor, images[: bench.hf_images], bench.prompt, bench.new_tokens, batch, eos)
+                for _ in range(bench.hf_repeats)
+            ]
+        except torch.OutOfMemoryError:  # a larger model leaves room for smaller batches only
+            passes[str(batch)] = "out of memory"
+            torch.cuda.empty_cache()
+            continue
         passes[str(batch)] = [r.images_per_s for r in timed_runs]
         runs[batch] = max(timed_runs, key=lambda r: r.images_per_s)
     peak = torch.cuda.max_memory_allocated() if cuda else None
-    best = max((b for b in runs if b > 1), key=lambda b: runs[b].images_per_s)
+    best = max(runs, key=lambda b: runs[b].images_per_s)  # batch 1 when no larger batch fits
     tokens = {b: {str(p): t for p, t in zip(timed, r.tokens)} for b, r in runs.items()}
     del model
     if cuda:
@@ -290,11 +296,11 @@ def run_caption_bench(bench: CaptionBench, ceilings: Ceilings | None = None) -> 
 
 
 def caption_runs(bench: CaptionBench, ceilings: Ceilings | None = None) -> CaptionRuns:
-    from wicore.models.gemma3 import make_gemma3_4b
+    from wicore.models.gemma3 import make_seeded
 
     bench.workdir.mkdir(parents=True, exist_ok=True)
     ceilings = ceilings or measure_ceilings(bench.device)
-    model_dir = bench.model_dir or make_gemma3_4b(bench.workdir / "gemma3-4b")
+    model_dir = bench.model_dir or make_seeded(bench.workdir / bench.preset, bench.preset)
     paths = make_images(bench.workdir / "images", bench.warmup_images + bench.images, processes=os.cpu_count() or 4)
     warm, timed = paths[: bench.warmup_images], paths[bench.warmup_images :]
     product = run_product(bench, model_dir, warm, timed, bench.workdir / "worker.log")
@@ -313,6 +319,7 @@ def caption_report(bench: CaptionBench, runs: CaptionRuns) -> dict:
     roofline, bound = roofline_images_per_s(work, ceilings, bench.batch_size, prompt_tokens, bench.new_tokens)
     return {
         "gpu": device_name(bench.device),
+        "preset": bench.preset,
         "command": bench_command(bench),
         "engine": bench.engine,
         "engine_options": bench.engine_options,
@@ -335,6 +342,7 @@ def caption_report(bench: CaptionBench, runs: CaptionRuns) -> dict:
         "latency_p99_s": product["latency_p99_s"],
         "peak_gpu_bytes": product["engine_stats"].get("peak_gpu_bytes"),
         "worker_start_s": product["worker_start_s"],
+        **startup_report(product["engine_stats"]),
         "errors": product["errors"],
         "error_count": product["error_count"],
         "engine_stats": product["engine_stats"],
@@ -345,7 +353,7 @@ def caption_report(bench: CaptionBench, runs: CaptionRuns) -> dict:
 
 def bench_command(bench: CaptionBench, dtype: str | None = None) -> str:
     """The command line that runs this benchmark again."""
-    words = ["wicore bench caption --preset gemma3-4b", f"--images {bench.images}"]
+    words = [f"wicore bench caption --preset {bench.preset}", f"--images {bench.images}"]
     words += [f"--dtype {dtype}"] if dtype else []
     if bench.hf_peers:
         words += [f"--hf-batches {','.join(str(b) for b in bench.hf_batches)}", f"--hf-images {bench.hf_images}"]
@@ -355,6 +363,19 @@ def bench_command(bench: CaptionBench, dtype: str | None = None) -> str:
     words += [] if bench.decode_processes is None else [f"--decode-processes {bench.decode_processes}"]
     words += ["--sample-stacks"] if bench.sample_stacks else []
     return " ".join(words + engine_option_words(bench.engine_options))
+
+
+def startup_report(stats: dict) -> dict:
+    """The worker's time to ready by phase (the engine's stats), the load's peak device memory
+    and the KV pages that fit beside the model."""
+    phases = ("load_s", "compile_s", "kv_warm_up_s", "graph_capture_s")
+    return {
+        "time_to_ready_s": stats.get("ready_s"),
+        "ready_phases_s": {phase: stats.get(phase) for phase in phases},
+        "load_peak_bytes": stats.get("load_peak_bytes"),
+        "weight_bytes": stats.get("weight_bytes"),
+        "kv_pages": stats.get("kv_pages"),
+    }
 
 
 def engine_option_words(options: dict) -> list[str]:
@@ -386,6 +407,6 @@ def peer_report(product: dict, peers: dict | None) -> dict:
         "hf_peak_gpu_bytes": peers["peak_gpu_bytes"],
         "parity_vs_hf_best_batch": parity(product["tokens"], best, peers["best_margins"]),
         "parity_vs_hf_batch1": parity(product["tokens"], tokens[1]),
-        "hf_batch1_vs_hf_best_batch": hf_vs_best["1"],
+        "hf_batch1_vs_hf_best_batch": hf_vs_best.get("1"),  # None: batch 1 is HF's best (no larger batch fit)
         "hf_batches_vs_hf_best_batch": hf_vs_best,
     }

@@ -1,4 +1,4 @@
-"""`wicore bench caption --preset gemma3-4b --dtype fp8`: the caption benchmark's product path in
+"""`wicore bench caption --preset <preset> --dtype fp8`: the caption benchmark's product path in
 bf16 and with FP8 GEMMs (`gemm_dtype = "fp8"`) on the same images in the same run, HF `generate`
 once for both, and what FP8 costs: the share of the 64-token sequences equal to bf16's, and the
 demo captioner's exact match through the engine on the GPU in both modes.

@@ -1,4 +1,4 @@
-"""`wicore bench caption --preset gemma3-4b --gpus N`: the product path on N GPUs (`wicore worker
+"""`wicore bench caption --preset <preset> --gpus N`: the product path on N GPUs (`wicore worker
 --gpus 0,...,N-1`: a worker process per GPU under the supervisor) and, in the same run, on one
 (the plain `wicore worker`), each GPU given the same work: `images` timed images per GPU after a
 warm-up. `scaling` is the ratio of the two images/s: N would be perfect."""
@@ -34,10 +34,10 @@ def scaling(images_per_s: float, images_per_s_1gpu: float, gpus: int) -> dict:
 
 
 def run_scaling_bench(bench: CaptionBench) -> dict:
-    from wicore.models.gemma3 import make_gemma3_4b
+    from wicore.models.gemma3 import make_seeded
 
     bench.workdir.mkdir(parents=True, exist_ok=True)
-    model_dir = bench.model_dir or make_gemma3_4b(bench.workdir / "gemma3-4b")
+    model_dir = bench.model_dir or make_seeded(bench.workdir / bench.preset, bench.preset)
     warm, n = warmup_per_gpu(bench), bench.gpus
     paths = make_images(bench.workdir / "images", (warm + bench.images) * n, processes=os.cpu_count() or 4)
     plain_log, supervised_log = bench.workdir / "plain-worker.log", bench.workdir / f"supervised-x{n}.log"
@@ -51,6 +51,7 @@ def scaling_report(bench: CaptionBench, one: dict, many: dict, gpu: str) -> dict
     n = bench.gpus
     return {
         "gpu": gpu,
+        "preset": bench.preset,
         "command": scaling_command(bench),
         "gpus": n,
         "gemm_dtype": bench.engine_options.get("gemm_dtype", "model"),
@@ -73,6 +74,6 @@ def scaling_command(bench: CaptionBench) -> str:
     """The command line that runs this scaling benchmark again (`--dtype fp8` stands for the
     `gemm_dtype` option it sets)."""
     options = dict(bench.engine_options)
-    words = ["wicore bench caption --preset gemma3-4b", f"--gpus {bench.gpus}", f"--images {bench.images}"]
+    words = [f"wicore bench caption --preset {bench.preset}", f"--gpus {bench.gpus}", f"--images {bench.images}"]
     words += ["--dtype fp8"] if options.pop("gemm_dtype", None) == "fp8" else []
     return " ".join(words + engine_option_words(options))

@@ -18,20 +18,29 @@ def gpu_slug(name: str) -> str:
     return (match.group(1) if match else re.sub(r"\W+", "-", name)).lower()
 
 
+def preset_of(report: dict) -> str:
+    return report.get("preset", "gemma3-4b")
+
+
+def shape_title(report: dict) -> str:
+    """'gemma3-27b' -> 'Gemma-3-27B shape'."""
+    return f"Gemma-3-{preset_of(report).removeprefix('gemma3-').upper()} shape"
+
+
 def write_caption_report(report: dict, folder: Path) -> list[Path]:
-    """caption-gemma3-4b-<gpu>.json and .png."""
-    return write_with_plot(report, folder / f"caption-gemma3-4b-{gpu_slug(report['gpu'])}", plot_caption)
+    """caption-<preset>-<gpu>.json and .png."""
+    return write_with_plot(report, folder / f"caption-{preset_of(report)}-{gpu_slug(report['gpu'])}", plot_caption)
 
 
 def write_fp8_report(report: dict, folder: Path) -> list[Path]:
-    """caption-gemma3-4b-fp8-<gpu>.json and .png (both modes beside HF's bars)."""
-    return write_with_plot(report, folder / f"caption-gemma3-4b-fp8-{gpu_slug(report['gpu'])}", plot_fp8)
+    """caption-<preset>-fp8-<gpu>.json and .png (both modes beside HF's bars)."""
+    return write_with_plot(report, folder / f"caption-{preset_of(report)}-fp8-{gpu_slug(report['gpu'])}", plot_fp8)
 
 
 def write_scaling_report(report: dict, folder: Path) -> list[Path]:
-    """caption-gemma3-4b-<gpu>-x<N>.json and .png (caption-gemma3-4b-fp8-<gpu>-x<N> with FP8 GEMMs)."""
+    """caption-<preset>-<gpu>-x<N>.json and .png (caption-<preset>-fp8-<gpu>-x<N> with FP8 GEMMs)."""
     dtype = "fp8-" if report.get("gemm_dtype") == "fp8" else ""
-    stem = folder / f"caption-gemma3-4b-{dtype}{gpu_slug(report['gpu'])}-x{report['gpus']}"
+    stem = folder / f"caption-{preset_of(report)}-{dtype}{gpu_slug(report['gpu'])}-x{report['gpus']}"
     return write_with_plot(report, stem, plot_scaling)
 
 
@@ -47,7 +56,7 @@ def plot_scaling(report: dict, path: Path) -> Path:
     gpus = f"{n} GPUs" if n > 1 else "1 GPU"
     labels = ["1 GPU\nwicore worker", f"{gpus}\nwicore worker --gpus", f"{n} x 1 GPU\n(perfect)"]
     title = (
-        f"Gemma-3-4B shape{', FP8 GEMMs' if report.get('gemm_dtype') == 'fp8' else ''} on "
+        f"{shape_title(report)}{', FP8 GEMMs' if report.get('gemm_dtype') == 'fp8' else ''} on "
         f"{gpu_slug(report['gpu']).upper()}\n{report['scaling']:.2f}x on {gpus} "
         f"({100 * report['scaling_efficiency']:.0f}% of perfect), {report['images_per_gpu']} images per GPU"
     )
@@ -102,7 +111,7 @@ def plot_caption(report: dict, path: Path, ours: dict[str, float] | None = None,
     versus_hf = f"{report['speedup_vs_hf_best']:.1f}x HF best, " if hf else ""
     summary = f"{versus_hf}{100 * report['roofline_fraction']:.0f}% of roofline"
     ax.set_title(
-        f"Gemma-3-4B shape, {report['images']} images, {report['new_tokens']} tokens, {report['gpu']}\n"
+        f"{shape_title(report)}, {report['images']} images, {report['new_tokens']} tokens, {report['gpu']}\n"
         + (note or summary),
         fontsize=10,
     )
@@ -124,6 +133,11 @@ def print_caption_report(report: dict) -> None:
         ("roofline images/s", f"{report['roofline_images_per_s']:.1f} ({report['roofline_bound']}-bound)"),
         ("roofline fraction", f"{report['roofline_fraction']:.3f}"),
         ("peak GPU memory (wicore / HF)", f"{_gib(report['peak_gpu_bytes'])} / {_gib(report['hf_peak_gpu_bytes'])}"),
+        (
+            "weights / peak during their load",
+            f"{_gib(report.get('weight_bytes'))} / {_gib(report.get('load_peak_bytes'))}",
+        ),
+        ("time to ready (worker)", _ready(report)),
         *(_peer_rows(report) if report["hf_images_per_s"] else [("HF generate", "not run (--no-hf)")]),
         ("errors", str(report["error_count"])),
     ]
@@ -167,6 +181,15 @@ def _peer_rows(report: dict) -> list[tuple[str, str]]:
         ("tokens equal to HF best batch", _share(report["parity_vs_hf_best_batch"])),
         *((f"HF batch {b} vs HF best batch", _share(p)) for b, p in report["hf_batches_vs_hf_best_batch"].items()),
     ]
+
+
+def _ready(report: dict) -> str:
+    """'95.2 s (load 41.0, compile 20.1, kv_warm_up 30.0, graph_capture 4.1)'."""
+    total, phases = report.get("time_to_ready_s"), report.get("ready_phases_s") or {}
+    if total is None:
+        return "n/a"
+    known = ", ".join(f"{name.removesuffix('_s')} {value:.1f}" for name, value in phases.items() if value is not None)
+    return f"{total:.1f} s ({known})"
 
 
 def _times(ratio: float | None, digits: int = 2) -> str:

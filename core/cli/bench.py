@@ -136,7 +136,9 @@ def crowd(
 @app.command()
 @friendly_errors
 def caption(
-    preset: str = typer.Option("gemma3-4b", help="Model shape (only gemma3-4b)."),
+    preset: str = typer.Option(
+        "gemma3-4b", help="Model shape, seeded weights: gemma3-4b, gemma3-12b or gemma3-27b (as `wicore make-model`)."
+    ),
     images: int = typer.Option(1024, help="Timed images (distinct, mixed sizes); per GPU with --gpus."),
     batch_size: int = typer.Option(384, help="Engine running sequences and claim size."),
     engine: str = typer.Option("fast", help="Engine under test."),
@@ -156,13 +158,13 @@ def caption(
         min=0,
         help="0: the plain worker on one GPU against HF generate and the roofline. N: the product on GPUs "
         "0..N-1 (`wicore worker --gpus`) and on one GPU (the plain worker), in the same run: "
-        "caption-gemma3-4b-<gpu>-xN.json.",
+        "caption-<preset>-<gpu>-xN.json.",
     ),
     dtype: str = typer.Option(
         "bfloat16",
         help="bfloat16, or fp8: the product in bf16 and with FP8 GEMMs on the same images in the same run (HF "
-        "once), their token agreement and the demo captioner's accuracy in both: caption-gemma3-4b-fp8-<gpu>.json. "
-        "With --gpus N, both sides of the scaling run use FP8 GEMMs: caption-gemma3-4b-fp8-<gpu>-xN.json.",
+        "once), their token agreement and the demo captioner's accuracy in both: caption-<preset>-fp8-<gpu>.json. "
+        "With --gpus N, both sides of the scaling run use FP8 GEMMs: caption-<preset>-fp8-<gpu>-xN.json.",
     ),
     workdir: Path = typer.Option(Path("/tmp/wicore-bench"), help="Scratch folder (model config, images, logs)."),
     out: Path = typer.Option(Path("bench/results"), help="Folder for the JSON and the PNG."),
@@ -175,13 +177,15 @@ def caption(
     from wicore.bench.caption_fp8 import fp8_variant
     from wicore.cli.common import engine_options
     from wicore.errors import ConfigError
+    from wicore.models.gemma3 import SEEDED_PRESETS
 
-    if preset != "gemma3-4b":
-        raise ConfigError(f"unknown preset {preset!r} (only gemma3-4b)")
+    if preset not in SEEDED_PRESETS:
+        raise ConfigError(f"unknown preset {preset!r}; choose one of {', '.join(SEEDED_PRESETS)}")
     if dtype not in ("bfloat16", "fp8"):
         raise ConfigError(f"--dtype {dtype}: use bfloat16 or fp8")
     bench = CaptionBench(
         workdir=workdir,
+        preset=preset,
         images=images,
         batch_size=batch_size,
         engine=engine,

@@ -131,13 +131,22 @@ def serve_jobs(
     worker_obj = build_worker(settings, connection, engine_obj, served_id, name=name, burst=burst, max_jobs=max_jobs)
     fp8 = " with FP8 GEMMs" if engine_obj.config.options.gemm_dtype == "fp8" else ""
     where = f"{engine_obj.name} engine on {engine_obj.config.device} ({engine_obj.config.dtype}{fp8})"
-    console.print(f"worker {worker_obj.name}: serving model {served_id} ({model_dir}), {where}", markup=False)
+    console.print(
+        f"worker {worker_obj.name}: serving model {served_id} ({model_dir}), {where}{ready(engine_obj)}", markup=False
+    )
     if settings.metrics_port is not None:
         worker_obj.metrics.serve(settings.metrics_port, settings.host)
         console.print(f"worker {worker_obj.name}: metrics on http://{settings.host}:{settings.metrics_port}/metrics")
     done = run_sampled(worker_obj, settings.sample_stacks)
     engine_obj.close()  # lets the caches write what they hold back (the shared vision cache writes behind)
     console.print(f"worker {worker_obj.name}: {done} jobs done, stopped", markup=False)
+
+
+def ready(engine_obj) -> str:
+    """', ready in 41.2 s' from the engine's stats (time to ready: load, compile, graph capture;
+    the engine's INFO log has the phases); empty for engines that do not time their start."""
+    seconds = engine_obj.stats().get("ready_s")
+    return "" if seconds is None else f", ready in {seconds:.1f} s"
 
 
 def run_sampled(worker_obj, stacks: Path | None) -> int:

@@ -16,19 +16,35 @@ from wicore.cli.logs import quiet_progress_bars
 class Preset(str, Enum):
     tiny = "tiny"
     gemma3_4b = "gemma3-4b"
+    gemma3_12b = "gemma3-12b"
+    gemma3_27b = "gemma3-27b"
 
 
 @friendly_errors
 def make_model(
-    preset: Preset = typer.Argument(..., help="tiny: a complete toy checkpoint; gemma3-4b: the real config only."),
+    preset: Preset = typer.Argument(
+        ...,
+        help="tiny: a complete toy checkpoint; gemma3-4b, gemma3-12b, gemma3-27b: the real config only (weights "
+        "seeded at load; runs with --allow-random-weights).",
+    ),
     out_dir: Path = typer.Argument(..., help="Directory to write."),
     seed: int = typer.Option(0, help="Weight seed."),
+    weights: bool = typer.Option(
+        False,
+        "--weights",
+        help="gemma3-*: also write the seeded weights as bf16 safetensors shards (drawn on the CPU; minutes for "
+        "27B), a checkpoint read from disk as a user's is: time to ready from disk.",
+    ),
     debug: bool = DebugOption,
 ) -> None:
     """Write a Gemma-3 checkpoint directory that loads offline like a user's own."""
     if not sys.stderr.isatty():
         quiet_progress_bars()  # transformers' shard-writing bar is noise in a log
-    from wicore.models.gemma3 import make_gemma3_4b, make_tiny
+    from wicore.models.gemma3 import make_seeded, make_tiny
 
-    path = make_tiny(out_dir, seed=seed) if preset is Preset.tiny else make_gemma3_4b(out_dir, seed=seed)
+    path = (
+        make_tiny(out_dir, seed=seed)
+        if preset is Preset.tiny
+        else make_seeded(out_dir, preset.value, seed=seed, weights=weights)
+    )
     console.print(f"wrote {preset.value} to {path}")

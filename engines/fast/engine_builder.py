@@ -9,7 +9,11 @@ on it; then the step's owners: `StepPlanner`, `StepRunner`, `Postprocess`.
 
 from __future__ import annotations
 
+import logging
 import random
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,11 +23,13 @@ from wicore.engines.base import EngineConfig
 from wicore.engines.checkpoint import load_processor, torch_dtype
 from wicore.engines.fast.device_handles import Readbacks
 from wicore.engines.fast.engine_stats import EngineStats
+from wicore.engines.fast.fit import ModelDoesNotFit, check_fit
 from wicore.engines.fast.image_stage import ImageStage
 from wicore.engines.fast.kv_budget import plan_pages
 from wicore.engines.fast.kv_setup import build_prefix_cache, build_tiers
 from wicore.engines.fast.model import fp8 as fp8_weights
-from wicore.engines.fast.model.weights import Gemma3Parts, load_gemma3
+from wicore.engines.fast.model.loader import FP8Plan, load_gemma3
+from wicore.engines.fast.model.weights import Gemma3Parts
 from wicore.engines.fast.model_runner import ModelRunner
 from wicore.engines.fast.postprocess import Postprocess
 from wicore.engines.fast.prompt_inputs import InputProcessor
@@ -39,13 +45,15 @@ from wicore.engines.text import stop_token_ids
 from wicore.ops.attention import KV_FP8
 from wicore.priority_pool import PriorityPool
 
+log = logging.getLogger(__name__)
+
 
 @dataclass
 class EngineParts:
     options: ResolvedFastConfig
     tokenizer: Any
     eos_ids: frozenset[int]
-    weights: dict  # what `stats` reports of the weights (bytes; FP8: the quantization's figures)
+    weights: dict  # what `stats` reports of the weights and the start (bytes, FP8 figures, seconds to ready)
     inputs: InputProcessor
     runner: ModelRunner
     blocks: BlockManager
@@ -61,23 +69,45 @@ class EngineParts:
 
 
 def build(config: EngineConfig, fp8_anywhere: bool) -> EngineParts:
+    """The engine's parts; running out of device memory on the way is a one-line refusal
+    (exit 2), as the fit check's, whose estimate it outran."""
+    try:
+        return build_parts(config, fp8_anywhere)
+    except torch.OutOfMemoryError as error:
+        first = str(error).splitlines()[0] if str(error) else "out of memory"
+        raise ModelDoesNotFit(
+            f"the model does not fit: the device ran out of memory while starting ({first}); try --dtype fp8, "
+            "a lower max_model_len or --batch-size, or a GPU with more memory"
+        ) from None
+
+
+def build_parts(config: EngineConfig, fp8_anywhere: bool) -> EngineParts:
     device = torch.device(config.device)
     check_device(config, device, fp8_anywhere)  # before the slow load
     options = resolve_options(
         config.options, config.model_dir, device=config.device, max_batch_size=config.max_batch_size, cache=config.cache
     )
+    check_fit(config, options)  # before the slow load: one line and exit 2, not an OOM
+    phases: dict[str, float] = {}
+    started = time.perf_counter()
     processor = load_processor(config.model_dir)
     eos_ids = stop_token_ids(config.model_dir, processor.tokenizer)
-    model = load_gemma3(config.model_dir, device, config.dtype, config.seed)
-    weights = load_precision(config, options, model)
+    model = load_gemma3(config.model_dir, device, config.dtype, config.seed, fp8_plan(config))
+    phases["load_s"] = model.report["load_s"]
+    if config.options.gemm_dtype == "fp8" and config.options.fp8_vision_attention:
+        fp8_weights.prepare_attention(model.encoder.vision_tower, options.vision_batch_size)
     if options.torch_threads is not None:
         torch.set_num_threads(options.torch_threads)  # process-wide: a worker process runs one engine
     inputs = InputProcessor(processor, model.image_token_id, model.tokens_per_image)
-    runner = model_runner(config, options, model, inputs, Sampler(model.config.text_config.vocab_size, eos_ids, device))
-    blocks = kv_pool(config, options, runner)
+    sampler = Sampler(model.config.text_config.vocab_size, eos_ids, device)
+    with timed(phases, "compile_s"):
+        runner = model_runner(config, options, model, inputs, sampler)
+    blocks = kv_pool(config, options, runner, phases)
     fp8_weights.forget_attention_scales(model.encoder.vision_tower)  # what the warm-ups saw
     if options.cuda:
         torch.cuda.synchronize()  # setup ran on the default stream; steps run on others
+    phases["ready_s"] = time.perf_counter() - started
+    log_ready(phases, model.report)
     text = model.config.text_config
     tiers = build_tiers(allocated(runner), options, text.num_key_value_heads, text.head_dim)
     pool = PriorityPool(options.preprocess_threads, "wicore-pixels") if options.preprocess_threads else None
@@ -87,10 +117,41 @@ def build(config: EngineConfig, fp8_anywhere: bool) -> EngineParts:
     counters = EngineStats()
     post = Postprocess(planner, images, step_runner.readbacks, counters, runner.clock, processor.tokenizer, eos_ids)
     keyer = PromptKeyer(prefix_model_id(config, runner.layout), options.block_size, model.tokens_per_image)
+    weights = {**model.report, **{key: round(value, 3) for key, value in phases.items()}}
     return EngineParts(
         options, processor.tokenizer, eos_ids, weights, inputs, runner, blocks, tiers, keyer, planner, pool, images,
         step_runner, post, counters, random.Random(config.seed),
     )  # fmt: skip
+
+
+@contextmanager
+def timed(phases: dict[str, float], name: str) -> Iterator[None]:
+    """Adds the block's seconds to `phases[name]` (device work synchronized at its end)."""
+    start = time.perf_counter()
+    yield
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+    phases[name] = phases.get(name, 0.0) + time.perf_counter() - start
+
+
+def log_ready(phases: dict[str, float], report: dict) -> None:
+    """Time to ready at INFO: the load, compiling (with the vision graph's first run), the KV
+    budget's warm-up (where the text layers compile), graph capture."""
+    parts = ", ".join(f"{name.removesuffix('_s')} {seconds:.1f} s" for name, seconds in phases.items())
+    peak = report.get("load_peak_bytes")
+    peak_text = (
+        ""
+        if peak is None
+        else f"; load peak {peak / 2**30:.2f} GiB for {report['weight_bytes'] / 2**30:.2f} GiB of weights"
+    )
+    log.info("engine ready: %s%s", parts, peak_text)
+
+
+def fp8_plan(config: EngineConfig) -> FP8Plan | None:
+    """FP8 GEMMs: the weights quantized layer by layer as they load."""
+    if config.options.gemm_dtype != "fp8":
+        return None
+    return FP8Plan(vision_attention=config.options.fp8_vision_attention)
 
 
 def check_device(config: EngineConfig, device: torch.device, fp8_anywhere: bool) -> None:
@@ -103,18 +164,6 @@ def check_device(config: EngineConfig, device: torch.device, fp8_anywhere: bool)
             fp8_weights.check_attention_device(device)
     if options.fp8_kv_cache:
         fp8_weights.check_kv_device(device)
-
-
-def load_precision(config: EngineConfig, options: ResolvedFastConfig, model: Gemma3Parts) -> dict:
-    """FP8 GEMMs: the weights quantized (and the tower's FP8 attention prepared); returns what
-    `stats` reports of them."""
-    if config.options.gemm_dtype != "fp8":
-        return {"weight_bytes": fp8_weights.weight_bytes(model)}
-    attention = config.options.fp8_vision_attention
-    report = fp8_weights.quantize(model, attention).as_dict()
-    if attention:
-        fp8_weights.prepare_attention(model.encoder.vision_tower, options.vision_batch_size)
-    return report
 
 
 def model_runner(
@@ -144,23 +193,25 @@ def model_runner(
     return runner
 
 
-def kv_pool(config: EngineConfig, options: ResolvedFastConfig, runner: ModelRunner) -> BlockManager:
+def kv_pool(config: EngineConfig, options: ResolvedFastConfig, runner: ModelRunner, phases: dict) -> BlockManager:
     """The KV pages that fit beside everything else, allocated, their graphs captured."""
-    num_pages = plan_pages(
-        runner,
-        override=options.num_kv_blocks,
-        max_batch=config.max_batch_size,
-        max_len=options.max_model_len,
-        vision_batch=options.vision_batch_size,
-        prefill_tokens=options.max_prefill_tokens,
-        utilization=options.gpu_memory_utilization,
-        reserve=options.vision_cache_bytes,
-    )
-    runner.allocate_cache(num_pages)
-    if options.cuda_graphs:
-        runner.capture_graphs(
-            list(options.graph_batch_sizes), list(options.graph_prefill_tokens), options.dense_prefill_graphs
+    with timed(phases, "kv_warm_up_s"):
+        num_pages = plan_pages(
+            runner,
+            override=options.num_kv_blocks,
+            max_batch=config.max_batch_size,
+            max_len=options.max_model_len,
+            vision_batch=options.vision_batch_size,
+            prefill_tokens=options.max_prefill_tokens,
+            utilization=options.gpu_memory_utilization,
+            reserve=options.vision_cache_bytes,
         )
+        runner.allocate_cache(num_pages)
+    if options.cuda_graphs:
+        with timed(phases, "graph_capture_s"):
+            runner.capture_graphs(
+                list(options.graph_batch_sizes), list(options.graph_prefill_tokens), options.dense_prefill_graphs
+            )
     return BlockManager(num_pages, build_prefix_cache(options, num_pages, runner.layout))
 
 

@@ -43,8 +43,11 @@ from wicore.ops.fp8_attention import load_cuda_kernels as load_attention_kernels
 from wicore.ops.fp8_attention import new_seen
 from wicore.ops.fp8_attention import prepare as prepare_fp8_attention
 from wicore.ops.fp8_attention import unsupported_reason as attention_unsupported_reason
+from wicore.ops.fp8_format import E4M3
 
 log = logging.getLogger(__name__)
+BLOCK_BYTES = 64 * 2**20  # float32 scratch of a rowwise quantization (`quantize_in_blocks`)
+BLOCKS_PER_WEIGHT = 32  # at least: the scratch stays a small share of the weight itself
 
 DECODER_PROJECTIONS = {
     "self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"),
@@ -280,7 +283,7 @@ def _swap(owner: nn.Module, names: tuple[str, ...], into: str, report: FP8Report
     bias = None if biases[0] is None else torch.cat(biases)
     for name in names:
         delattr(owner, name)
-    setattr(owner, into, FP8Linear(quantize_weight(weight, rowwise), bias))
+    setattr(owner, into, FP8Linear(quantize_any(weight, rowwise), bias))
     report.quantized += 1
 
 
@@ -298,14 +301,34 @@ def quantize_decoder_layer(layer: DecoderLayer, report: FP8Report, rowwise: bool
     for name in DENSE_WEIGHTS:
         weight = getattr(layer, name)
         if fits(*weight.shape):
-            setattr(layer, name, quantize_weight(weight, rowwise))
+            setattr(layer, name, quantize_any(weight, rowwise))
             report.quantized += 1
         else:
             report.skipped.append(f"decoder.{layer.index}.{name}")
-    _drop_projections(layer)
+    drop_projections(layer)
 
 
-def _drop_projections(layer: DecoderLayer) -> None:
+def quantize_any(weight: torch.Tensor, rowwise: bool) -> FP8Weight:
+    return quantize_in_blocks(weight) if rowwise else quantize_weight(weight, rowwise=False)
+
+
+@torch.no_grad()
+def quantize_in_blocks(weight: torch.Tensor) -> FP8Weight:
+    """`quantize_weight(weight)` (rowwise), the same bytes, a block of rows at a time: the
+    float32 scratch stays under `BLOCK_BYTES` and 1/`BLOCKS_PER_WEIGHT` of the rows, so a
+    loader's peak is the weight plus its e4m3 copy."""
+    rows, cols = weight.shape
+    data = torch.empty(rows, cols, dtype=E4M3, device=weight.device)
+    scale = torch.empty(1, rows, dtype=torch.float32, device=weight.device)
+    step = max(1, min(BLOCK_BYTES // (4 * cols), rows // BLOCKS_PER_WEIGHT))
+    for start in range(0, rows, step):
+        block_data, block_scale = quantize_rows(weight[start : start + step])
+        data[start : start + step] = block_data
+        scale[0, start : start + step] = block_scale.reshape(-1)
+    return FP8Weight(data, scale)
+
+
+def drop_projections(layer: DecoderLayer) -> None:
     for child, names in DECODER_PROJECTIONS.items():
         module = getattr(layer, child)
         for name in names:

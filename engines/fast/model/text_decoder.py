@@ -152,16 +152,23 @@ class DecoderLayer(nn.Module):
         self.post_feedforward_layernorm = GemmaRMSNorm(hidden, self.eps)
 
     def fuse_weights(self) -> None:
-        """Concatenate q/k/v and gate/up weights so each runs as one GEMM (fewer launches, and
-        fewer nodes in decode graphs); the separate parameters become views of the fused ones.
-        The four dense weights the layer functions take are then attributes of the layer
-        (`DENSE_WEIGHTS`), which `fp8.quantize_decoder` may replace with FP8Weights."""
+        """Concatenate the materialised q/k/v and gate/up weights so each runs as one GEMM; the
+        separate parameters become views of the fused ones (the loader, `model.loader`, writes
+        checkpoints straight into fused buffers instead)."""
         a, m = self.self_attn, self.mlp
-        self.qkv_weight: torch.Tensor | FP8Weight = _fuse(a.q_proj, a.k_proj, a.v_proj)
-        self.gate_up_weight: torch.Tensor | FP8Weight = _fuse(m.gate_proj, m.up_proj)
-        # Plain tensors (the parameters' storage), as the fused ones are, not second parameters.
-        self.o_weight: torch.Tensor | FP8Weight = a.o_proj.weight.detach()
-        self.down_weight: torch.Tensor | FP8Weight = m.down_proj.weight.detach()
+        self.set_dense(
+            _fuse(a.q_proj, a.k_proj, a.v_proj), a.o_proj.weight.detach(),
+            _fuse(m.gate_proj, m.up_proj), m.down_proj.weight.detach(),
+        )  # fmt: skip
+
+    def set_dense(self, qkv, o, gate_up, down) -> None:
+        """The four dense weights the layer functions take (`DENSE_WEIGHTS`): fused q/k/v
+        [(Hq + 2 Hkv) D, hidden], o, fused gate/up [2 I, hidden], down; each a plain tensor
+        (one GEMM, fewer nodes in decode graphs) or an FP8Weight (`fp8.quantize_decoder`)."""
+        self.qkv_weight: torch.Tensor | FP8Weight = qkv
+        self.o_weight: torch.Tensor | FP8Weight = o
+        self.gate_up_weight: torch.Tensor | FP8Weight = gate_up
+        self.down_weight: torch.Tensor | FP8Weight = down
 
     def forward(self, x, cos, sin, attention: Attention, fns: LayerFunctions) -> torch.Tensor:
         a = self.self_attn
