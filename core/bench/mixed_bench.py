@@ -28,10 +28,12 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 from wicore.bench.bench_images import make_images
-from wicore.bench.caption_bench import MODEL_ID, CaptionBench, device_name, percentile, wait_for_workers, worker_command
+from wicore.bench.caption_bench import CaptionBench, device_name, percentile, wait_for_workers, worker_command
 from wicore.schemas import DEFAULT_PROMPT, GenerationParams, Lane
 
 INTERACTIVE_WARMUP = 4  # interactive jobs run alone before the idle phase (small-batch paths)
+
+MODEL_ID = "gemma3-4b"  # the model id the bench worker serves (`worker_command` names it by the preset)
 
 
 @dataclass(frozen=True)
@@ -170,7 +172,7 @@ class BenchWorker:
 def started_worker(bench: MixedBench, url: str, model_dir: Path, root: Path) -> Iterator[BenchWorker]:
     """`wicore worker` as `wicore bench caption` starts it, with the high lane's slots."""
     plain = CaptionBench(workdir=bench.workdir, batch_size=bench.batch_size, engine=bench.engine,
-                         engine_options=bench.engine_options, device=bench.device)  # fmt: skip
+                         engine_options=bench.engine_options, device=bench.device, preset=MODEL_ID)  # fmt: skip
     command = worker_command(plain, url, model_dir, root, 0)
     if bench.high_lane_slots is not None:
         command += ["--high-lane-slots", str(bench.high_lane_slots)]
