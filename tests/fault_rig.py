@@ -165,9 +165,13 @@ class GatewayFeeder(threading.Thread):
         self.gateway_exit: int | None = None
         self._stop_event = threading.Event()
         self._count = 0
+        self.began = self.ended = 0.0
 
     def run(self) -> None:
-        while not self._stop_event.wait(self.tick_s):
+        """One tick every `tick_s` on the clock, however long the last tick's answers took."""
+        self.began = next_tick = time.monotonic()
+        while not self._stop_event.wait(max(0.0, next_tick + self.tick_s - time.monotonic())):
+            next_tick += self.tick_s
             indexes = range(self._count, self._count + self.per_tick)
             self._count += self.per_tick
             for sent_at, reply in self.posting.map(self._post, indexes):
@@ -192,6 +196,7 @@ class GatewayFeeder(threading.Thread):
     def stop(self) -> list[str]:
         self._stop_event.set()
         self.join(timeout=60)
+        self.ended = time.monotonic()
         self.posting.shutdown()
         self.http.close()
         self.gateway_exit = stop(self.gateway)
@@ -342,6 +347,7 @@ def gateway_counts(feeder: GatewayFeeder, pulse_spans: list[tuple[float, float]]
     """What the gateway answered (checked: only 202s and 503s with Retry-After) and how it
     stopped; a 503 counts as during a pulse when its request left during one or within a second
     after it."""
+    posted = len(feeder.ids) + feeder.refused + len(feeder.other)
     during = sum(any(a <= t <= b + 1.0 for a, b in pulse_spans) for t in feeder.refused_sent_at)
     assert not feeder.other, f"answers other than 202 and 503: {feeder.other[:5]}"
     assert feeder.refused_bare == 0, f"{feeder.refused_bare} 503s without Retry-After"
@@ -350,7 +356,8 @@ def gateway_counts(feeder: GatewayFeeder, pulse_spans: list[tuple[float, float]]
         "refused_503_with_retry_after": feeder.refused - feeder.refused_bare,
         "refused_503_without_retry_after": feeder.refused_bare,
         "refused_503_during_pulses": during,
-        "posted": len(feeder.ids) + feeder.refused + len(feeder.other),
+        "posted": posted,
+        "posted_per_s": round(posted / (feeder.ended - feeder.began), 1),
         "other_answers": feeder.other,
         "gateway_exit": feeder.gateway_exit,
         "gateway_tracebacks": feeder.tracebacks(),
