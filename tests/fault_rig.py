@@ -139,8 +139,8 @@ class GatewayFeeder(threading.Thread):
     """Posts `per_tick` jobs (each its own small PNG, so each a new job) every `tick_s` to
     POST /v1/jobs of a `wicore serve` it starts on loopback, `per_tick` requests at a time.
     `ids` holds every job id answered 202 (acknowledged), `refused` counts 503s, `refused_bare`
-    the 503s without Retry-After, `refused_sent_at` when each 503's request left (monotonic
-    seconds), `other` every other answer; a refused job is not retried."""
+    the 503s without Retry-After, `refused_in_flight` each 503's (sent, answered) monotonic
+    seconds, `other` every other answer; a refused job is not retried."""
 
     def __init__(self, redis_url: str, model: str, log_dir: Path, *, per_tick: int = 8, tick_s: float = 0.25, **params):
         super().__init__(name="gateway-feeder", daemon=True)
@@ -160,7 +160,7 @@ class GatewayFeeder(threading.Thread):
         self.ids: list[str] = []
         self.refused = 0
         self.refused_bare = 0
-        self.refused_sent_at: list[float] = []
+        self.refused_in_flight: list[tuple[float, float]] = []
         self.other: list[str] = []
         self.gateway_exit: int | None = None
         self._stop_event = threading.Event()
@@ -174,22 +174,21 @@ class GatewayFeeder(threading.Thread):
             next_tick += self.tick_s
             indexes = range(self._count, self._count + self.per_tick)
             self._count += self.per_tick
-            for sent_at, reply in self.posting.map(self._post, indexes):
-                self._sort(sent_at, reply)
+            for in_flight, reply in self.posting.map(self._post, indexes):
+                self._sort(in_flight, reply)
 
-    def _post(self, index: int) -> tuple[float, httpx.Response]:
+    def _post(self, index: int) -> tuple[tuple[float, float], httpx.Response]:
         sent_at, image = time.monotonic(), b64encode(png_bytes(index)).decode()
-        return sent_at, self.http.post(
-            "/v1/jobs", json={"image": image, "prompt": f"job {index}", "params": self.params}
-        )
+        reply = self.http.post("/v1/jobs", json={"image": image, "prompt": f"job {index}", "params": self.params})
+        return (sent_at, time.monotonic()), reply
 
-    def _sort(self, sent_at: float, reply: httpx.Response) -> None:
+    def _sort(self, in_flight: tuple[float, float], reply: httpx.Response) -> None:
         if reply.status_code == 202:
             self.ids.append(reply.json()["job_id"])
         elif reply.status_code == 503:
             self.refused += 1
             self.refused_bare += not reply.headers.get("retry-after")
-            self.refused_sent_at.append(sent_at)
+            self.refused_in_flight.append(in_flight)
         else:
             self.other.append(f"{reply.status_code} {reply.text[:200]}")
 
@@ -345,10 +344,11 @@ def start_feeder(via: str, redis_url: str, log_dir: Path) -> Feeder | GatewayFee
 
 def gateway_counts(feeder: GatewayFeeder, pulse_spans: list[tuple[float, float]]) -> dict:
     """What the gateway answered (checked: only 202s and 503s with Retry-After) and how it
-    stopped; a 503 counts as during a pulse when its request left during one or within a second
-    after it."""
+    stopped; a 503 counts as during a pulse when its request was in flight while one lasted."""
     posted = len(feeder.ids) + feeder.refused + len(feeder.other)
-    during = sum(any(a <= t <= b + 1.0 for a, b in pulse_spans) for t in feeder.refused_sent_at)
+    during = sum(
+        any(sent <= b and a <= answered for a, b in pulse_spans) for sent, answered in feeder.refused_in_flight
+    )
     assert not feeder.other, f"answers other than 202 and 503: {feeder.other[:5]}"
     assert feeder.refused_bare == 0, f"{feeder.refused_bare} 503s without Retry-After"
     return {
