@@ -1,9 +1,11 @@
 """Maxmemory pulses under load, the acceptance run: twelve pulses of 1-5 s (Redis refuses every
-write that needs memory) on a Redis 7, under two `wicore worker`s (null engine, CPU) and a
-producer submitting 80 jobs a second. Checks that both workers live through every pulse and that
-every job the producer got an id for finished exactly once; writes the counts as JSON.
+write that needs memory) on a Redis 7, under two `wicore worker`s (null engine, CPU) and jobs
+submitted at 80 a second, by the Python producer or (`--via gateway`) by a client posting to a
+`wicore serve` on loopback. Checks that both workers live through every pulse, that every job
+acknowledged (an id from the producer, a 202 from the gateway) finished exactly once and that the
+gateway refused only with 503 + Retry-After; writes the counts as JSON.
 
-    python -m bench.maxmemory_pulses [--out bench/results/maxmemory-pulses.json]
+    python -m bench.maxmemory_pulses [--via gateway] [--out bench/results/maxmemory-pulses.json]
 
 (from the repository root; it reuses the fault tests' rig, tests/fault_rig.py).
 """
@@ -27,13 +29,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=None, help="Write the report here as JSON.")
     parser.add_argument("--major", type=int, default=7, choices=[6, 7], help="Redis major version.")
+    parser.add_argument("--via", default="producer", choices=["producer", "gateway"], help="Who submits the jobs.")
     options = parser.parse_args()
     if options.major == 7 and redis_7_binary() is None:
         raise SystemExit("no redis-server 7 on PATH: apt-get install redis-server")
     with tempfile.TemporaryDirectory() as folder, redis_server(options.major) as server:
         version = server_version(server.url)
         start = time.monotonic()
-        report = pulses_under_load(server.url, Path(folder) / "logs", PULSES_S)
+        report = pulses_under_load(server.url, Path(folder) / "logs", PULSES_S, via=options.via)
     report |= {"redis": version, "pulses_s": PULSES_S, "wall_s": round(time.monotonic() - start, 1)}
     text = json.dumps(report, indent=2)
     print(text)

