@@ -10,6 +10,7 @@ import hashlib
 import json
 import time
 from enum import Enum
+from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
@@ -111,6 +112,18 @@ class ChatMessage(Strict):
         return sum(isinstance(part, ImagePart) for part in self.content)
 
 
+def check_conversation(messages: Sequence[ChatMessage]) -> None:
+    """A conversation the model can answer: at least one turn, the last a user's, images only in
+    user turns."""
+    if not messages:
+        raise ValueError("messages: give at least one turn")
+    if messages[-1].role != "user":
+        raise ValueError(f"messages: the last turn must be the user's, not the {messages[-1].role}'s")
+    for index, message in enumerate(messages):
+        if message.role != "user" and message.image_count:
+            raise ValueError(f"messages.{index}: image parts go in user turns, not {message.role} turns")
+
+
 class GenerationParams(Strict):
     max_new_tokens: int = Field(64, ge=1, le=32_768)
     temperature: float = Field(0.0, ge=0.0, le=100.0)  # 0 = greedy
@@ -133,9 +146,11 @@ class GenerationParams(Strict):
 
 
 class CaptionJob(Strict):
-    """One image + one prompt (or chat) -> text. The payload of every wicore RQ job."""
+    """A conversation with any number of images (0 too) -> text. The payload of every wicore RQ
+    job. `images` are the conversation's image parts, in order: those of `messages`, or, with a
+    `prompt` (or neither), one user turn of the images then the prompt's text."""
 
-    image: ImageRef
+    images: tuple[ImageRef, ...] = ()
     prompt: Text | None = None
     messages: tuple[ChatMessage, ...] | None = None
     params: GenerationParams = GenerationParams()
@@ -145,22 +160,40 @@ class CaptionJob(Strict):
     metadata: Annotated[dict[str, Any], BeforeValidator(shallow)] = {}
     submitted_at: float = Field(default_factory=time.time)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _one_image_shorthand(cls, data: Any) -> Any:
+        """`image`: one image, as `images` of one."""
+        if isinstance(data, dict) and "image" in data:
+            if "images" in data:
+                raise ValueError("give image or images, not both")
+            data = {**data, "images": [data["image"]]}
+            del data["image"]
+        return data
+
     @model_validator(mode="after")
-    def _one_image(self) -> CaptionJob:
+    def _images_match_the_chat(self) -> CaptionJob:
         if self.prompt is not None and self.messages is not None:
             raise ValueError("give either prompt or messages, not both")
-        if self.messages is not None:
-            images = sum(m.image_count for m in self.messages)
-            if images != 1:
-                raise ValueError(f"messages must hold exactly one image part, found {images}")
+        if self.messages is None:
+            if not self.images and self.prompt is None:
+                raise ValueError("a job needs a prompt, messages or an image")
+            return self
+        check_conversation(self.messages)
+        parts = sum(m.image_count for m in self.messages)
+        if parts != len(self.images):
+            raise ValueError(f"messages hold {parts} image parts for {len(self.images)} images")
         return self
 
     def chat(self) -> list[dict[str, Any]]:
         """The conversation in Hugging Face chat-template form."""
         if self.messages is not None:
             return [m.model_dump(mode="json") for m in self.messages]
+        if not self.images:
+            return [{"role": "user", "content": [{"type": "text", "text": self.prompt}]}]
         text = self.prompt if self.prompt is not None else DEFAULT_PROMPT
-        return [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": text}]}]
+        content = [{"type": "image"} for _ in self.images] + [{"type": "text", "text": text}]
+        return [{"role": "user", "content": content}]
 
     @property
     def job_id(self) -> str:
@@ -168,14 +201,15 @@ class CaptionJob(Strict):
 
 
 def job_id_for(job: CaptionJob) -> str:
-    """Content-derived id: the same image, conversation, parameters and model give the same id,
-    so resubmitting the same work is deduplicated. Priority, deadline and metadata do not count."""
-    work = {
-        "image": job.image.sha256,
-        "chat": job.chat(),
-        "params": job.params.model_dump(mode="json"),
-        "model": job.model,
-    }
+    """Content-derived id: the same images, conversation, parameters and model give the same id,
+    so resubmitting the same work is deduplicated. Priority, deadline and metadata do not count.
+    A one-image job keeps the `image` key its id has always been made of."""
+    shas = [image.sha256 for image in job.images]
+    work: dict[str, Any] = {"chat": job.chat(), "params": job.params.model_dump(mode="json"), "model": job.model}
+    if len(shas) == 1:
+        work["image"] = shas[0]
+    else:
+        work["images"] = shas
     canonical = json.dumps(work, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     return "wc-" + hashlib.sha256(canonical.encode()).hexdigest()[:32]
 

@@ -1,4 +1,4 @@
-"""Loading a Gemma-3 checkpoint directory: processor, config, and the HF model (from its
+"""Loading a checkpoint directory (Gemma-3, or any HF image-text-to-text / causal LM): processor, config, and the HF model (from its
 safetensors, or seeded straight on the device for config-only directories).
 
 Light to import (torch is imported where a model is loaded): the CLI checks a model directory
@@ -54,31 +54,45 @@ def max_positions(model_dir: str | Path) -> int:
     """The text model's position limit, from the checkpoint's config alone."""
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(model_dir).text_config.max_position_embeddings
+    return AutoConfig.from_pretrained(model_dir).get_text_config().max_position_embeddings
 
 
 def load_processor(model_dir: str | Path):
+    """The checkpoint's processor: a multimodal processor, or a tokenizer alone (causal LMs)."""
     from transformers import AutoProcessor
 
     return AutoProcessor.from_pretrained(model_dir)
 
 
+def model_class(config):
+    """The auto class a checkpoint of `config` loads through: image-text-to-text, else causal LM;
+    a ConfigError naming the architecture when it is neither."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    for auto in (AutoModelForImageTextToText, AutoModelForCausalLM):
+        if type(config) in auto._model_mapping:
+            return auto
+    names = ", ".join(getattr(config, "architectures", None) or [type(config).__name__])
+    raise ConfigError(f"--model: {names} is neither an image-text-to-text nor a causal-LM checkpoint")
+
+
 def load_hf_model(model_dir: str | Path, device: str, dtype: str, seed: int = 0):
-    """`Gemma3ForConditionalGeneration` in eval mode on `device`.
+    """The checkpoint's Hugging Face model (image-text-to-text or causal LM) in eval mode on `device`.
 
     A directory with safetensors loads through `from_pretrained` (offline, straight to the
     device). A config-only directory (`wicore make-model gemma3-4b`) gets seeded random weights
     created on the device: the same seed gives the same weights in every engine.
     """
-    from transformers import AutoConfig, AutoModelForImageTextToText
+    from transformers import AutoConfig
 
     path = check_model_dir(model_dir)
+    config = AutoConfig.from_pretrained(path)
     if has_weights(path):
         # device_map would need accelerate; CPU -> device is one copy of the weights.
-        model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch_dtype(dtype))
+        model = model_class(config).from_pretrained(path, dtype=torch_dtype(dtype))
         return model.to(device).eval()
     seed = json.loads((path / SEED_FILE).read_text()).get("seed", seed)
-    return seeded_model(AutoConfig.from_pretrained(path), seed, torch_dtype(dtype), device)
+    return seeded_model(config, seed, torch_dtype(dtype), device)
 
 
 def seeded_model(config, seed: int, dtype: torch.dtype | None = None, device: str | torch.device = "cpu"):

@@ -131,6 +131,7 @@ def build_worker(
         allowed_roots=tuple(Path(r) for r in settings.allowed_roots),
         limits=ImageLimits(settings.max_image_bytes, settings.max_image_pixels, settings.decode_budget_bytes),
         processes=decode_processes(settings, engine),
+        max_images_per_request=settings.max_images_per_request,
     )
     attach_shared_caches(settings, connection, engine, model_id)
     log_config(settings, engine, inputs)

@@ -1,5 +1,5 @@
-"""From a claimed job to an engine request: parse its payload, fetch the image (blob or allowed
-path), check its hash, decode it; for an engine that takes its images resized (`Engine.pixel_spec`)
+"""From a claimed job to an engine request: parse its payload, fetch its images (blobs or allowed
+paths; none for a text-only job), check their hashes, decode them; for an engine that takes its images resized (`Engine.pixel_spec`)
 and a worker given decode processes, all of that and the resize run in those processes
 (`wicore.ops.pixel_pool`), off this process's GIL. Every failure here is the job's own (an
 input error), reported per job, with the same message on either path."""
@@ -7,6 +7,7 @@ input error), reported per job, with the same message on either path."""
 from __future__ import annotations
 
 import os
+import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -15,15 +16,15 @@ from pathlib import Path
 
 from redis import Redis
 
-from wicore import keys
+from wicore import defaults, keys
 from wicore.engines.base import EngineRequest
-from wicore.errors import DeadlineExceeded, ImageNotAllowed, InvalidJob
+from wicore.errors import DeadlineExceeded, ImageNotAllowed, InvalidJob, TooManyImages
 from wicore.ops.image_decode import ImageLimits
 from wicore.ops.image_load import ImageSource, LoadRules, input_error_message, load_image
 from wicore.ops.image_preprocess import PreprocessSpec
 from wicore.ops.pixel_pool import PixelPool, PixelResult
 from wicore.priority_pool import PriorityPool
-from wicore.schemas import CaptionJob
+from wicore.schemas import CaptionJob, ImageRef
 from wicore.worker.rq_bridge import Claimed
 
 
@@ -37,6 +38,7 @@ class InputConfig:
     # Processes that read, decode and resize images for an engine with a `pixel_spec`; 0: the
     # threads above decode and the engine resizes.
     processes: int = 0
+    max_images_per_request: int = defaults.MAX_IMAGES_PER_REQUEST  # a job with more fails alone
 
 
 @dataclass
@@ -68,30 +70,38 @@ class InputLoader:
     def submit(self, jobs: list[tuple[str, CaptionJob]]) -> list[Future[Loaded]]:
         """One MGET for every blob now; loading runs in the pool, by lane. Order follows `jobs`:
         (request id, job) pairs, each request id becoming its `EngineRequest`'s."""
-        blob_shas = [job.image.sha256 for _, job in jobs if job.image.is_blob]
-        blobs = dict(zip(blob_shas, self.connection.mget([keys.blob(s) for s in blob_shas]))) if blob_shas else {}
-        return [self._submit_one(request_id, job, blobs.get(job.image.sha256)) for request_id, job in jobs]
+        shas = list(dict.fromkeys(i.sha256 for _, job in jobs for i in job.images if i.is_blob))
+        blobs = dict(zip(shas, self.connection.mget([keys.blob(s) for s in shas]))) if shas else {}
+        return [self._submit_one(request_id, job, blobs) for request_id, job in jobs]
 
     def load(self, jobs: list[tuple[str, CaptionJob]]) -> list[Loaded]:
         """`submit`, waiting for every result."""
         return [future.result() for future in self.submit(jobs)]
 
-    def _submit_one(self, request_id: str, job: CaptionJob, blob: bytes | None) -> Future[Loaded]:
+    def _submit_one(self, request_id: str, job: CaptionJob, blobs: dict[str, bytes | None]) -> Future[Loaded]:
+        if len(job.images) > self.config.max_images_per_request:
+            limit = self.config.max_images_per_request
+            error = TooManyImages(f"{len(job.images)} images in one job; at most {limit} (max_images_per_request)")
+            return _done(Loaded(error=input_error_message(error)))
+        if not job.images:  # text only: nothing to load
+            return _done(Loaded(request=EngineRequest(request_id, job.chat(), [], job.params, [], job.priority)))
         if self.pixels is None:
-            return self.pool.submit(self._load_one, request_id, job, blob, rank=job.priority.rank)
+            return self.pool.submit(self._load_one, request_id, job, blobs, rank=job.priority.rank)
         try:
-            source = _source(job, blob)
+            sources = [_source(image, blobs.get(image.sha256)) for image in job.images]
         except ImageNotAllowed as exc:
             return _done(Loaded(error=input_error_message(exc)))
-        return self.pixels.submit(source, partial(_resized, request_id, job))
+        if len(sources) == 1:
+            return self.pixels.submit(sources[0], partial(_resized, request_id, job))
+        return _gathered([self.pixels.submit(source) for source in sources], partial(_resized_all, request_id, job))
 
-    def _load_one(self, request_id: str, job: CaptionJob, blob: bytes | None) -> Loaded:
+    def _load_one(self, request_id: str, job: CaptionJob, blobs: dict[str, bytes | None]) -> Loaded:
         start = time.perf_counter()
         try:
-            image = load_image(_source(job, blob), self.rules, self.fit)
+            images = [load_image(_source(i, blobs.get(i.sha256)), self.rules, self.fit) for i in job.images]
         except Exception as exc:  # whatever an input does to the loaders is that job's alone
             return Loaded(error=input_error_message(exc), preprocess_s=time.perf_counter() - start)
-        request = EngineRequest(request_id, job.chat(), [image], job.params, [job.image.sha256], job.priority)
+        request = EngineRequest(request_id, job.chat(), images, job.params, _hashes(job), job.priority)
         return Loaded(request=request, preprocess_s=time.perf_counter() - start)
 
     def close(self) -> None:
@@ -100,13 +110,17 @@ class InputLoader:
             self.pixels.close()
 
 
-def _source(job: CaptionJob, blob: bytes | None) -> ImageSource:
-    """Where the job's image bytes are: the blob fetched from Redis, or a path."""
-    if not job.image.is_blob:
-        return ImageSource(job.image.sha256, path=job.image.path or "")
+def _hashes(job: CaptionJob) -> list[str]:
+    return [image.sha256 for image in job.images]
+
+
+def _source(image: ImageRef, blob: bytes | None) -> ImageSource:
+    """Where an image's bytes are: the blob fetched from Redis, or a path."""
+    if not image.is_blob:
+        return ImageSource(image.sha256, path=image.path or "")
     if blob is None:
-        raise ImageNotAllowed(f"image blob {job.image.sha256[:12]} is not in Redis (expired?)")
-    return ImageSource(job.image.sha256, data=blob)
+        raise ImageNotAllowed(f"image blob {image.sha256[:12]} is not in Redis (expired?)")
+    return ImageSource(image.sha256, data=blob)
 
 
 def _resized(request_id: str, job: CaptionJob, result: PixelResult) -> Loaded:
@@ -114,8 +128,40 @@ def _resized(request_id: str, job: CaptionJob, result: PixelResult) -> Loaded:
     pixels, error, seconds = result
     if pixels is None:
         return Loaded(error=error, preprocess_s=seconds)
-    request = EngineRequest(request_id, job.chat(), [pixels], job.params, [job.image.sha256], job.priority)
+    request = EngineRequest(request_id, job.chat(), [pixels], job.params, _hashes(job), job.priority)
     return Loaded(request, preprocess_s=seconds)
+
+
+def _resized_all(request_id: str, job: CaptionJob, results: list[PixelResult]) -> Loaded:
+    """A job of several images: its first failing image fails it; seconds add up."""
+    seconds = sum(r[2] for r in results)
+    failed = next((r for r in results if r[0] is None), None)
+    if failed is not None:
+        return Loaded(error=failed[1], preprocess_s=seconds)
+    images = [r[0] for r in results]
+    request = EngineRequest(request_id, job.chat(), images, job.params, _hashes(job), job.priority)
+    return Loaded(request, preprocess_s=seconds)
+
+
+def _gathered(futures: list[Future], then) -> Future[Loaded]:
+    """A future of `then([each future's result])`, set when the last of them lands."""
+    out: Future[Loaded] = Future()
+    left = [len(futures)]
+    lock = threading.Lock()
+
+    def landed(_: Future) -> None:
+        with lock:
+            left[0] -= 1
+            if left[0]:
+                return
+        try:
+            out.set_result(then([f.result() for f in futures]))
+        except Exception as error:  # a canceled or failed decode: the caller reads it from `out`
+            out.set_exception(error)
+
+    for future in futures:
+        future.add_done_callback(landed)
+    return out
 
 
 def _done(loaded: Loaded) -> Future[Loaded]:
