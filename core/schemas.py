@@ -9,8 +9,8 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from enum import Enum
 from collections.abc import Sequence
+from enum import Enum
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator

@@ -20,7 +20,9 @@ def check_chat_model(processor, model_dir: str) -> None:
 
     if not isinstance(processor, ProcessorMixin | PreTrainedTokenizerBase):
         kind = type(processor).__name__
-        raise ConfigError(f"--model {model_dir}: unsupported processor {kind} (need a tokenizer or a multimodal processor)")
+        raise ConfigError(
+            f"--model {model_dir}: unsupported processor {kind} (need a tokenizer or a multimodal processor)"
+        )
     tokenizer = getattr(processor, "tokenizer", processor)
     if not (getattr(processor, "chat_template", None) or getattr(tokenizer, "chat_template", None)):
         raise ConfigError(

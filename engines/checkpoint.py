@@ -57,6 +57,20 @@ def max_positions(model_dir: str | Path) -> int:
     return AutoConfig.from_pretrained(model_dir).get_text_config().max_position_embeddings
 
 
+def require_gemma3(model_dir: str | Path) -> None:
+    """The fast engine runs Gemma-3 image-text checkpoints (`Gemma3ForConditionalGeneration`);
+    any other is refused at start, pointing at the reference engine."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_dir)
+    if config.model_type != "gemma3":
+        names = ", ".join(getattr(config, "architectures", None) or [config.model_type])
+        raise ConfigError(
+            f"--model {model_dir}: the fast engine runs Gemma-3 image-text checkpoints (Gemma3ForConditionalGeneration), "
+            f"not {names}; run it with --engine reference"
+        )
+
+
 def load_processor(model_dir: str | Path):
     """The checkpoint's processor: a multimodal processor, or a tokenizer alone (causal LMs)."""
     from transformers import AutoProcessor

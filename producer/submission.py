@@ -9,7 +9,6 @@ from typing import Any, NamedTuple
 from wicore import defaults
 from wicore.schemas import CaptionJob, ChatMessage, GenerationParams, Lane
 
-
 ImageInput = str | Path | bytes  # an image reference (prepare_image reads it) or the image's bytes
 
 

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from wicore.engines.base import EngineConfig
-from wicore.engines.checkpoint import load_processor, torch_dtype
+from wicore.engines.checkpoint import load_processor, require_gemma3, torch_dtype
 from wicore.engines.fast.device_handles import Readbacks
 from wicore.engines.fast.engine_stats import EngineStats
 from wicore.engines.fast.image_stage import ImageStage
@@ -61,6 +61,7 @@ class EngineParts:
 
 
 def build(config: EngineConfig, fp8_anywhere: bool) -> EngineParts:
+    require_gemma3(config.model_dir)
     device = torch.device(config.device)
     check_device(config, device, fp8_anywhere)  # before the slow load
     options = resolve_options(
