@@ -238,16 +238,65 @@ class CaptionResult(Strict):
     model: str
 
 
+class ManifestImagePart(Strict):
+    type: Literal["image"] = "image"
+    image: str = Field(min_length=1, description="Image file; a relative path is relative to the manifest's folder.")
+
+
+class ManifestMessage(Strict):
+    role: Literal["system", "user", "assistant"]
+    content: Text | list[Annotated[TextPart | ManifestImagePart, Field(discriminator="type")]]
+
+    def chat_message(self) -> ChatMessage:
+        """The turn as a job holds it: its image parts name no file (the job's images do, in order)."""
+        if isinstance(self.content, str):
+            return ChatMessage(role=self.role, content=self.content)
+        parts = [part if isinstance(part, TextPart) else ImagePart() for part in self.content]
+        return ChatMessage(role=self.role, content=parts)
+
+    @property
+    def images(self) -> list[str]:
+        return (
+            [] if isinstance(self.content, str) else [p.image for p in self.content if isinstance(p, ManifestImagePart)]
+        )
+
+
 class ManifestEntry(BaseModel):
-    """One line of a JSONL manifest given to `wicore caption` or `wicore enqueue`. Keys not
-    listed here travel with the job as its metadata."""
+    """One line of a JSONL manifest given to `wicore caption` or `wicore enqueue`: an `image` and
+    its `prompt`, a `prompt` alone (text only), or chat `messages`. Keys not listed here travel
+    with the job as its metadata."""
 
     model_config = ConfigDict(extra="allow", frozen=True, title="wicore manifest line")
 
-    image: str = Field(description="Image file; a relative path is relative to the manifest's folder.")
-    prompt: str | None = Field(None, description=f"Prompt (default: {DEFAULT_PROMPT!r}).")
+    image: str | None = Field(None, description="Image file; a relative path is relative to the manifest's folder.")
+    prompt: str | None = Field(None, description=f"Prompt (default with an image: {DEFAULT_PROMPT!r}).")
+    messages: list[ManifestMessage] | None = Field(
+        None,
+        description="Chat turns instead of image and prompt (system, user, assistant; the last the user's). "
+        'A user turn\'s content is text or a list of parts: {"type": "text", "text": ...} and '
+        '{"type": "image", "image": FILE}, any number, in any order.',
+    )
     max_new_tokens: int | None = Field(None, ge=1, le=32_768, description="Most tokens to generate.")
-    input: str | None = Field(None, description="Key of the result line (default: `image` as written).")
+    input: str | None = Field(
+        None, description="Key of the result line (default: `image` as written, else the first image, else FILE:LINE)."
+    )
+
+    @model_validator(mode="after")
+    def _one_request_shape(self) -> ManifestEntry:
+        if self.messages is not None and (self.image is not None or self.prompt is not None):
+            raise ValueError("give messages, or image and/or prompt, not both")
+        if self.messages is None and self.image is None and self.prompt is None:
+            raise ValueError("give an image, a prompt or messages")
+        if self.messages is not None:
+            check_conversation([m.chat_message() for m in self.messages])
+        return self
+
+    @property
+    def images(self) -> list[str]:
+        """Every image file the line names, in conversation order."""
+        if self.messages is not None:
+            return [image for message in self.messages for image in message.images]
+        return [] if self.image is None else [self.image]
 
     @property
     def metadata(self) -> dict[str, Any]:

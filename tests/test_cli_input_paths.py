@@ -35,7 +35,7 @@ def test_manifest_lines_each_get_an_item(tmp_path):
     lines = [
         {"image": image.name, "prompt": "What color?", "max_new_tokens": 5, "input": "first", "shop": 7},
         {"image": "missing.png"},
-        {"prompt": "no image"},
+        {"shop": "no image, prompt or messages"},
         {"image": image.name, "max_new_tokens": 0},
     ]
     manifest = tmp_path / "batch.jsonl"
@@ -48,12 +48,49 @@ def test_manifest_lines_each_get_an_item(tmp_path):
     see = "; see `wicore schema manifest`)"
     assert errors == [
         f"InputError: missing.png: no such file ({manifest}:2)",
-        f"InputError: {manifest}:3: not a manifest line (image: Field required{see}",
+        f"InputError: {manifest}:3: not a manifest line (give an image, a prompt or messages{see}",
         f"InputError: {manifest}:4: not a manifest line (max_new_tokens: Input should be greater than or equal to 1{see}",
         f"InputError: {manifest}:5: not a manifest line (invalid JSON: Expecting property name enclosed in double "
         f"quotes{see}",
         f"InputError: {manifest}:7: not a manifest line (not a JSON object{see}",
     ]
+
+
+def test_manifest_lines_with_messages_name_their_images_in_order(tmp_path):
+    first, second = write_images(tmp_path, 2)
+    user = {"role": "user", "content": [{"type": "text", "text": "Compare"}, *image_parts(first.name, second.name)]}
+    lines = [
+        {"messages": [{"role": "system", "content": "Be brief."}, user], "input": "pair"},
+        {"prompt": "Text only, please."},
+        {"messages": [{"role": "user", "content": image_parts("missing.png")}]},
+        {"messages": [user], "prompt": "both"},
+        {"messages": [{"role": "user", "content": [{"type": "image"}]}]},
+        {"messages": [user, {"role": "assistant", "content": "ok"}]},
+        {"messages": [{"role": "assistant", "content": image_parts(first.name)}, user]},
+        {"messages": []},
+    ]
+    manifest = tmp_path / "chat.jsonl"
+    manifest.write_text("\n".join(map(json.dumps, lines)) + "\n")
+    items = expand_inputs([str(manifest)])
+    pair, text = items[0], items[1]
+    assert pair.input == "pair" and pair.images == (first, second) and pair.path is None and pair.error is None
+    assert [m.role for m in pair.messages] == ["system", "user"] and pair.messages[1].image_count == 2
+    assert text.input == f"{manifest}:2" and text.prompt == "Text only, please." and text.image is None
+    errors = [item.error for item in items[2:]]
+    assert errors[0] == f"InputError: missing.png: no such file ({manifest}:3)"
+    expected = [
+        "give messages, or image and/or prompt, not both",
+        "messages.0.content.0.image: Field required",
+        "the last turn must be the user's",
+        "messages.0: image parts go in user turns",
+        "messages: give at least one turn",
+    ]
+    for error, words in zip(errors[1:], expected, strict=True):
+        assert error.startswith(f"InputError: {manifest}:") and words in error, error
+
+
+def image_parts(*names: str) -> list[dict]:
+    return [{"type": "image", "image": name} for name in names]
 
 
 def test_a_missing_argument_is_an_error_before_anything_else(tmp_path):

@@ -339,8 +339,11 @@ class CaptionRun:
         from wicore.schemas import GenerationParams
 
         params = GenerationParams(max_new_tokens=item.max_new_tokens or self.config.max_new_tokens)
-        prompt = item.prompt or self.config.prompt
-        return Submission(item.image, prompt, params=params, metadata=item.metadata, name=item.input)
+        if item.messages is not None:
+            fields = {"messages": item.messages, "images": item.images}
+        else:
+            fields = {"image": item.image, "prompt": item.prompt or self.config.prompt}
+        return Submission(params=params, metadata=item.metadata, name=item.input, **fields)
 
     def _leave(self, producer, exc: BaseException | None) -> None:
         """After a failure or a signal: say what is left, and take this run's unstarted jobs back

@@ -16,7 +16,7 @@ from pydantic import ValidationError
 
 from wicore.cli.dataset_inputs import DatasetOptions, Row, dataset_rows, is_dataset, missing, require_extras
 from wicore.errors import ConfigError
-from wicore.schemas import ManifestEntry
+from wicore.schemas import ChatMessage, ManifestEntry
 
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".webp", ".gif", ".bmp", ".tif", ".tiff"}
 MANIFEST_SUFFIX = ".jsonl"
@@ -31,11 +31,17 @@ class InputItem:
     metadata: dict[str, Any] = field(default_factory=dict)
     error: str | None = None  # known bad before any job is made (not an image, bad manifest line)
     data: bytes | None = None  # the image's bytes, for an image read from a dataset
+    messages: tuple[ChatMessage, ...] | None = None  # a manifest line's conversation (`path` is then None)
+    images: tuple[Path, ...] = ()  # the files of the conversation's image parts, in order
 
     @property
     def image(self) -> Path | bytes | None:
         """What the job is made from: the bytes, else the file."""
         return self.data if self.data is not None else self.path
+
+    @property
+    def files(self) -> tuple[Path, ...]:
+        return self.images if self.path is None else (self.path, *self.images)
 
 
 def iter_inputs(args: list[str], options: DatasetOptions | None = None) -> Iterator[InputItem]:
@@ -67,8 +73,7 @@ def local_files(args: list[str], options: DatasetOptions, settled: set[str]) -> 
     roots, todo = set(), 0
     for item in iter_inputs(files, options):
         todo += item.input not in settled
-        if item.path is not None:
-            roots.add(item.path.resolve().parent)
+        roots.update(path.resolve().parent for path in item.files)
     return LocalFiles(roots, todo if len(files) == len(args) else None)
 
 
@@ -123,11 +128,17 @@ def _manifest_line(where: str, folder: Path, line: str) -> InputItem:
         return InputItem(
             where, None, error=f"InputError: {where}: not a manifest line ({entry}; see `wicore schema manifest`)"
         )
-    path = Path(entry.image) if Path(entry.image).is_absolute() else folder / entry.image
-    key = entry.input or entry.image
-    if not path.is_file():
-        return InputItem(key, None, error=f"InputError: {entry.image}: no such file ({where})")
-    return InputItem(key, path, prompt=entry.prompt, max_new_tokens=entry.max_new_tokens, metadata=entry.metadata)
+    named = entry.images
+    key = entry.input or (named[0] if named else where)
+    paths = [Path(image) if Path(image).is_absolute() else folder / image for image in named]
+    for image, path in zip(named, paths):
+        if not path.is_file():
+            return InputItem(key, None, error=f"InputError: {image}: no such file ({where})")
+    fields = {"prompt": entry.prompt, "max_new_tokens": entry.max_new_tokens, "metadata": entry.metadata}
+    if entry.messages is None:
+        return InputItem(key, paths[0] if paths else None, **fields)
+    messages = tuple(m.chat_message() for m in entry.messages)
+    return InputItem(key, None, messages=messages, images=tuple(paths), **fields)
 
 
 def _entry(line: str) -> ManifestEntry | str:
@@ -141,5 +152,14 @@ def _entry(line: str) -> ManifestEntry | str:
     try:
         return ManifestEntry.model_validate(raw)
     except ValidationError as exc:
-        error = exc.errors()[0]
-        return f"{'.'.join(str(p) for p in error['loc'])}: {error['msg']}"
+        return validation_line(exc)
+
+
+def validation_line(exc: ValidationError) -> str:
+    """The deepest of a validation's errors in one line, without pydantic's union branch names
+    ("messages.0.content.0.image: Field required")."""
+    error = max(exc.errors(), key=lambda e: len(e["loc"]))
+    parts = [str(p) for p in error["loc"] if not (isinstance(p, str) and "[" in p)]
+    where = ".".join(p for i, p in enumerate(parts) if i == 0 or p != parts[i - 1])  # a tagged union repeats its tag
+    message = str(error["msg"]).removeprefix("Value error, ")
+    return f"{where}: {message}" if where else message

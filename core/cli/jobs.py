@@ -82,6 +82,8 @@ def enqueue(
     def submission(item: InputItem) -> Submission:
         item_params = params.model_copy(update={"max_new_tokens": item.max_new_tokens or max_new_tokens})
         fields = {"params": item_params, "priority": priority, "deadline": deadline, "metadata": item.metadata}
+        if item.messages is not None:
+            return Submission(messages=item.messages, images=item.images, name=item.input, **fields)
         return Submission(item.image, item.prompt or prompt, name=item.input, **fields)
 
     failed = _enqueue_items(producer, items, submission)
