@@ -72,10 +72,13 @@ def require_gemma3(model_dir: str | Path) -> None:
 
 
 def load_processor(model_dir: str | Path):
-    """The checkpoint's processor: a multimodal processor, or a tokenizer alone (causal LMs)."""
-    from transformers import AutoProcessor
+    """The checkpoint's processor for an image-text checkpoint, its tokenizer alone for a causal LM
+    (whose tokenizer files may still name a multimodal processor class)."""
+    from transformers import AutoConfig, AutoProcessor, AutoTokenizer
 
-    return AutoProcessor.from_pretrained(model_dir)
+    if hasattr(AutoConfig.from_pretrained(model_dir), "vision_config"):
+        return AutoProcessor.from_pretrained(model_dir)
+    return AutoTokenizer.from_pretrained(model_dir)
 
 
 def model_class(config):
