@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -70,7 +70,8 @@ class LocalFiles:
 
 def local_files(args: list[str], options: DatasetOptions, settled: set[str]) -> LocalFiles:
     files = [arg for arg in args if not is_dataset(arg, options.store)]
-    roots, todo = set(), 0
+    roots: set[Path] = set()
+    todo = 0
     for item in iter_inputs(files, options):
         todo += item.input not in settled
         roots.update(path.resolve().parent for path in item.files)
@@ -134,11 +135,10 @@ def _manifest_line(where: str, folder: Path, line: str) -> InputItem:
     for image, path in zip(named, paths):
         if not path.is_file():
             return InputItem(key, None, error=f"InputError: {image}: no such file ({where})")
-    fields = {"prompt": entry.prompt, "max_new_tokens": entry.max_new_tokens, "metadata": entry.metadata}
+    item = InputItem(key, None, prompt=entry.prompt, max_new_tokens=entry.max_new_tokens, metadata=entry.metadata)
     if entry.messages is None:
-        return InputItem(key, paths[0] if paths else None, **fields)
-    messages = tuple(m.chat_message() for m in entry.messages)
-    return InputItem(key, None, messages=messages, images=tuple(paths), **fields)
+        return replace(item, path=paths[0] if paths else None)
+    return replace(item, messages=tuple(m.chat_message() for m in entry.messages), images=tuple(paths))
 
 
 def _entry(line: str) -> ManifestEntry | str:
