@@ -270,7 +270,7 @@ class Corpus:
         for _ in range(6):
             for kind, (paths, expect) in cases.items():
                 for path in paths:
-                    payload = {**self.base_payload(), "image": {"sha256": sha, "path": path}}
+                    payload = {**self.base_payload(), "images": [{"sha256": sha, "path": path}]}
                     self.payload(kind, set(expect), payload)
         by_path = Producer(self.connection, model=MODEL, config=ProducerConfig(by_path=True))
         for _ in range(6):

@@ -225,7 +225,7 @@ def test_poison_jobs_fail_alone_at_once_and_their_batch_mates_run(redis_conn, en
     placeholder = producer.submit(png_bytes(9), "what is <start_of_image> here?", params=params)
     queue = Job.fetch(good[0], connection=redis_conn).origin
     payload = json.loads(zlib.decompress(redis_conn.hget(f"rq:job:{good[0]}", "data")))[2][0]
-    nul_path = {**payload, "image": {**payload["image"], "path": "/allowed/good.png\x00.txt"}}
+    nul_path = {**payload, "images": [{**payload["images"][0], "path": "/allowed/good.png\x00.txt"}]}
     poison = {
         plant_job(redis_conn, queue, "bad-data", good[0], data=b"{not json"): "InvalidJob: data is not JSON",
         plant_job(redis_conn, queue, "pickled-meta", good[0], meta=pickle.dumps({"a": 1})): "InvalidJob: meta",
