@@ -226,11 +226,18 @@ def test_poison_jobs_fail_alone_at_once_and_their_batch_mates_run(redis_conn, en
     queue = Job.fetch(good[0], connection=redis_conn).origin
     payload = json.loads(zlib.decompress(redis_conn.hget(f"rq:job:{good[0]}", "data")))[2][0]
     nul_path = {**payload, "images": [{**payload["images"][0], "path": "/allowed/good.png\x00.txt"}]}
+    user = {"role": "user", "content": [{"type": "image"}, {"type": "image"}]}
+    parts_only = {**payload, "prompt": None, "messages": [user]}  # two image parts, one image
+    both = {**payload, "image": payload["images"][0]}
+    assistant_last = {**payload, "prompt": None, "messages": [{"role": "assistant", "content": "hi"}]}
     poison = {
         plant_job(redis_conn, queue, "bad-data", good[0], data=b"{not json"): "InvalidJob: data is not JSON",
         plant_job(redis_conn, queue, "pickled-meta", good[0], meta=pickle.dumps({"a": 1})): "InvalidJob: meta",
         plant_job(redis_conn, queue, "no-data", good[0], data=None): "InvalidJob: the job hash has no data",
         plant_job(redis_conn, queue, "nul-path", good[0], data=payload_data(nul_path)): "InvalidJob: payload",
+        plant_job(redis_conn, queue, "parts-without-images", good[0], data=payload_data(parts_only)): "InvalidJob",
+        plant_job(redis_conn, queue, "image-and-images", good[0], data=payload_data(both)): "InvalidJob",
+        plant_job(redis_conn, queue, "assistant-last", good[0], data=payload_data(assistant_last)): "InvalidJob",
     }
     plant_job(redis_conn, queue, "no-hash", "nothing-here")
     more = producer.submit_many([Submission(png_bytes(10 + i), f"more {i}", params=params) for i in range(3)])
