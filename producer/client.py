@@ -158,7 +158,7 @@ class Producer:
 
     # -- submitting -------------------------------------------------------------------------
 
-    def submit(self, image: str | bytes, prompt: str | None = None, **fields) -> str:
+    def submit(self, image: str | bytes | None, prompt: str | None = None, **fields) -> str:
         return self.submit_many([Submission(image=image, prompt=prompt, **fields)])[0]
 
     def submit_many(self, submissions: Iterable[Submission], chunk: int = 256) -> list[str]:

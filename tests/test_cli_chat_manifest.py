@@ -106,3 +106,28 @@ def test_the_worker_fails_a_job_over_its_image_limit_alone(tmp_path):
             assert producer.outcome(fine, timeout=120).result.text == caption_of(IMAGES[2])
         finally:
             stop(worker)
+
+
+def test_enqueue_makes_one_job_per_line_holding_its_conversation(tmp_path):
+    from redis import Redis
+    from rq.job import Job
+    from rq.serializers import JSONSerializer
+
+    from wicore.schemas import CaptionJob
+
+    for image in IMAGES[:2]:
+        shutil.copy(image, tmp_path / image.name)
+    lines = [{"messages": user(picture(IMAGES[0]), TEXT, picture(IMAGES[1]))}, {"prompt": "Text only."}]
+    manifest = tmp_path / "chat.jsonl"
+    manifest.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    with EmbeddedRedis() as server:
+        enqueued = wicore("enqueue", str(manifest), "--redis-url", server.url)
+        ids = [line.split("\t")[0] for line in enqueued.stdout.splitlines()]
+        connection = Redis.from_url(server.url)
+        jobs = [
+            CaptionJob.model_validate(Job.fetch(i, connection=connection, serializer=JSONSerializer).args[0])
+            for i in ids
+        ]
+    pair, text = jobs
+    assert len(pair.images) == 2 and pair.chat()[0]["content"][1] == TEXT
+    assert text.images == () and text.chat() == [{"role": "user", "content": [{"type": "text", "text": "Text only."}]}]
