@@ -1,5 +1,6 @@
-"""Loading a checkpoint directory (Gemma-3, or any HF image-text-to-text / causal LM): processor, config, and the HF model (from its
-safetensors, or seeded straight on the device for config-only directories).
+"""Loading a checkpoint directory (Gemma-3, or any HF image-text-to-text / causal LM): processor,
+config, and the HF model (from its safetensors, or seeded straight on the device for config-only
+directories).
 
 Light to import (torch is imported where a model is loaded): the CLI checks a model directory
 with `check_model_dir` before it starts anything slow."""

@@ -1,8 +1,9 @@
 """The `reference` engine: Hugging Face `generate` on a left-padded static batch.
 
 It is the yardstick every other engine is compared with, so it stays plain: the checkpoint's
-own processor, chat template and model (any image-text-to-text or causal-LM checkpoint), one `generate` call per group of requests that share sampling
-settings, and the shared `finish_sequence` rule for where each output ends.
+own processor, chat template and model (any image-text-to-text or causal-LM checkpoint), one
+`generate` call per group of requests that share sampling settings, and the shared
+`finish_sequence` rule for where each output ends.
 """
 
 from __future__ import annotations

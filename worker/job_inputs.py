@@ -1,6 +1,7 @@
 """From a claimed job to an engine request: parse its payload, fetch its images (blobs or allowed
-paths; none for a text-only job), check their hashes, decode them; for an engine that takes its images resized (`Engine.pixel_spec`)
-and a worker given decode processes, all of that and the resize run in those processes
+paths; none for a text-only job), check their hashes, decode them; for an engine that takes its
+images resized (`Engine.pixel_spec`) and a worker given decode processes, all of that and the
+resize run in those processes
 (`wicore.ops.pixel_pool`), off this process's GIL. Every failure here is the job's own (an
 input error), reported per job, with the same message on either path."""
 
