@@ -53,15 +53,17 @@ def served(tmp_path_factory):
             "--redis-url", redis_server.url, "--engine", "fast", "--engine-option", "torch_threads=1",
             "--batch-size", "4", "--metrics-port", str(metrics_port), log=logs / "worker.log",
         )  # fmt: skip
-        wait_http(f"http://127.0.0.1:{metrics_port}/metrics", 120, worker)
         port = free_port()
         gateway = start_gateway("--redis-url", redis_server.url, "--port", str(port), log=logs / "gateway.log")
-        url = f"http://127.0.0.1:{port}"
-        wait_http(url + "/health/live", 60, gateway)
-        wait_until(lambda: httpx.get(url + "/health/ready").status_code == 200, 60, 0.2, "a ready gateway")
-        yield url
-        stop(gateway)
-        stop(worker, signal.SIGKILL)
+        try:  # a failed start stops both too
+            wait_http(f"http://127.0.0.1:{metrics_port}/metrics", 120, worker)
+            url = f"http://127.0.0.1:{port}"
+            wait_http(url + "/health/live", 60, gateway)
+            wait_until(lambda: httpx.get(url + "/health/ready").status_code == 200, 60, 0.2, "a ready gateway")
+            yield url
+        finally:
+            stop(gateway)
+            stop(worker, signal.SIGKILL)
 
 
 @pytest.fixture(scope="module")
