@@ -146,7 +146,7 @@ CASES = [
         "/v1/jobs",
         {"json": {"messages": [{"role": "user", "content": [{"type": "image", "image": "x", "image_path": "/x"}]}]}},
         400,
-        "not both",
+        "at most one of image, image_path and image_url",
     ),
     (
         "POST",
@@ -263,7 +263,7 @@ CASES = [
     ("POST", "/v1/jobs", {"json": {"image_url": "s3://bucket-only"}}, 400, "image_url: s3://bucket-only: an s3://"),
     ("POST", "/v1/jobs", {"json": {"image_url": "gopher://h/x"}}, 400, "image_url: gopher://h/x: URL scheme"),
     ("POST", "/v1/jobs", {"json": {"image_url": "http://h:99999/x"}}, 400, "image_url: http://h:99999/x: not a valid"),
-    ("POST", "/v1/jobs", {"json": job(image_url="https://h/x.png")}, 400, "exactly one of image"),
+    ("POST", "/v1/jobs", {"json": job(image_url="https://h/x.png")}, 400, "at most one of image"),
     ("POST", "/v1/jobs", {"json": {"image_url": 7}}, 400, "image_url"),
     ("POST", "/v1/chat/completions", {"json": chat([image_part("file:///etc/passwd")])}, 400, "outside the allowed"),
     ("POST", "/v1/chat/completions", {"json": chat([image_part("data:image/png;base64,@@@")])}, 400, "base64"),
