@@ -146,3 +146,19 @@ def test_a_missing_argument_is_an_error_before_anything_else(tmp_path):
 def test_an_input_given_twice_is_one_item(tmp_path):
     [image] = write_images(tmp_path, 1)
     assert [item.input for item in expand_inputs([str(image), str(tmp_path), str(image)])] == [str(image)]
+
+
+def test_manifest_messages_may_name_files_and_urls_with_generation_keys(tmp_path):
+    [image] = write_images(tmp_path, 1)
+    url = "https://images.example.com/b.jpg"
+    user = {"role": "user", "content": image_parts(image.name, url, "s3://bucket-only")[:2]}
+    lines = [
+        {"messages": [user], "temperature": 0.5, "params": {"seed": 3}, "metadata": {"shop": 7}},
+        {"messages": [{"role": "user", "content": image_parts("s3://bucket-only")}]},
+    ]
+    manifest = tmp_path / "chat.jsonl"
+    manifest.write_text("\n".join(map(json.dumps, lines)) + "\n")
+    mixed, bucket = expand_inputs([str(manifest)])
+    assert mixed.images == (image, url) and mixed.files == (image,) and mixed.input == image.name
+    assert mixed.params == {"temperature": 0.5, "seed": 3} and mixed.metadata == {"shop": 7}
+    assert bucket.error == "InputError: s3://bucket-only: an s3:// URL needs a key: s3://bucket/key"

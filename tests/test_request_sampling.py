@@ -68,6 +68,19 @@ def test_a_url_job_carries_the_url_and_no_blob(redis_conn):
     assert not list(redis_conn.scan_iter("wicore:blob:*"))
 
 
+def test_a_job_of_several_images_mixes_urls_and_blobs(redis_conn):
+    producer = Producer(redis_conn, model=MODEL)
+    url, image = "s3://bucket/photos/a.jpg", png_bytes(3)
+    job_id = producer.submit_many([Submission(images=(url, image), prompt="compare")])[0]
+    record = Job.fetch(job_id, connection=redis_conn, serializer=JSONSerializer)
+    first, second = CaptionJob.model_validate(record.args[0]).images
+    assert (first.url, first.sha256, second.url) == (url, None, None) and second.is_blob
+    assert record.description == f"caption {url}"
+    assert [key.decode() for key in redis_conn.scan_iter("wicore:blob:*")] == [f"wicore:blob:{second.sha256}"]
+    alone = producer.submit_many([Submission(images=(image,), prompt="compare")])[0]
+    assert alone != job_id, "the URL is part of the work"
+
+
 def checkpoint_with(tiny_model_dir, tmp_path, config: dict):
     model = tmp_path / "model"
     shutil.copytree(tiny_model_dir, model)
