@@ -96,6 +96,7 @@ class Settings(BaseSettings):
     allowed_roots: list[Path] = []  # path-referenced images must live under one of these; none by default
     max_image_bytes: int = Field(defaults.MAX_IMAGE_BYTES, ge=1)  # an image's encoded size; 32 MiB
     max_image_pixels: int = Field(defaults.MAX_IMAGE_PIXELS, ge=1)  # width x height of an image; 50 M
+    max_images_per_request: int = Field(defaults.MAX_IMAGES_PER_REQUEST, ge=0, le=1024)  # images in one job; 8
     # Full-size pixel memory a worker's concurrent image decodes hold, in its threads or its decode
     # processes together; an image that needs more decodes alone. 512 MiB: two 50 Mpx RGB at once.
     decode_budget_bytes: int = Field(defaults.DECODE_BUDGET_BYTES, ge=2**20)

@@ -6,6 +6,7 @@ may import it."""
 BATCH_SIZE = 8  # most jobs in one engine batch
 MAX_QUEUE_DELAY_S = 0.005  # longest a partial batch waits to fill
 MAX_IMAGE_BYTES = 32 * 2**20  # an image's encoded size
+MAX_IMAGES_PER_REQUEST = 8  # image parts in one job's conversation
 MAX_IMAGE_PIXELS = 50_000_000  # width x height, judged from the header (decompression bombs)
 DECODE_BUDGET_BYTES = 512 * 2**20  # full-size pixel memory a worker's concurrent image decodes hold
 LIVENESS_TTL_S = 15.0  # a worker silent this long is dead; its jobs are requeued

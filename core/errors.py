@@ -73,6 +73,10 @@ class ImageNotAllowed(ImageError):
     """A path outside every allowed root, or a blob that is missing from Redis."""
 
 
+class TooManyImages(JobInputError):
+    """More images in one request than the setting max_images_per_request allows."""
+
+
 class PromptTooLong(JobInputError):
     """The prompt plus image tokens plus max_new_tokens exceed what the engine can hold."""
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+from collections.abc import Sequence
 from enum import Enum
 from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
@@ -150,6 +151,18 @@ class ChatMessage(Strict):
         return sum(isinstance(part, ImagePart) for part in self.content)
 
 
+def check_conversation(messages: Sequence[ChatMessage]) -> None:
+    """A conversation the model can answer: at least one turn, the last a user's, images only in
+    user turns."""
+    if not messages:
+        raise ValueError("messages: give at least one turn")
+    if messages[-1].role != "user":
+        raise ValueError(f"messages: the last turn must be the user's, not the {messages[-1].role}'s")
+    for index, message in enumerate(messages):
+        if message.role != "user" and message.image_count:
+            raise ValueError(f"messages.{index}: image parts go in user turns, not {message.role} turns")
+
+
 MaxNewTokens = Annotated[int, Field(ge=1, le=32_768)]
 Temperature = Annotated[float, Field(ge=0.0, le=100.0)]  # 0 = greedy
 TopP = Annotated[float, Field(gt=0.0, le=1.0)]
@@ -195,9 +208,11 @@ class GenerationParams(Strict):
 
 
 class CaptionJob(Strict):
-    """One image + one prompt (or chat) -> text. The payload of every wicore RQ job."""
+    """A conversation with any number of images (0 too) -> text. The payload of every wicore RQ
+    job. `images` are the conversation's image parts, in order: those of `messages`, or, with a
+    `prompt` (or neither), one user turn of the images then the prompt's text."""
 
-    image: ImageRef
+    images: tuple[ImageRef, ...] = ()
     prompt: Text | None = None
     messages: tuple[ChatMessage, ...] | None = None
     params: GenerationParams = GenerationParams()
@@ -214,22 +229,40 @@ class CaptionJob(Strict):
     def _set_params_only(self, params: GenerationParams) -> dict[str, Any]:
         return params.model_dump(mode="json", exclude_unset=True)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _one_image_shorthand(cls, data: Any) -> Any:
+        """`image`: one image, as `images` of one."""
+        if isinstance(data, dict) and "image" in data:
+            if "images" in data:
+                raise ValueError("give image or images, not both")
+            data = {**data, "images": [data["image"]]}
+            del data["image"]
+        return data
+
     @model_validator(mode="after")
-    def _one_image(self) -> CaptionJob:
+    def _images_match_the_chat(self) -> CaptionJob:
         if self.prompt is not None and self.messages is not None:
             raise ValueError("give either prompt or messages, not both")
-        if self.messages is not None:
-            images = sum(m.image_count for m in self.messages)
-            if images != 1:
-                raise ValueError(f"messages must hold exactly one image part, found {images}")
+        if self.messages is None:
+            if not self.images and self.prompt is None:
+                raise ValueError("a job needs a prompt, messages or an image")
+            return self
+        check_conversation(self.messages)
+        parts = sum(m.image_count for m in self.messages)
+        if parts != len(self.images):
+            raise ValueError(f"messages hold {parts} image parts for {len(self.images)} images")
         return self
 
     def chat(self) -> list[dict[str, Any]]:
         """The conversation in Hugging Face chat-template form."""
         if self.messages is not None:
             return [m.model_dump(mode="json") for m in self.messages]
+        if not self.images:
+            return [{"role": "user", "content": [{"type": "text", "text": self.prompt}]}]
         text = self.prompt if self.prompt is not None else DEFAULT_PROMPT
-        return [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": text}]}]
+        content = [{"type": "image"} for _ in self.images] + [{"type": "text", "text": text}]
+        return [{"role": "user", "content": content}]
 
     @property
     def job_id(self) -> str:
@@ -237,15 +270,20 @@ class CaptionJob(Strict):
 
 
 def job_id_for(job: CaptionJob) -> str:
-    """Content-derived id: the same image, conversation, parameters and model give the same id,
+    """Content-derived id: the same images, conversation, parameters and model give the same id,
     so resubmitting the same work is deduplicated. Priority, deadline and metadata do not count;
-    a parameter left to the checkpoint's default differs from one set (they may sample apart)."""
-    work = {
-        "image": job.image.identity,
+    a parameter left to the checkpoint's default differs from one set (they may sample apart).
+    A one-image job keeps the `image` key its id has always been made of."""
+    identities = [image.identity for image in job.images]
+    work: dict[str, Any] = {
         "chat": job.chat(),
         "params": job.params.model_dump(mode="json", exclude_unset=True),
         "model": job.model,
     }
+    if len(identities) == 1:
+        work["image"] = identities[0]
+    else:
+        work["images"] = identities
     if job.nonce is not None:
         work["nonce"] = job.nonce
     canonical = json.dumps(work, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
@@ -276,20 +314,57 @@ class CaptionResult(Strict):
     model: str
 
 
-class ManifestEntry(Strict):
-    """One line of a JSONL manifest given to `wicore caption` or `wicore enqueue`. Generation
-    parameters sit at the top level or under `params` (not both for one key); anything else of
-    the caller's goes under `metadata`; any other key is an error."""
-
-    model_config = ConfigDict(title="wicore manifest line")
-
+class ManifestImagePart(Strict):
+    type: Literal["image"] = "image"
     image: str = Field(
         min_length=1,
         description="Image file (a relative path is relative to the manifest's folder), or an http(s):// or s3:// "
         "URL the worker fetches.",
     )
-    prompt: Text | None = Field(None, description=f"Prompt (default: {DEFAULT_PROMPT!r}).")
-    input: str | None = Field(None, description="Key of the result line (default: `image` as written).")
+
+
+class ManifestMessage(Strict):
+    role: Literal["system", "user", "assistant"]
+    content: Text | list[Annotated[TextPart | ManifestImagePart, Field(discriminator="type")]]
+
+    def chat_message(self) -> ChatMessage:
+        """The turn as a job holds it: its image parts name no file (the job's images do, in order)."""
+        if isinstance(self.content, str):
+            return ChatMessage(role=self.role, content=self.content)
+        parts = [part if isinstance(part, TextPart) else ImagePart() for part in self.content]
+        return ChatMessage(role=self.role, content=parts)
+
+    @property
+    def images(self) -> list[str]:
+        return (
+            [] if isinstance(self.content, str) else [p.image for p in self.content if isinstance(p, ManifestImagePart)]
+        )
+
+
+class ManifestEntry(Strict):
+    """One line of a JSONL manifest given to `wicore caption` or `wicore enqueue`: an `image` and
+    its `prompt`, a `prompt` alone (text only), or chat `messages`. Generation parameters sit at
+    the top level or under `params` (not both for one key); anything else of the caller's goes
+    under `metadata`; any other key is an error."""
+
+    model_config = ConfigDict(title="wicore manifest line")
+
+    image: str | None = Field(
+        None,
+        min_length=1,
+        description="Image file (a relative path is relative to the manifest's folder), or an http(s):// or s3:// "
+        "URL the worker fetches.",
+    )
+    prompt: Text | None = Field(None, description=f"Prompt (default with an image: {DEFAULT_PROMPT!r}).")
+    messages: list[ManifestMessage] | None = Field(
+        None,
+        description="Chat turns instead of image and prompt (system, user, assistant; the last the user's). "
+        'A user turn\'s content is text or a list of parts: {"type": "text", "text": ...} and '
+        '{"type": "image", "image": FILE or URL}, any number, in any order.',
+    )
+    input: str | None = Field(
+        None, description="Key of the result line (default: `image` as written, else the first image, else FILE:LINE)."
+    )
     max_new_tokens: MaxNewTokens | None = Field(None, description="Most tokens to generate.")
     temperature: Temperature | None = Field(None, description="0 = greedy; above 0 samples.")
     top_p: TopP | None = None
@@ -300,6 +375,23 @@ class ManifestEntry(Strict):
     metadata: Annotated[dict[str, Any], BeforeValidator(shallow)] = Field(
         {}, description="Anything of yours: kept with the job, not part of its id."
     )
+
+    @model_validator(mode="after")
+    def _one_request_shape(self) -> ManifestEntry:
+        if self.messages is not None and (self.image is not None or self.prompt is not None):
+            raise ValueError("give messages, or image and/or prompt, not both")
+        if self.messages is None and self.image is None and self.prompt is None:
+            raise ValueError("give an image, a prompt or messages")
+        if self.messages is not None:
+            check_conversation([m.chat_message() for m in self.messages])
+        return self
+
+    @property
+    def images(self) -> list[str]:
+        """Every image (file or URL) the line names, in conversation order."""
+        if self.messages is not None:
+            return [image for message in self.messages for image in message.images]
+        return [] if self.image is None else [self.image]
 
     @model_validator(mode="after")
     def _each_parameter_once(self) -> ManifestEntry:

@@ -1,5 +1,6 @@
-"""Loading a Gemma-3 checkpoint directory: processor, config, and the HF model (from its
-safetensors, or seeded straight on the device for config-only directories).
+"""Loading a checkpoint directory (Gemma-3, or any HF image-text-to-text / causal LM): processor,
+config, and the HF model (from its safetensors, or seeded straight on the device for config-only
+directories).
 
 Light to import (torch is imported where a model is loaded): the CLI checks a model directory
 with `check_model_dir` before it starts anything slow."""
@@ -54,30 +55,60 @@ def max_positions(model_dir: str | Path) -> int:
     """The text model's position limit, from the checkpoint's config alone."""
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(model_dir).text_config.max_position_embeddings
+    return AutoConfig.from_pretrained(model_dir).get_text_config().max_position_embeddings
+
+
+def require_gemma3(model_dir: str | Path) -> None:
+    """The fast engine runs Gemma-3 image-text checkpoints (`Gemma3ForConditionalGeneration`);
+    any other is refused at start, pointing at the reference engine."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_dir)
+    if config.model_type != "gemma3":
+        names = ", ".join(getattr(config, "architectures", None) or [config.model_type])
+        raise ConfigError(
+            f"--model {model_dir}: the fast engine runs Gemma-3 image-text checkpoints (Gemma3ForConditionalGeneration), "
+            f"not {names}; run it with --engine reference"
+        )
 
 
 def load_processor(model_dir: str | Path):
-    from transformers import AutoProcessor
+    """The checkpoint's processor for an image-text checkpoint, its tokenizer alone for a causal LM
+    (whose tokenizer files may still name a multimodal processor class)."""
+    from transformers import AutoConfig, AutoProcessor, AutoTokenizer
 
-    return AutoProcessor.from_pretrained(model_dir)
+    if hasattr(AutoConfig.from_pretrained(model_dir), "vision_config"):
+        return AutoProcessor.from_pretrained(model_dir)
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+def model_class(config):
+    """The auto class a checkpoint of `config` loads through: image-text-to-text, else causal LM;
+    a ConfigError naming the architecture when it is neither."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    for auto in (AutoModelForImageTextToText, AutoModelForCausalLM):
+        if type(config) in auto._model_mapping:
+            return auto
+    names = ", ".join(getattr(config, "architectures", None) or [type(config).__name__])
+    raise ConfigError(f"--model: {names} is neither an image-text-to-text nor a causal-LM checkpoint")
 
 
 def load_hf_model(model_dir: str | Path, device: str, dtype: str, seed: int = 0):
-    """`Gemma3ForConditionalGeneration` in eval mode on `device`.
+    """The checkpoint's Hugging Face model (image-text-to-text or causal LM) in eval mode on `device`.
 
     A directory with safetensors loads through `from_pretrained` (offline, straight to the
     device). A config-only directory (`wicore make-model gemma3-4b`) gets seeded random weights
     (`seeded_weights`) drawn on the device: the same seed gives the same weights in every engine.
     """
-    from transformers import AutoConfig, AutoModelForImageTextToText
+    from transformers import AutoConfig
 
     path = check_model_dir(model_dir)
+    config = AutoConfig.from_pretrained(path)
     if has_weights(path):
         # device_map would need accelerate; CPU -> device is one copy of the weights.
-        model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch_dtype(dtype))
+        model = model_class(config).from_pretrained(path, dtype=torch_dtype(dtype))
         return model.to(device).eval()
-    config = AutoConfig.from_pretrained(path)
     return reseeded(seeded_model(config, 0, torch_dtype(dtype), device), config, config_seed(path, seed))
 
 

@@ -1,8 +1,9 @@
 """The `reference` engine: Hugging Face `generate` on a left-padded static batch.
 
 It is the yardstick every other engine is compared with, so it stays plain: the checkpoint's
-own processor and model, one `generate` call per group of requests that share sampling
-settings, and the shared `finish_sequence` rule for where each output ends.
+own processor, chat template and model (any image-text-to-text or causal-LM checkpoint), one
+`generate` call per group of requests that share sampling settings, and the shared
+`finish_sequence` rule for where each output ends.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from wicore.engines.base import (
     is_out_of_memory,
     reject_options,
 )
+from wicore.engines.chat_inputs import ChatInputs, check_chat_model
 from wicore.engines.checkpoint import load_hf_model, load_processor
 from wicore.engines.text import finish_sequence, stop_token_ids
 from wicore.errors import ConfigError, JobInputError, PromptTooLong
@@ -37,10 +39,12 @@ class ReferenceEngine(StaticBatchEngine):
         super().__init__(config)
         reject_options(config, self.name)
         self.processor = load_processor(config.model_dir)
-        self.tokenizer = self.processor.tokenizer
+        check_chat_model(self.processor, config.model_dir)
+        self.inputs = ChatInputs(self.processor)
+        self.tokenizer = self.inputs.tokenizer
         self.model = load_hf_model(config.model_dir, config.device, config.dtype, config.seed)
         self.eos_ids = stop_token_ids(config.model_dir, self.tokenizer)
-        self.max_len = self.model.config.text_config.max_position_embeddings
+        self.max_len = self.model.config.get_text_config().max_position_embeddings
         self._image_size = plain_resize_size(self.processor)
 
     def image_size(self) -> tuple[int, int] | None:
@@ -48,6 +52,7 @@ class ReferenceEngine(StaticBatchEngine):
 
     def step(self) -> list[Completion]:
         requests = self.take_pending()
+        # One generate call per sampling rule, text-only requests apart from those with images.
         groups: dict[tuple, list[tuple[EngineRequest, str]]] = defaultdict(list)
         done: list[Completion] = []
         for request in requests:
@@ -56,26 +61,13 @@ class ReferenceEngine(StaticBatchEngine):
             except JobInputError as error:
                 done.append(failed(request.id, error, input_error=True))
                 continue
-            groups[sampling_key(request)].append((request, text))
+            groups[(sampling_key(request), bool(request.images))].append((request, text))
         for group in groups.values():
             done.extend(self._run_isolating_failures(group))
         return done
 
     def _prompt_text(self, request: EngineRequest) -> str:
-        """The chat as the model reads it; a chat that does not render, or whose text holds image
-        placeholders of its own, is that request's error."""
-        try:
-            text = self.processor.apply_chat_template(request.chat, add_generation_prompt=True)
-        except Exception as error:
-            raise JobInputError(f"chat template failed: {error}") from error
-        boi, soft = getattr(self.processor, "boi_token", None), getattr(self.tokenizer, "image_token", None)
-        if boi is not None and text.count(boi) != len(request.images):
-            raise JobInputError(
-                f"the prompt holds {text.count(boi)} image placeholders ({boi}) for {len(request.images)} images"
-            )
-        if soft is not None and soft in text:
-            raise JobInputError(f"the prompt holds the image token text {soft}")
-        return text
+        return self.inputs.text(request.chat, len(request.images))
 
     def _run_isolating_failures(self, group: list[tuple[EngineRequest, str]]) -> list[Completion]:
         """One bad request must not fail its batch mates: on a batch error, run each alone. Out
@@ -98,14 +90,9 @@ class ReferenceEngine(StaticBatchEngine):
     def _generate(self, pairs: list[tuple[EngineRequest, str]]) -> list[Completion]:
         clock = Stopwatch()
         group, texts = [r for r, _ in pairs], [t for _, t in pairs]
-        inputs = self.processor(
-            text=texts,
-            images=[r.images for r in group],
-            padding=True,
-            return_tensors="pt",
-            add_special_tokens=False,  # the chat template already starts with <bos>
-        ).to(self.model.device)
-        inputs["pixel_values"] = inputs["pixel_values"].to(self.model.dtype)
+        inputs = self.inputs.encode(texts, [r.images for r in group]).to(self.model.device)
+        if "pixel_values" in inputs:
+            inputs["pixel_values"] = inputs["pixel_values"].to(self.model.dtype)
         prompt_lens = inputs["attention_mask"].sum(dim=1).tolist()
         too_long = [(r, n) for r, n in zip(group, prompt_lens) if n + r.params.max_new_tokens > self.max_len]
         if too_long:  # those fail alone; their batch mates run without them

@@ -27,10 +27,11 @@ from rq.serializers import JSONSerializer
 from rq.utils import now
 
 from wicore import defaults, keys, rq_keys
-from wicore.errors import JobCanceled, JobFailed, ResultTimeout, UnknownJob
+from wicore.errors import JobCanceled, JobFailed, ResultTimeout, TooManyImages, UnknownJob
 from wicore.producer.image_refs import prepare_image
 from wicore.producer.outcome import Outcome, outcome_of
 from wicore.producer.submission import Prepared, ProducerConfig, Submission
+from wicore.redaction import masked_url
 from wicore.scheduler.buckets import ShapeRules
 from wicore.schemas import CaptionJob, CaptionResult
 
@@ -162,7 +163,7 @@ class Producer:
 
     # -- submitting -------------------------------------------------------------------------
 
-    def submit(self, image: str | bytes, prompt: str | None = None, **fields) -> str:
+    def submit(self, image: str | bytes | None, prompt: str | None = None, **fields) -> str:
         return self.submit_many([Submission(image=image, prompt=prompt, **fields)])[0]
 
     def submit_many(self, submissions: Iterable[Submission], chunk: int = 256) -> list[str]:
@@ -179,12 +180,12 @@ class Producer:
         """Enqueue jobs made by `prepare` (a caller that wants each submission's own error
         prepares them one by one first). One job id per job, in order."""
         jobs = [p.job for p in prepared]
-        blobs = {p.job.image.sha256: p.blob for p in prepared if p.blob is not None}
+        blobs = {sha: data for p in prepared for sha, data in p.blobs.items()}
         new_ids, stored = self._claim_new([job.job_id for job in jobs], list(blobs))
         new_jobs = list({job.job_id: job for job in jobs if job.job_id in new_ids}.values())
         labels = {p.job.job_id: p.label for p in prepared}
         with self.connection.pipeline(transaction=True) as pipe:  # all of the chunk is enqueued, or none
-            for sha in {job.image.sha256 for job in new_jobs if job.image.is_blob}:
+            for sha in {image.sha256 for job in new_jobs for image in job.images if image.is_blob}:
                 if sha in stored:
                     pipe.expire(keys.blob(sha), self.config.blob_ttl_s)
                 else:
@@ -194,11 +195,20 @@ class Producer:
         return [job.job_id for job in jobs]
 
     def prepare(self, submission: Submission) -> Prepared:
-        """The job, the image bytes when they travel as a blob, and its label. Raises ImageError
-        or pydantic's ValidationError for a submission that cannot become a job."""
-        ref, data = prepare_image(submission.image, by_path=self.config.by_path, limit=self.config.max_image_bytes)
+        """The job, the image bytes that travel as blobs, and its label. Raises ImageError, or
+        pydantic's ValidationError for a submission that cannot become a job."""
+        images = submission.all_images
+        if len(images) > self.config.max_images_per_request:
+            limit = self.config.max_images_per_request
+            raise TooManyImages(f"{len(images)} images in one request; at most {limit} (max_images_per_request)")
+        refs, blobs = [], {}
+        for image in images:
+            ref, data = prepare_image(image, by_path=self.config.by_path, limit=self.config.max_image_bytes)
+            refs.append(ref)
+            if data is not None:
+                blobs[ref.sha256] = data
         job = CaptionJob(
-            image=ref,
+            images=tuple(refs),
             prompt=submission.prompt,
             messages=submission.messages,
             params=submission.params,
@@ -208,7 +218,7 @@ class Producer:
             metadata=submission.metadata,
             nonce=uuid.uuid4().hex if submission.params.unseeded_sampling else None,
         )
-        return Prepared(job, data, submission.label)
+        return Prepared(job, blobs, submission.label)
 
     def _claim_new(self, job_ids: Sequence[str], blob_shas: Sequence[str]) -> tuple[set[str], set[str]]:
         """(ids to enqueue, blobs already in Redis), in one script call: only the first submission
@@ -255,7 +265,7 @@ class Producer:
             failure_ttl=self.config.failure_ttl_s,
             retry=Retry(max=self.config.retries) if self.config.retries else None,
             meta={"notify": self.notify_key} if self.config.notify else {},
-            description=f"caption {label or job.image.path or (job.image.sha256 or '')[:12]}",
+            description=f"caption {label or describe_images(job)}",
             status=JobStatus.QUEUED,
         )
         rq_job.enqueued_at = now()
@@ -409,3 +419,13 @@ def chunks(items: Iterable[T], size: int) -> Iterator[list[T]]:
 
 def no_such_job(job_id: str) -> UnknownJob:
     return UnknownJob(f"no job {job_id} in Redis (never submitted, or expired)")
+
+
+def describe_images(job: CaptionJob) -> str:
+    """The job's images for people: the first one's path, URL (masked) or hash, and how many
+    there are."""
+    if not job.images:
+        return "text only"
+    ref = job.images[0]
+    first = ref.path or (masked_url(ref.url) if ref.url is not None else (ref.sha256 or "")[:12])
+    return first if len(job.images) == 1 else f"{first} and {len(job.images) - 1} more images"

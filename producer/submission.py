@@ -10,32 +10,43 @@ from wicore import defaults
 from wicore.redaction import masked_url
 from wicore.schemas import CaptionJob, ChatMessage, GenerationParams, Lane
 
+ImageInput = str | Path | bytes  # an image reference (prepare_image reads it) or the image's bytes
+
 
 @dataclass(frozen=True)
 class Submission:
-    image: str | Path | bytes  # a file path, an http(s):// or s3:// URL (the worker fetches it), or the bytes
+    """What to run: a conversation (`messages`, or a `prompt`, or neither for the default prompt)
+    and its images in the order of its image parts. `Submission(image, prompt)` is one image
+    then the prompt; `Submission(prompt="...")` is text only. Each image is a file path, an
+    http(s):// or s3:// URL (the worker fetches it), or the bytes."""
+
+    image: ImageInput | None = None  # one image: shorthand for `images` of one (it goes first)
     prompt: str | None = None
     messages: tuple[ChatMessage, ...] | None = None
     params: GenerationParams = field(default_factory=GenerationParams)
     priority: Lane = Lane.NORMAL
     deadline: float | None = None  # unix seconds
     metadata: dict[str, Any] = field(default_factory=dict)
-    name: str | None = None  # for people (the job's description in rq-dashboard); default: the path
+    name: str | None = None  # for people (the job's description in rq-dashboard); default: the first image
+    images: tuple[ImageInput, ...] = ()
+
+    @property
+    def all_images(self) -> tuple[ImageInput, ...]:
+        return self.images if self.image is None else (self.image, *self.images)
 
     @property
     def label(self) -> str | None:
         if self.name is not None:
             return self.name
-        if isinstance(self.image, str | Path):
-            return masked_url(str(self.image))  # a path passes unchanged
-        return None
+        named = [str(i) for i in self.all_images if not isinstance(i, bytes | bytearray | memoryview)]
+        return masked_url(named[0]) if named else None  # a path passes unchanged
 
 
 class Prepared(NamedTuple):
     """A submission made into its job (`Producer.prepare`), ready to enqueue."""
 
     job: CaptionJob
-    blob: bytes | None  # the image bytes when they travel as a blob
+    blobs: dict[str, bytes]  # sha256 -> bytes of each image that travels as a blob
     label: str | None  # the submission's `label`: the job's description
 
 
@@ -48,4 +59,5 @@ class ProducerConfig:
     retries: int = defaults.RETRIES  # re-runs after a transient failure or a dead worker
     job_timeout_s: int = 3_600
     max_image_bytes: int = defaults.MAX_IMAGE_BYTES
+    max_images_per_request: int = defaults.MAX_IMAGES_PER_REQUEST
     notify: bool = True  # workers push each ended job to this producer's list (`wait` reads it)

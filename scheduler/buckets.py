@@ -1,7 +1,7 @@
 """Shape buckets: which jobs may share a batch.
 
-A job's bucket is (model, priority lane, image crops, prompt-length bucket, max-new-tokens
-bucket); each bucket is one RQ queue, so a worker's batch never mixes shapes that would pad
+A job's bucket is (model, priority lane, image crops (0 for text only, one per image without
+pan-and-scan), prompt-length bucket, max-new-tokens bucket); each bucket is one RQ queue, so a worker's batch never mixes shapes that would pad
 badly. The bucket edges are explicit lists (nano-vllm's graph_bs idea): a value goes to the
 first edge >= it.
 """
@@ -59,7 +59,7 @@ def queue_prefix(model: str) -> str:
 
 @dataclass(frozen=True)
 class ShapeRules:
-    """Gemma-3's rules. Without pan-and-scan every image is one crop of `image_tokens` tokens;
+    """Gemma-3's rules. Without pan-and-scan every image is one crop of a fixed token count;
     prompt length is estimated from UTF-8 bytes (no tokenizer on the producer side), which is
     enough to group jobs whose padded prefill costs about the same."""
 
@@ -78,7 +78,7 @@ class ShapeRules:
         return BucketKey(
             model=job.model,
             lane=job.priority,
-            crops=1,
+            crops=len(job.images),
             prompt=bucket_up(self.estimate_prompt_tokens(job), PROMPT_BUCKETS),
             new_tokens=bucket_up(job.params.max_new_tokens, NEW_TOKEN_BUCKETS),
         )

@@ -148,7 +148,7 @@ class Corpus:
         self.submit("image-empty", {REFUSED, "ImageError"}, b"", "empty")
         for i in range(20):
             other = png_bytes(500 + i)
-            self.connection.set(keys.blob(self._job(other).image.sha256), png_bytes(900 + i), ex=3600)
+            self.connection.set(keys.blob(self._job(other).images[0].sha256), png_bytes(900 + i), ex=3600)
             self.payload("image-hash-mismatch", {"ImageError"}, self._job(other).model_dump(mode="json"))
         for i in range(20):
             self.payload(
@@ -266,11 +266,11 @@ class Corpus:
             "path-too-long": (["/" + "a" * 5000, ""], {"InvalidJob"}),
             "path-good": ([str(inside), str(self.allowed / "links" / ".." / "good.png")], {RESULT}),
         }  # fmt: skip
-        sha = self._job(image).image.sha256
+        sha = self._job(image).images[0].sha256
         for _ in range(6):
             for kind, (paths, expect) in cases.items():
                 for path in paths:
-                    payload = {**self.base_payload(), "image": {"sha256": sha, "path": path}}
+                    payload = {**self.base_payload(), "images": [{"sha256": sha, "path": path}]}
                     self.payload(kind, set(expect), payload)
         by_path = Producer(self.connection, model=MODEL, config=ProducerConfig(by_path=True))
         for _ in range(6):

@@ -35,7 +35,7 @@ def test_manifest_lines_each_get_an_item(tmp_path):
     lines = [
         {"image": image.name, "prompt": "What color?", "max_new_tokens": 5, "input": "first", "metadata": {"shop": 7}},
         {"image": "missing.png"},
-        {"prompt": "no image"},
+        {"metadata": {"shop": "no image, prompt or messages"}},
         {"image": image.name, "max_new_tokens": 0},
         {"image": image.name, "shop": 7},
         {"image": image.name, "temperature": 0.5, "params": {"temperature": 0.7}},
@@ -56,7 +56,7 @@ def test_manifest_lines_each_get_an_item(tmp_path):
     see = "; see `wicore schema manifest`)"
     assert errors == [
         f"InputError: missing.png: no such file ({manifest}:2)",
-        f"InputError: {manifest}:3: not a manifest line (image: Field required{see}",
+        f"InputError: {manifest}:3: not a manifest line (give an image, a prompt or messages{see}",
         f"InputError: {manifest}:4: not a manifest line (max_new_tokens: Input should be greater than or equal to 1{see}",
         f"InputError: {manifest}:5: not a manifest line (shop: unknown key (put your own keys under metadata){see}",
         f"InputError: {manifest}:6: not a manifest line (temperature given both at the top level and under params{see}",
@@ -100,6 +100,43 @@ def test_image_urls_are_items_a_worker_fetches(tmp_path):
     assert direct.url == "http://127.0.0.1:9/d.png"
 
 
+def test_manifest_lines_with_messages_name_their_images_in_order(tmp_path):
+    first, second = write_images(tmp_path, 2)
+    user = {"role": "user", "content": [{"type": "text", "text": "Compare"}, *image_parts(first.name, second.name)]}
+    lines = [
+        {"messages": [{"role": "system", "content": "Be brief."}, user], "input": "pair"},
+        {"prompt": "Text only, please."},
+        {"messages": [{"role": "user", "content": image_parts("missing.png")}]},
+        {"messages": [user], "prompt": "both"},
+        {"messages": [{"role": "user", "content": [{"type": "image"}]}]},
+        {"messages": [user, {"role": "assistant", "content": "ok"}]},
+        {"messages": [{"role": "assistant", "content": image_parts(first.name)}, user]},
+        {"messages": []},
+    ]
+    manifest = tmp_path / "chat.jsonl"
+    manifest.write_text("\n".join(map(json.dumps, lines)) + "\n")
+    items = expand_inputs([str(manifest)])
+    pair, text = items[0], items[1]
+    assert pair.input == "pair" and pair.images == (first, second) and pair.path is None and pair.error is None
+    assert [m.role for m in pair.messages] == ["system", "user"] and pair.messages[1].image_count == 2
+    assert text.input == f"{manifest}:2" and text.prompt == "Text only, please." and text.image is None
+    errors = [item.error for item in items[2:]]
+    assert errors[0] == f"InputError: missing.png: no such file ({manifest}:3)"
+    expected = [
+        "give messages, or image and/or prompt, not both",
+        "messages.0.content.0.image: Field required",
+        "the last turn must be the user's",
+        "messages.0: image parts go in user turns",
+        "messages: give at least one turn",
+    ]
+    for error, words in zip(errors[1:], expected, strict=True):
+        assert error.startswith(f"InputError: {manifest}:") and words in error, error
+
+
+def image_parts(*names: str) -> list[dict]:
+    return [{"type": "image", "image": name} for name in names]
+
+
 def test_a_missing_argument_is_an_error_before_anything_else(tmp_path):
     [image] = write_images(tmp_path, 1)
     with pytest.raises(ConfigError, match=r"^no such file or folder: nope\.png, gone/$"):
@@ -109,3 +146,19 @@ def test_a_missing_argument_is_an_error_before_anything_else(tmp_path):
 def test_an_input_given_twice_is_one_item(tmp_path):
     [image] = write_images(tmp_path, 1)
     assert [item.input for item in expand_inputs([str(image), str(tmp_path), str(image)])] == [str(image)]
+
+
+def test_manifest_messages_may_name_files_and_urls_with_generation_keys(tmp_path):
+    [image] = write_images(tmp_path, 1)
+    url = "https://images.example.com/b.jpg"
+    user = {"role": "user", "content": image_parts(image.name, url, "s3://bucket-only")[:2]}
+    lines = [
+        {"messages": [user], "temperature": 0.5, "params": {"seed": 3}, "metadata": {"shop": 7}},
+        {"messages": [{"role": "user", "content": image_parts("s3://bucket-only")}]},
+    ]
+    manifest = tmp_path / "chat.jsonl"
+    manifest.write_text("\n".join(map(json.dumps, lines)) + "\n")
+    mixed, bucket = expand_inputs([str(manifest)])
+    assert mixed.images == (image, url) and mixed.files == (image,) and mixed.input == image.name
+    assert mixed.params == {"temperature": 0.5, "seed": 3} and mixed.metadata == {"shop": 7}
+    assert bucket.error == "InputError: s3://bucket-only: an s3:// URL needs a key: s3://bucket/key"

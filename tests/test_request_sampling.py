@@ -50,8 +50,8 @@ def test_a_job_keeps_which_parameters_it_set():
 
 def test_a_producer_names_a_missing_image(redis_conn):
     producer = Producer(redis_conn, model=MODEL)
-    with pytest.raises(ImageError, match=r"^image must be a file path, a URL or the image's bytes, got NoneType$"):
-        producer.submit(None, "x")
+    with pytest.raises(ImageError, match=r"^image must be a file path, a URL or the image's bytes, got int$"):
+        producer.submit(3, "x")  # None is no image: a text-only job
     with pytest.raises(ImageError, match=r"^image: https://: the URL names no host \(or bucket\)$"):
         producer.submit("https://", "x")
 
@@ -63,9 +63,22 @@ def test_a_url_job_carries_the_url_and_no_blob(redis_conn):
     assert producer.submit(url, "x") == job_id, "the URL and the work are the job's identity"
     record = Job.fetch(job_id, connection=redis_conn, serializer=JSONSerializer)
     payload = CaptionJob.model_validate(record.args[0])
-    assert payload.image.url == url and payload.image.sha256 is None
+    assert payload.images[0].url == url and payload.images[0].sha256 is None
     assert record.description == "caption https://me:***@images.example.com/cat.jpg?X-Amz-Signature=***"
     assert not list(redis_conn.scan_iter("wicore:blob:*"))
+
+
+def test_a_job_of_several_images_mixes_urls_and_blobs(redis_conn):
+    producer = Producer(redis_conn, model=MODEL)
+    url, image = "s3://bucket/photos/a.jpg", png_bytes(3)
+    job_id = producer.submit_many([Submission(images=(url, image), prompt="compare")])[0]
+    record = Job.fetch(job_id, connection=redis_conn, serializer=JSONSerializer)
+    first, second = CaptionJob.model_validate(record.args[0]).images
+    assert (first.url, first.sha256, second.url) == (url, None, None) and second.is_blob
+    assert record.description == f"caption {url}"
+    assert [key.decode() for key in redis_conn.scan_iter("wicore:blob:*")] == [f"wicore:blob:{second.sha256}"]
+    alone = producer.submit_many([Submission(images=(image,), prompt="compare")])[0]
+    assert alone != job_id, "the URL is part of the work"
 
 
 def checkpoint_with(tiny_model_dir, tmp_path, config: dict):

@@ -6,7 +6,7 @@ import pytest
 
 from wicore.scheduler.buckets import NEW_TOKEN_BUCKETS, BucketKey, ShapeRules, bucket_up
 from wicore.scheduler.policy import BatchPolicy, QueueHead, Take, Wait, choose, split_expired
-from wicore.schemas import CaptionJob, GenerationParams, ImageRef, Lane
+from wicore.schemas import CaptionJob, ChatMessage, GenerationParams, ImageRef, Lane
 
 SHA = "a" * 64
 
@@ -38,6 +38,18 @@ def test_rules_bucket_by_lane_prompt_and_new_tokens():
     assert rules.bucket(short) == BucketKey("m", Lane.NORMAL, 1, 64, 64)
     assert rules.bucket(long) == BucketKey("m", Lane.NORMAL, 1, 512, 128)
     assert rules.bucket(urgent).lane is Lane.HIGH
+
+
+def test_rules_bucket_by_image_count_and_the_whole_conversation():
+    rules = ShapeRules()
+    text_only = CaptionJob(model="m", prompt="hi")
+    pair = CaptionJob(images=(ImageRef(sha256=SHA), ImageRef(sha256="b" * 64)), model="m", prompt="hi")
+    turns = [ChatMessage(role="system", content="word " * 60), ChatMessage(role="user", content="hi")]
+    chat = CaptionJob(model="m", messages=turns)
+    assert rules.bucket(text_only).crops == 0 and rules.bucket(pair).crops == 2
+    assert rules.bucket(text_only).queue_name == "wicore.m.normal.c0.p64.n64"
+    assert rules.bucket(chat).prompt == 128  # the system turn's text counts
+    assert text_only.job_id != pair.job_id != pair.model_copy(update={"images": pair.images[::-1]}).job_id
 
 
 def test_full_batch_goes_at_once():

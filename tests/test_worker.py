@@ -225,10 +225,14 @@ def test_poison_jobs_fail_alone_at_once_and_their_batch_mates_run(redis_conn, en
     placeholder = producer.submit(png_bytes(9), "what is <start_of_image> here?", params=params)
     queue = Job.fetch(good[0], connection=redis_conn).origin
     payload = json.loads(zlib.decompress(redis_conn.hget(f"rq:job:{good[0]}", "data")))[2][0]
-    nul_path = {**payload, "image": {**payload["image"], "path": "/allowed/good.png\x00.txt"}}
-    ftp_url = {**payload, "image": {"url": "ftp://host/a.png"}}
-    refused_url = {**payload, "image": {"url": "http://127.0.0.1:9/a.png"}}
-    url_and_hash = {**payload, "image": {**payload["image"], "url": "https://host/a.png"}}
+    nul_path = {**payload, "images": [{**payload["images"][0], "path": "/allowed/good.png\x00.txt"}]}
+    ftp_url = {**payload, "images": [{"url": "ftp://host/a.png"}]}
+    refused_url = {**payload, "images": [{"url": "http://127.0.0.1:9/a.png"}]}
+    url_and_hash = {**payload, "images": [{**payload["images"][0], "url": "https://host/a.png"}]}
+    user = {"role": "user", "content": [{"type": "image"}, {"type": "image"}]}
+    parts_only = {**payload, "prompt": None, "messages": [user]}  # two image parts, one image
+    both = {**payload, "image": payload["images"][0]}
+    assistant_last = {**payload, "prompt": None, "messages": [{"role": "assistant", "content": "hi"}]}
     poison = {
         plant_job(redis_conn, queue, "bad-data", good[0], data=b"{not json"): "InvalidJob: data is not JSON",
         plant_job(redis_conn, queue, "pickled-meta", good[0], meta=pickle.dumps({"a": 1})): "InvalidJob: meta",
@@ -239,6 +243,9 @@ def test_poison_jobs_fail_alone_at_once_and_their_batch_mates_run(redis_conn, en
         # a URL the policy refuses (loopback): fails at its fetch, alone
         plant_job(redis_conn, queue, "refused-url", good[0], data=payload_data(refused_url)): "ImageFetchError: "
         "http://127.0.0.1:9/a.png: refused: 127.0.0.1 is not a public address",
+        plant_job(redis_conn, queue, "parts-without-images", good[0], data=payload_data(parts_only)): "InvalidJob",
+        plant_job(redis_conn, queue, "image-and-images", good[0], data=payload_data(both)): "InvalidJob",
+        plant_job(redis_conn, queue, "assistant-last", good[0], data=payload_data(assistant_last)): "InvalidJob",
     }
     plant_job(redis_conn, queue, "no-hash", "nothing-here")
     more = producer.submit_many([Submission(png_bytes(10 + i), f"more {i}", params=params) for i in range(3)])

@@ -1,12 +1,14 @@
-"""From a claimed job to an engine request: parse its payload, fetch the image (blob, allowed
-path or URL), check its hash, decode it; for an engine that takes its images resized (`Engine.pixel_spec`)
-and a worker given decode processes, all of that and the resize run in those processes
+"""From a claimed job to an engine request: parse its payload, fetch its images (blobs, allowed
+paths or URLs; none for a text-only job), check their hashes, decode them; for an engine that
+takes its images resized (`Engine.pixel_spec`) and a worker given decode processes, all of that
+and the resize run in those processes
 (`wicore.ops.pixel_pool`), off this process's GIL. Every failure here is the job's own (an
 input error), reported per job, with the same message on either path."""
 
 from __future__ import annotations
 
 import os
+import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -16,16 +18,16 @@ from typing import Any
 
 from redis import Redis
 
-from wicore import keys
+from wicore import defaults, keys
 from wicore.engines.base import EngineRequest
-from wicore.errors import DeadlineExceeded, ImageNotAllowed, InvalidJob
+from wicore.errors import DeadlineExceeded, ImageNotAllowed, InvalidJob, TooManyImages
 from wicore.ops.image_decode import ImageLimits
 from wicore.ops.image_fetch import UrlPolicy
 from wicore.ops.image_load import ImageSource, LoadRules, input_error_message, load_image
 from wicore.ops.image_preprocess import PreprocessSpec
 from wicore.ops.pixel_pool import PixelPool, PixelResult
 from wicore.priority_pool import PriorityPool
-from wicore.schemas import CaptionJob
+from wicore.schemas import CaptionJob, ImageRef
 from wicore.worker.rq_bridge import Claimed
 
 
@@ -42,6 +44,7 @@ class InputConfig:
     urls: UrlPolicy = field(default_factory=UrlPolicy)  # which image URLs are fetched, and the bounds
     # The checkpoint's generation_config.json defaults for the parameters a request leaves unset.
     generation_defaults: dict[str, Any] = field(default_factory=dict)
+    max_images_per_request: int = defaults.MAX_IMAGES_PER_REQUEST  # a job with more fails alone
 
 
 @dataclass
@@ -73,31 +76,41 @@ class InputLoader:
     def submit(self, jobs: list[tuple[str, CaptionJob]]) -> list[Future[Loaded]]:
         """One MGET for every blob now; loading runs in the pool, by lane. Order follows `jobs`:
         (request id, job) pairs, each request id becoming its `EngineRequest`'s."""
-        blob_shas = [job.image.sha256 or "" for _, job in jobs if job.image.is_blob]
-        blobs = dict(zip(blob_shas, self.connection.mget([keys.blob(s) for s in blob_shas]))) if blob_shas else {}
-        return [self._submit_one(request_id, job, blobs.get(job.image.sha256)) for request_id, job in jobs]
+        shas = list(dict.fromkeys(i.sha256 or "" for _, job in jobs for i in job.images if i.is_blob))
+        blobs = dict(zip(shas, self.connection.mget([keys.blob(s) for s in shas]))) if shas else {}
+        return [self._submit_one(request_id, job, blobs) for request_id, job in jobs]
 
     def load(self, jobs: list[tuple[str, CaptionJob]]) -> list[Loaded]:
         """`submit`, waiting for every result."""
         return [future.result() for future in self.submit(jobs)]
 
-    def _submit_one(self, request_id: str, job: CaptionJob, blob: bytes | None) -> Future[Loaded]:
+    def _submit_one(self, request_id: str, job: CaptionJob, blobs: dict[str, bytes | None]) -> Future[Loaded]:
+        if len(job.images) > self.config.max_images_per_request:
+            limit = self.config.max_images_per_request
+            error = TooManyImages(f"{len(job.images)} images in one job; at most {limit} (max_images_per_request)")
+            return _done(Loaded(error=input_error_message(error)))
+        if not job.images:  # text only: nothing to load
+            return _done(_text_only(request_id, job, self.config.generation_defaults))
         if self.pixels is None:
-            return self.pool.submit(self._load_one, request_id, job, blob, rank=job.priority.rank)
+            return self.pool.submit(self._load_one, request_id, job, blobs, rank=job.priority.rank)
         try:
-            source = _source(job, blob)
+            sources = [_source(image, blobs.get(image.sha256 or "")) for image in job.images]
         except ImageNotAllowed as exc:
             return _done(Loaded(error=input_error_message(exc)))
-        return self.pixels.submit(source, partial(_resized, request_id, job, self.config.generation_defaults))
+        then = partial(_resized_all, request_id, job, self.config.generation_defaults)
+        if len(sources) == 1:
+            return self.pixels.submit(sources[0], lambda result: then([result]))
+        return _gathered([self.pixels.submit(source) for source in sources], then)
 
-    def _load_one(self, request_id: str, job: CaptionJob, blob: bytes | None) -> Loaded:
+    def _load_one(self, request_id: str, job: CaptionJob, blobs: dict[str, bytes | None]) -> Loaded:
         start = time.perf_counter()
         try:
-            image, sha256 = load_image(_source(job, blob), self.rules, self.fit)
+            loaded = [load_image(_source(i, blobs.get(i.sha256 or "")), self.rules, self.fit) for i in job.images]
             params = job.params.with_defaults(self.config.generation_defaults)
         except Exception as exc:  # whatever an input does to the loaders is that job's alone
             return Loaded(error=input_error_message(exc), preprocess_s=time.perf_counter() - start)
-        request = EngineRequest(request_id, job.chat(), [image], params, [sha256], job.priority)
+        images, hashes = [image for image, _ in loaded], [sha256 for _, sha256 in loaded]
+        request = EngineRequest(request_id, job.chat(), list(images), params, hashes, job.priority)
         return Loaded(request=request, preprocess_s=time.perf_counter() - start)
 
     def close(self) -> None:
@@ -106,27 +119,62 @@ class InputLoader:
             self.pixels.close()
 
 
-def _source(job: CaptionJob, blob: bytes | None) -> ImageSource:
-    """Where the job's image bytes are: the blob fetched from Redis, a path, or a URL."""
-    if job.image.url is not None:
-        return ImageSource(None, url=job.image.url)
-    if job.image.path is not None:
-        return ImageSource(job.image.sha256, path=job.image.path)
+def _source(image: ImageRef, blob: bytes | None) -> ImageSource:
+    """Where an image's bytes are: the blob fetched from Redis, a path, or a URL."""
+    if image.url is not None:
+        return ImageSource(None, url=image.url)
+    if image.path is not None:
+        return ImageSource(image.sha256, path=image.path)
     if blob is None:
-        raise ImageNotAllowed(f"image blob {(job.image.sha256 or '')[:12]} is not in Redis (expired?)")
-    return ImageSource(job.image.sha256, data=blob)
+        raise ImageNotAllowed(f"image blob {(image.sha256 or '')[:12]} is not in Redis (expired?)")
+    return ImageSource(image.sha256, data=blob)
 
 
-def _resized(request_id: str, job: CaptionJob, defaults: dict[str, Any], result: PixelResult) -> Loaded:
-    """A decode process's result as the job's: its request carries the resized uint8 image."""
-    if result.pixels is None or result.sha256 is None:
-        return Loaded(error=result.error, preprocess_s=result.seconds)
+def _text_only(request_id: str, job: CaptionJob, defaults: dict[str, Any]) -> Loaded:
     try:
         params = job.params.with_defaults(defaults)
     except ValueError as exc:  # pydantic's errors are ValueErrors
-        return Loaded(error=input_error_message(exc), preprocess_s=result.seconds)
-    request = EngineRequest(request_id, job.chat(), [result.pixels], params, [result.sha256], job.priority)
-    return Loaded(request, preprocess_s=result.seconds)
+        return Loaded(error=input_error_message(exc))
+    return Loaded(request=EngineRequest(request_id, job.chat(), [], params, [], job.priority))
+
+
+def _resized_all(request_id: str, job: CaptionJob, defaults: dict[str, Any], results: list[PixelResult]) -> Loaded:
+    """The decode processes' results (one per image, in order) as the job's: its request carries
+    the resized uint8 images; its first failing image fails it; seconds add up."""
+    seconds = sum(result.seconds for result in results)
+    images, hashes = [], []
+    for result in results:
+        if result.pixels is None or result.sha256 is None:
+            return Loaded(error=result.error, preprocess_s=seconds)
+        images.append(result.pixels)
+        hashes.append(result.sha256)
+    try:
+        params = job.params.with_defaults(defaults)
+    except ValueError as exc:  # pydantic's errors are ValueErrors
+        return Loaded(error=input_error_message(exc), preprocess_s=seconds)
+    request = EngineRequest(request_id, job.chat(), list(images), params, hashes, job.priority)
+    return Loaded(request, preprocess_s=seconds)
+
+
+def _gathered(futures: list[Future], then) -> Future[Loaded]:
+    """A future of `then([each future's result])`, set when the last of them lands."""
+    out: Future[Loaded] = Future()
+    left = [len(futures)]
+    lock = threading.Lock()
+
+    def landed(_: Future) -> None:
+        with lock:
+            left[0] -= 1
+            if left[0]:
+                return
+        try:
+            out.set_result(then([f.result() for f in futures]))
+        except Exception as error:  # a canceled or failed decode: the caller reads it from `out`
+            out.set_exception(error)
+
+    for future in futures:
+        future.add_done_callback(landed)
+    return out
 
 
 def _done(loaded: Loaded) -> Future[Loaded]:

@@ -35,7 +35,9 @@ def caption(payload: dict) -> dict:
     job = get_current_job()
     request_job = CaptionJob.model_validate(payload)
     limits = ImageLimits(settings.max_image_bytes, settings.max_image_pixels, settings.decode_budget_bytes)
-    config = InputConfig(tuple(settings.allowed_roots), limits, threads=1)
+    config = InputConfig(
+        tuple(settings.allowed_roots), limits, threads=1, max_images_per_request=settings.max_images_per_request
+    )
     loader = InputLoader(job.connection, config, fit=engine.image_size())
     [loaded] = loader.load([(job.id, request_job)])
     loader.close()

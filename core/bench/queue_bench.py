@@ -97,7 +97,7 @@ def bench_plain_rq(connection: Redis, jobs: int) -> tuple[RunStats, RunStats]:
     ]
 
     def enqueue() -> None:
-        connection.set(f"wicore:blob:{payloads[0].image.sha256}", image)
+        connection.set(f"wicore:blob:{payloads[0].images[0].sha256}", image)
         queue.enqueue_many(datas)
 
     enqueued = measure(connection, jobs, enqueue)

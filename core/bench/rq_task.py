@@ -16,8 +16,8 @@ from wicore.schemas import CaptionJob, CaptionResult, Timings
 def null_caption(payload: dict) -> dict:
     job = get_current_job()
     caption_job = CaptionJob.model_validate(payload)
-    data = job.connection.get(keys.blob(caption_job.image.sha256))
-    if data is None or hashlib.sha256(data).hexdigest() != caption_job.image.sha256:
+    data = job.connection.get(keys.blob(caption_job.images[0].sha256))
+    if data is None or hashlib.sha256(data).hexdigest() != caption_job.images[0].sha256:
         raise ValueError("image blob missing or changed")
     decode_image(data)
     result = CaptionResult(

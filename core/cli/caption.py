@@ -265,7 +265,7 @@ class CaptionRun:
             settings = self.config.settings
             config = ProducerConfig(
                 by_path=self.config.embedded, result_ttl_s=settings.result_ttl_s, retries=settings.retries,
-                max_image_bytes=settings.max_image_bytes,
+                max_image_bytes=settings.max_image_bytes, max_images_per_request=settings.max_images_per_request,
             )  # fmt: skip
             producer = Producer(url, model=self.config.model_id, config=config)
             stack.push(lambda *exc: self._leave(producer, exc[1]))  # runs once the workers have stopped
@@ -345,8 +345,11 @@ class CaptionRun:
         from wicore.producer import Submission
 
         params = item.generation(self.config.generation)
-        prompt = item.prompt or self.config.prompt
-        return Submission(item.image, prompt, params=params, metadata=item.metadata, name=item.input)
+        if item.messages is not None:
+            fields = {"messages": item.messages, "images": item.images}
+        else:
+            fields = {"image": item.image, "prompt": item.prompt or self.config.prompt}
+        return Submission(params=params, metadata=item.metadata, name=item.input, **fields)
 
     def _leave(self, producer, exc: BaseException | None) -> None:
         """After a failure or a signal: say what is left, and take this run's unstarted jobs back

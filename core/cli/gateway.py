@@ -94,6 +94,7 @@ def gateway_config(settings: Settings):
         result_ttl_s=settings.result_ttl_s,
         retries=settings.retries,
         max_image_bytes=settings.max_image_bytes,
+        max_images_per_request=settings.max_images_per_request,
     )
     return GatewayConfig(
         redis_url=settings.redis_url or "",

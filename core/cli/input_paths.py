@@ -18,7 +18,7 @@ from wicore.cli.dataset_inputs import DatasetOptions, Row, dataset_rows, is_data
 from wicore.errors import ConfigError
 from wicore.producer.image_refs import is_image_url
 from wicore.redaction import masked_url
-from wicore.schemas import GenerationParams, ManifestEntry, image_url
+from wicore.schemas import ChatMessage, GenerationParams, ManifestEntry, image_url
 
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".webp", ".gif", ".bmp", ".tif", ".tiff", ".heic", ".heif"}
 MANIFEST_SUFFIX = ".jsonl"
@@ -34,6 +34,8 @@ class InputItem:
     error: str | None = None  # known bad before any job is made (not an image, bad manifest line)
     url: str | None = None  # an image a worker fetches, instead of a path
     data: bytes | None = None  # the image's bytes, for an image read from a dataset
+    messages: tuple[ChatMessage, ...] | None = None  # a manifest line's conversation (`path` is then None)
+    images: tuple[Path | str, ...] = ()  # the conversation's image parts, in order: files, or URLs a worker fetches
 
     @property
     def image(self) -> Path | str | bytes | None:
@@ -45,6 +47,12 @@ class InputItem:
     def generation(self, flags: dict[str, Any]) -> GenerationParams:
         """The command's parameters (`flags`, the ones given) with this line's on top."""
         return GenerationParams.model_validate({**flags, **self.params})
+
+    @property
+    def files(self) -> tuple[Path, ...]:
+        """The local files the item names (its URLs aside)."""
+        named = self.images if self.path is None else (self.path, *self.images)
+        return tuple(image for image in named if isinstance(image, Path))
 
 
 def is_url_input(arg: str) -> bool:
@@ -82,11 +90,11 @@ class LocalFiles:
 
 def local_files(args: list[str], options: DatasetOptions, settled: set[str]) -> LocalFiles:
     files = [arg for arg in args if not is_url_input(arg) and not is_dataset(arg, options.store)]
-    roots, todo = set(), 0
+    roots: set[Path] = set()
+    todo = 0
     for item in iter_inputs(files, options):
         todo += item.input not in settled
-        if item.path is not None:
-            roots.add(item.path.resolve().parent)
+        roots.update(path.resolve().parent for path in item.files)
     return LocalFiles(roots, todo if len(files) == len(args) else None)
 
 
@@ -143,19 +151,37 @@ def _manifest_line(where: str, folder: Path, line: str) -> InputItem:
         return InputItem(
             where, None, error=f"InputError: {where}: not a manifest line ({entry}; see `wicore schema manifest`)"
         )
-    key = entry.input or entry.image
+    named = entry.images
+    key = entry.input or (named[0] if named else where)
     try:
         params = entry.generation().model_dump(exclude_unset=True)
     except ValidationError as exc:
-        return InputItem(key, None, error=f"InputError: {where}: {_first_error(exc)}")
+        return InputItem(key, None, error=f"InputError: {where}: {validation_line(exc)}")
+    try:
+        images = [_manifest_image(image, folder, where) for image in named]
+    except ValueError as exc:
+        return InputItem(key, None, error=f"InputError: {exc}")
     item = InputItem(key, None, prompt=entry.prompt, params=params, metadata=entry.metadata)
-    if is_image_url(entry.image):
-        fetched = _url_item(key, entry.image)
-        return replace(item, url=fetched.url, error=fetched.error)
-    path = Path(entry.image) if Path(entry.image).is_absolute() else folder / entry.image
+    if entry.messages is not None:
+        return replace(item, messages=tuple(m.chat_message() for m in entry.messages), images=tuple(images))
+    if not images:
+        return item
+    first = images[0]
+    return replace(item, url=first) if isinstance(first, str) else replace(item, path=first)
+
+
+def _manifest_image(image: str, folder: Path, where: str) -> Path | str:
+    """A manifest line's image: a URL (checked, not fetched) or a file that exists. Raises
+    ValueError saying what is wrong with it."""
+    if is_image_url(image):
+        try:
+            return image_url(image)
+        except ValueError as exc:
+            raise ValueError(f"{masked_url(image)}: {exc}") from None
+    path = Path(image) if Path(image).is_absolute() else folder / image
     if not path.is_file():
-        return InputItem(key, None, error=f"InputError: {entry.image}: no such file ({where})")
-    return replace(item, path=path)
+        raise ValueError(f"{image}: no such file ({where})")
+    return path
 
 
 def _url_item(key: str, url: str) -> InputItem:
@@ -176,17 +202,17 @@ def _entry(line: str) -> ManifestEntry | str:
     try:
         return ManifestEntry.model_validate(raw)
     except ValidationError as exc:
-        return _first_error(exc)
+        return validation_line(exc)
 
 
-def _first_error(exc: ValidationError) -> str:
-    """'temperature: Input should be ...', or for an unknown key, what to do with it."""
-    error = exc.errors()[0]
-    where = ".".join(str(p) for p in error["loc"])
-    if error["type"] == "extra_forbidden":
+def validation_line(exc: ValidationError) -> str:
+    """The deepest of a validation's errors in one line, without pydantic's union branch names
+    ("messages.0.content.0.image: Field required"); an unknown top-level key says where such
+    keys go."""
+    error = max(exc.errors(), key=lambda e: len(e["loc"]))
+    parts = [str(p) for p in error["loc"] if not (isinstance(p, str) and "[" in p)]
+    where = ".".join(p for i, p in enumerate(parts) if i == 0 or p != parts[i - 1])  # a tagged union repeats its tag
+    if error["type"] == "extra_forbidden" and len(parts) == 1:
         return f"{where}: unknown key (put your own keys under metadata)"
-    return (
-        f"{where}: {error['msg'].removeprefix('Value error, ')}"
-        if where
-        else error["msg"].removeprefix("Value error, ")
-    )
+    message = str(error["msg"]).removeprefix("Value error, ")
+    return f"{where}: {message}" if where else message

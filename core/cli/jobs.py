@@ -74,7 +74,7 @@ def enqueue(
     items = iter_inputs(inputs, dataset_options(settings, image_column, key_column, prompt_column))
     producer_config = ProducerConfig(
         by_path=by_path, result_ttl_s=settings.result_ttl_s, retries=settings.retries,
-        max_image_bytes=settings.max_image_bytes,
+        max_image_bytes=settings.max_image_bytes, max_images_per_request=settings.max_images_per_request,
     )  # fmt: skip
     served_id = model_dir_and_id(settings)[1]
     producer = Producer(connect(settings.redis_url), model=served_id, config=producer_config)
@@ -89,6 +89,8 @@ def enqueue(
             "deadline": deadline,
             "metadata": item.metadata,
         }
+        if item.messages is not None:
+            return Submission(messages=item.messages, images=item.images, name=item.input, **fields)
         return Submission(item.image, item.prompt or prompt, name=item.input, **fields)
 
     failed = _enqueue_items(producer, items, submission)

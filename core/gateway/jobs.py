@@ -63,10 +63,11 @@ async def submit_job(request: Request) -> JobAccepted:
     kind = media_type(request)
     if kind == MULTIPART:
         fields, upload = await multipart_job(request)
-        submission = job_submission(fields, upload)
+        submission = job_submission(fields, upload, gateway.config.allowed_roots)
     elif kind in JSON_TYPES or not kind:
         fields = JobRequest.model_validate(await json_body(request))
-        submission = job_submission(fields, image_of(fields, gateway.config.allowed_roots))
+        roots = gateway.config.allowed_roots
+        submission = job_submission(fields, image_of(fields, roots), roots)
     else:
         raise ApiError(415, f"Content-Type {kind} is not accepted: send application/json or multipart/form-data")
     return await run_in_threadpool(enqueue_one, gateway, fields.model, submission)

@@ -34,7 +34,7 @@ ContentPart = Annotated[TextContentPart | ImageURLPart, Field(discriminator="typ
 
 
 class Message(BaseModel):
-    role: Literal["system", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant"]  # developer: OpenAI's newer name for system
     content: str | list[ContentPart]
     name: str | None = None
 
@@ -123,26 +123,30 @@ def generation_params(request: ChatCompletionRequest) -> GenerationParams:
 
 
 def chat_submission(request: ChatCompletionRequest, roots: tuple[Path, ...]) -> Submission:
-    """The request as a wicore submission: its one image part becomes the job's image."""
+    """The request as a wicore submission: its image parts, in order, become the job's images
+    (any number, none too; the producer holds them to max_images_per_request)."""
     check_supported(request)
     images: list[bytes | Path | str] = []
     messages = tuple(_message(m, i, images, roots) for i, m in enumerate(request.messages))
-    if len(images) != 1:
-        raise ApiError(400, f"messages: exactly one image_url part is needed, found {len(images)}", param="messages")
-    return Submission(image=images[0], messages=messages, params=generation_params(request), priority=request.priority)
+    return Submission(
+        messages=messages, images=tuple(images), params=generation_params(request), priority=request.priority
+    )
 
 
 def _message(message: Message, index: int, images: list, roots: tuple[Path, ...]) -> ChatMessage:
+    role = "system" if message.role == "developer" else message.role
     if isinstance(message.content, str):
-        return ChatMessage(role=message.role, content=message.content)
+        return ChatMessage(role=role, content=message.content)
     parts: list[TextPart | ImagePart] = []
     for j, part in enumerate(message.content):
         if isinstance(part, TextContentPart):
             parts.append(TextPart(text=part.text))
+        elif message.role != "user":
+            raise ApiError(400, f"messages.{index}.content.{j}: image parts go in user messages", param="messages")
         else:
             images.append(image_from_url(part.image_url.url, roots, f"messages.{index}.content.{j}.image_url.url"))
             parts.append(ImagePart())
-    return ChatMessage(role=message.role, content=parts)
+    return ChatMessage(role=role, content=parts)
 
 
 def finish_reason(result: CaptionResult) -> Literal["stop", "length"]:

@@ -2,11 +2,41 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from wicore.schemas import MODEL_ID_PATTERN, CaptionResult, ChatMessage, GenerationParams, Lane
+from wicore.schemas import MODEL_ID_PATTERN, CaptionResult, GenerationParams, Lane, TextPart
+
+
+class JobImagePart(BaseModel):
+    """An image part of a native request's message. It names its image (`image`, `image_path` or
+    `image_url`), or names none and takes the request's own image (`image`, `image_path`,
+    `image_url` or the upload)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["image"] = "image"
+    image: str | None = Field(None, description="The image's bytes, base64 or a data URI.")
+    image_path: str | None = Field(None, description="Or an absolute path under the allowed roots.")
+    image_url: str | None = Field(None, description="Or an http(s):// or s3:// URL; a worker fetches it.")
+
+    @model_validator(mode="after")
+    def _at_most_one_source(self) -> JobImagePart:
+        if sum(value is not None for value in (self.image, self.image_path, self.image_url)) > 1:
+            raise ValueError("give an image part at most one of image, image_path and image_url")
+        return self
+
+    @property
+    def named(self) -> bool:
+        return self.image is not None or self.image_path is not None or self.image_url is not None
+
+
+class JobMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    role: Literal["system", "user", "assistant"]
+    content: str | list[Annotated[TextPart | JobImagePart, Field(discriminator="type")]]
 
 
 class JobFields(BaseModel):
@@ -14,18 +44,27 @@ class JobFields(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    prompt: str | None = Field(None, description="Default: 'Describe this image in detail.'")
-    messages: list[ChatMessage] | None = Field(None, description="Chat turns instead of a prompt; one image part.")
+    prompt: str | None = Field(None, description="Default with an image: 'Describe this image in detail.'")
+    messages: list[JobMessage] | None = Field(
+        None, description="Chat turns instead of a prompt; user turns hold any number of image parts, none too."
+    )
     params: GenerationParams = Field(default_factory=GenerationParams)
     model: str | None = Field(None, pattern=MODEL_ID_PATTERN, max_length=64, description="Default: the gateway's.")
     priority: Lane = Lane.NORMAL
     deadline: float | None = Field(None, description="Unix seconds; a job not started by then fails unrun.")
     metadata: dict[str, Any] = Field(default_factory=dict, description="Kept with the job; not part of its id.")
 
+    @model_validator(mode="after")
+    def _prompt_or_messages(self) -> JobFields:
+        if self.prompt is not None and self.messages is not None:
+            raise ValueError("give either prompt or messages, not both")
+        return self
+
 
 class JobRequest(JobFields):
-    """One caption job. Give the image as `image` (base64 or a data URI), `image_path` or
-    `image_url`, and a `prompt` or chat `messages` (with exactly one image part); the rest is optional."""
+    """One job: a `prompt` (with the image as `image` (base64 or a data URI), `image_path` or
+    `image_url`, or no image for text only), or chat `messages` whose image parts name their
+    images (or take the request's one image); the rest is optional."""
 
     image: str | None = Field(None, description="The image's bytes, base64 or a data URI (data:image/png;base64,...).")
     image_path: str | None = Field(None, description="Or an absolute path under the allowed roots.")
@@ -34,10 +73,10 @@ class JobRequest(JobFields):
     )
 
     @model_validator(mode="after")
-    def _one_image_source(self) -> JobRequest:
+    def _at_most_one_image_source(self) -> JobRequest:
         given = [self.image, self.image_path, self.image_url]
-        if sum(value is not None for value in given) != 1:
-            raise ValueError("give exactly one of image (base64 or data URI), image_path and image_url")
+        if sum(value is not None for value in given) > 1:
+            raise ValueError("give at most one of image (base64 or data URI), image_path and image_url")
         return self
 
 

@@ -16,9 +16,19 @@ from wicore.errors import WicoreError
 from wicore.gateway.errors import ApiError, describe_validation
 from wicore.gateway.images import allowed_path, decode_image, fetched_url
 from wicore.gateway.openai_schemas import ChatCompletionRequest, chat_submission
-from wicore.gateway.schemas import BatchLine, BatchReply, JobAccepted, JobFields, JobRequest, OpenAIBatchLine
+from wicore.gateway.schemas import (
+    BatchLine,
+    BatchReply,
+    JobAccepted,
+    JobFields,
+    JobImagePart,
+    JobMessage,
+    JobRequest,
+    OpenAIBatchLine,
+)
 from wicore.producer import Submission
 from wicore.producer.submission import Prepared
+from wicore.schemas import ChatMessage, ImagePart, TextPart
 
 MAX_BATCH_LINES = 100_000
 
@@ -36,17 +46,59 @@ class Line:
     job_id: str | None = None
 
 
-def job_submission(job: JobFields, image: bytes | Path | str) -> Submission:
-    messages = tuple(job.messages) if job.messages is not None else None
-    return Submission(image, job.prompt, messages, job.params, job.priority, job.deadline, job.metadata)
+GatewayImage = bytes | Path | str  # the bytes, a file under the allowed roots, or a URL a worker fetches
 
 
-def image_of(job: JobRequest, roots: tuple[Path, ...]) -> bytes | Path | str:
+def job_submission(job: JobFields, image: GatewayImage | None, roots: tuple[Path, ...] = ()) -> Submission:
+    """`image`: the request's own image (None: none given); image parts of `messages` that name
+    none take it, in order, once."""
+    if job.messages is None:
+        images = () if image is None else (image,)
+        return Submission(None, job.prompt, None, job.params, job.priority, job.deadline, job.metadata, images=images)
+    given: list[GatewayImage] = [] if image is None else [image]
+    messages, images = [], []
+    for index, message in enumerate(job.messages):
+        messages.append(_chat_message(message, index, given, images, roots))
+    if given:
+        raise ApiError(400, "image: given, but no image part of messages takes it", param="image")
+    return Submission(
+        None, None, tuple(messages), job.params, job.priority, job.deadline, job.metadata, images=tuple(images)
+    )
+
+
+def _chat_message(message: JobMessage, index: int, given: list, images: list, roots: tuple[Path, ...]) -> ChatMessage:
+    if isinstance(message.content, str):
+        return ChatMessage(role=message.role, content=message.content)
+    parts: list[TextPart | ImagePart] = []
+    for j, part in enumerate(message.content):
+        if isinstance(part, TextPart):
+            parts.append(part)
+            continue
+        images.append(_part_image(part, f"messages.{index}.content.{j}", given, roots))
+        parts.append(ImagePart())
+    return ChatMessage(role=message.role, content=parts)
+
+
+def _part_image(part: JobImagePart, where: str, given: list, roots: tuple[Path, ...]) -> GatewayImage:
+    if part.image is not None:
+        return decode_image(part.image, f"{where}.image")
+    if part.image_path is not None:
+        return allowed_path(part.image_path, roots, f"{where}.image_path")
+    if part.image_url is not None:
+        return fetched_url(part.image_url, f"{where}.image_url")
+    if not given:
+        raise ApiError(400, f"{where}: the image part names no image (image, image_path or image_url)", param=where)
+    return given.pop(0)
+
+
+def image_of(job: JobRequest, roots: tuple[Path, ...]) -> GatewayImage | None:
     if job.image is not None:
         return decode_image(job.image, "image")
+    if job.image_path is not None:
+        return allowed_path(job.image_path, roots, "image_path")
     if job.image_url is not None:
         return fetched_url(job.image_url, "image_url")
-    return allowed_path(job.image_path or "", roots, "image_path")
+    return None
 
 
 def problem(exc: Exception) -> str:
@@ -71,7 +123,7 @@ def parse_line(index: int, obj: Any, roots: tuple[Path, ...], openai_shape: bool
                 line.model, line.submission = chat.model, chat_submission(chat, roots)
                 return line
         job = JobRequest.model_validate(obj)
-        line.model, line.submission = job.model, job_submission(job, image_of(job, roots))
+        line.model, line.submission = job.model, job_submission(job, image_of(job, roots), roots)
     except (ValidationError, ApiError, WicoreError) as exc:
         line.error = problem(exc)
     return line

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from wicore.engines.base import EngineConfig
-from wicore.engines.checkpoint import load_processor, torch_dtype
+from wicore.engines.checkpoint import load_processor, require_gemma3, torch_dtype
 from wicore.engines.fast.device_handles import Readbacks
 from wicore.engines.fast.engine_stats import EngineStats
 from wicore.engines.fast.fit import ModelDoesNotFit, check_fit
@@ -71,6 +71,7 @@ class EngineParts:
 def build(config: EngineConfig, fp8_anywhere: bool) -> EngineParts:
     """The engine's parts; running out of device memory on the way is a one-line refusal
     (exit 2), as the fit check's, whose estimate it outran."""
+    require_gemma3(config.model_dir)
     try:
         return build_parts(config, fp8_anywhere)
     except torch.OutOfMemoryError as error:

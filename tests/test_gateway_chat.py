@@ -1,0 +1,134 @@
+"""Every message shape through the official `openai` client and the native route, end to end:
+a real `wicore serve`, a real redis-server and a CPU worker (fast engine) on the bundled demo
+captioner. Image first, text first and image only are accepted; a text-only chat answers; a
+message with two images is one job whose prompt holds both images' tokens.
+
+The demo captioner was trained on image-first prompts only: it captions those right; what it
+answers to other layouts is not checked here (only that each is answered).
+"""
+
+from __future__ import annotations
+
+import base64
+import signal
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.helpers import start_gateway, start_worker, stop, wait_http, wait_until
+from wicore.embedded import EmbeddedRedis, free_port
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[1]
+IMAGES = sorted((ROOT / "examples" / "images").iterdir())
+MODEL = "democap"
+
+
+def caption_of(path: Path) -> str:
+    color, shape, _, background = path.stem.split("-")
+    article = lambda word: "an" if word[0] in "aeiou" else "a"  # noqa: E731
+    return f"{article(color)} {color} {shape} on {article(background)} {background} background"
+
+
+def image_part(path: Path) -> dict:
+    mime = "image/png" if path.suffix == ".png" else "image/jpeg"
+    return {
+        "type": "image_url",
+        "image_url": {"url": f"data:{mime};base64,{base64.b64encode(path.read_bytes()).decode()}"},
+    }
+
+
+TEXT = {"type": "text", "text": "Describe this image in detail."}
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """(gateway URL, worker process) on one embedded Redis."""
+    logs = tmp_path_factory.mktemp("logs")
+    with EmbeddedRedis() as redis_server:
+        metrics_port = free_port()
+        worker = start_worker(
+            "--redis-url", redis_server.url, "--engine", "fast", "--engine-option", "torch_threads=1",
+            "--batch-size", "4", "--metrics-port", str(metrics_port), log=logs / "worker.log",
+        )  # fmt: skip
+        port = free_port()
+        gateway = start_gateway("--redis-url", redis_server.url, "--port", str(port), log=logs / "gateway.log")
+        try:  # a failed start stops both too
+            wait_http(f"http://127.0.0.1:{metrics_port}/metrics", 120, worker)
+            url = f"http://127.0.0.1:{port}"
+            wait_http(url + "/health/live", 60, gateway)
+            wait_until(lambda: httpx.get(url + "/health/ready").status_code == 200, 60, 0.2, "a ready gateway")
+            yield url
+        finally:
+            stop(gateway)
+            stop(worker, signal.SIGKILL)
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    import openai
+
+    return openai.OpenAI(base_url=served + "/v1", api_key="unused", timeout=120)
+
+
+def ask(client, content, **fields):
+    messages = [{"role": "user", "content": content}]
+    return client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, **fields)
+
+
+def test_image_first_text_first_and_image_only_are_each_answered(client):
+    for image in IMAGES:
+        assert ask(client, [image_part(image), TEXT]).choices[0].message.content == caption_of(image)
+        for layout in ([TEXT, image_part(image)], [image_part(image)]):
+            reply = ask(client, layout)
+            assert reply.choices[0].finish_reason in ("stop", "length") and reply.usage.completion_tokens > 0
+
+
+def test_a_text_only_chat_with_a_system_turn_answers(client):
+    messages = [{"role": "developer", "content": "Answer briefly."}, {"role": "user", "content": "What shapes exist?"}]
+    reply = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12)
+    assert reply.choices[0].message.content is not None and reply.usage.completion_tokens > 0
+
+
+def prompt_of(chat: list[dict], images: int) -> list[int]:
+    """The demo model's prompt tokens for `chat`, as its processor lays them out."""
+    from transformers import AutoConfig, AutoProcessor
+
+    from wicore.engines.fast.prompt_inputs import InputProcessor
+    from wicore.models import DEMOCAP_DIR
+
+    config = AutoConfig.from_pretrained(DEMOCAP_DIR)
+    inputs = InputProcessor(
+        AutoProcessor.from_pretrained(DEMOCAP_DIR), config.image_token_id, config.mm_tokens_per_image
+    )
+    prompt = inputs.prompt(chat, images)
+    assert len(prompt.image_starts) == images
+    return prompt.ids
+
+
+def test_two_images_in_one_message_are_one_job_holding_both(client, served):
+    first, second = IMAGES[0], IMAGES[1]
+    content = [image_part(first), {"type": "text", "text": "and"}, image_part(second), TEXT]
+    reply = ask(client, content)
+    chat = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "and"}, {"type": "image"}, TEXT]}]
+    assert reply.usage.prompt_tokens == len(prompt_of(chat, 2))
+    one = ask(client, [image_part(first), TEXT])
+    assert reply.usage.prompt_tokens > one.usage.prompt_tokens + 16  # a second image's soft tokens and more
+    job_id = reply.id.removeprefix("chatcmpl-")
+    view = httpx.get(f"{served}/v1/jobs/{job_id}").json()
+    assert view["status"] == "finished" and view["result"]["prompt_tokens"] == reply.usage.prompt_tokens
+
+
+def test_native_messages_name_their_images(served):
+    first, second = (base64.b64encode(p.read_bytes()).decode() for p in IMAGES[:2])
+    user = {"role": "user", "content": [{"type": "image", "image": first}, {"type": "image", "image": second}, TEXT]}
+    accepted = httpx.post(f"{served}/v1/jobs", json={"messages": [user], "params": {"max_new_tokens": 8}})
+    assert accepted.status_code == 202, accepted.text
+    view = httpx.get(f"{served}{accepted.json()['status_url']}", params={"wait": 60}).json()
+    chat = [{"role": "user", "content": [{"type": "image"}, {"type": "image"}, TEXT]}]
+    assert view["status"] == "finished" and view["result"]["prompt_tokens"] == len(prompt_of(chat, 2))
+    text_only = httpx.post(f"{served}/v1/jobs", json={"prompt": "Name a colour.", "params": {"max_new_tokens": 4}})
+    view = httpx.get(f"{served}{text_only.json()['status_url']}", params={"wait": 60}).json()
+    assert view["status"] == "finished" and view["result"]["output_tokens"] > 0
