@@ -97,3 +97,21 @@ def test_keda_scales_the_workers_to_zero_on_a_metric_the_gateway_exports():
     gateway = by_kind(objects, "Deployment")["wicore-gateway"]["spec"]["template"]
     assert gateway["metadata"]["annotations"]["prometheus.io/scrape"] == "true", "the gateway exports the queue depth"
     assert by_kind(objects, "ConfigMap")["wicore-grafana-dashboard"]["metadata"]["labels"]["grafana_dashboard"] == "1"
+
+
+def test_compose_and_kubernetes_run_the_two_images_the_dockerfile_builds():
+    """The Dockerfile documents `wicore:cpu` and `wicore:cuda` (VARIANT=cuda); nothing here can
+    build it (no container daemon), so its tags and variants are checked as text."""
+    dockerfile = (K8S.parents[1] / "Dockerfile").read_text()
+    assert "docker build -t wicore:cpu ." in dockerfile
+    assert "docker build -t wicore:cuda --build-arg VARIANT=cuda ." in dockerfile
+    assert "cpu) wheels=cpu" in dockerfile and 'cuda) wheels="$CUDA_WHEELS"' in dockerfile
+    built = {"wicore:cpu", "wicore:cuda"}
+    services = yaml.safe_load((K8S.parent / "compose.yaml").read_text())["services"]
+    assert {services["gateway"]["image"], services["worker"]["image"]} == built
+    deployments = by_kind(rendered("in-cluster-redis"), "Deployment")
+    images = {deployments[name]["spec"]["template"]["spec"]["containers"][0]["image"] for name in
+              ("wicore-gateway", "wicore-worker")}  # fmt: skip
+    assert images == built and deployments["wicore-worker"]["spec"]["template"]["spec"]["containers"][0]["image"] == (
+        "wicore:cuda"
+    )
