@@ -45,7 +45,9 @@ DecodeProcessesOption = typer.Option(
     "worker's share of the host, at most 8; else 0.",
     show_default=False,
 )
-MetricsPortOption = typer.Option(None, help="Serve Prometheus /metrics on this port.", show_default=False)
+MetricsPortOption = typer.Option(
+    None, help="Serve Prometheus /metrics and the /health/live, /health/ready probes on this port.", show_default=False
+)
 GpusOption = typer.Option(
     None, help="all, or GPU indices (0,1): one worker process per GPU, each pinned to it, kept running."
 )
