@@ -133,7 +133,7 @@ class Settings(BaseSettings):
     # The HTTP gateway (`wicore serve`) and the workers' Prometheus endpoints.
     host: str = "127.0.0.1"  # interface `wicore serve` and a worker's /metrics listen on
     port: int = Field(8000, ge=1, le=65535)  # `wicore serve`'s port; 8000
-    metrics_port: int | None = Field(None, ge=1, le=65535)  # `wicore worker` serves /metrics here; none by default
+    metrics_port: int | None = Field(None, ge=1, le=65535)  # `wicore worker` serves /metrics and probes here; none: off
     api_keys: Annotated[list[SecretStr], NoDecode] = []  # bearer keys the gateway accepts; none: open
     max_request_bytes: int = Field(64 * 2**20, ge=1024)  # largest HTTP request body the gateway reads; 64 MiB
     request_timeout_s: float = Field(300.0, gt=0)  # longest a chat completion waits for its job; 5 min

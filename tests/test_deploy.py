@@ -89,7 +89,7 @@ def exported_names(redis_conn) -> set[str]:
 
 
 def test_the_grafana_board_reads_only_exported_metrics(redis_conn):
-    board = json.loads((DEPLOY / "grafana-dashboard.json").read_text())
+    board = json.loads((DEPLOY / "grafana" / "grafana-dashboard.json").read_text())
     exprs = [t["expr"] for p in board["panels"] for t in p.get("targets", [])]
     exprs += [v["query"] for v in board["templating"]["list"]]
     used = {name for expr in exprs for name in METRIC.findall(expr)}

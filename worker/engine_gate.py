@@ -28,6 +28,7 @@ class EngineGate:
         self.waiting: deque[EngineRequest] = deque()  # handed to the gate, not yet to the engine; by lane
         self.held: dict[str, EngineRequest] = {}  # in the engine, kept to run again after an OOM
         self._clean_steps = 0
+        self.last_step_ok = True  # the last engine call did not raise (the worker's readiness probe)
 
     def free_slots(self) -> int:
         room = min(self.engine.free_slots(), self.limit - len(self.held))
@@ -70,12 +71,15 @@ class EngineGate:
     def _run(self, call, requests: list[EngineRequest]) -> list[Completion]:
         """`call()`, with an exception turned into a failed completion per request it held."""
         try:
-            return call()
+            done = call()
         except Exception as error:
+            self.last_step_ok = False
             log.warning(
                 "engine %s raised %s; its %d requests fail", self.engine.name, type(error).__name__, len(requests)
             )
             return [failed(r.id, error, input_error=False) for r in requests]
+        self.last_step_ok = True
+        return done
 
     def _settle(self, completions: list[Completion]) -> list[Completion]:
         """Completions that end their jobs; requests that ran out of memory beside others wait

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -108,8 +108,10 @@ class WorkerMetrics:
         self.engine.stats = stats
 
     def serve(self, port: int, host: str) -> None:
-        """Serve /metrics on `host:port` from a daemon thread."""
-        start_http_server(port, addr=host, registry=self.registry)
+        """Serve /metrics (and the probes, probes.py) on `host:port` from a daemon thread."""
+        from wicore.worker.probes import WorkerHealth, serve_probes
+
+        serve_probes(WorkerHealth("", registry=self.registry), port, host)
 
 
 class EngineStatsCollector(Collector):

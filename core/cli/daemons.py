@@ -45,7 +45,9 @@ DecodeProcessesOption = typer.Option(
     "worker's share of the host, at most 8; else 0.",
     show_default=False,
 )
-MetricsPortOption = typer.Option(None, help="Serve Prometheus /metrics on this port.", show_default=False)
+MetricsPortOption = typer.Option(
+    None, help="Serve Prometheus /metrics and the /health/live, /health/ready probes on this port.", show_default=False
+)
 GpusOption = typer.Option(
     None, help="all, or GPU indices (0,1): one worker process per GPU, each pinned to it, kept running."
 )
@@ -123,6 +125,7 @@ def serve_jobs(
     connection = connect(settings.redis_url, **client_options())
     from wicore.worker.factory import build_engine, build_worker
 
+    health = probes(settings, name)
     engine_obj = build_engine(settings, model_dir)
     from wicore.gc_pauses import PAUSES, freeze_startup_heap
 
@@ -134,12 +137,27 @@ def serve_jobs(
     console.print(
         f"worker {worker_obj.name}: serving model {served_id} ({model_dir}), {where}{ready(engine_obj)}", markup=False
     )
-    if settings.metrics_port is not None:
-        worker_obj.metrics.serve(settings.metrics_port, settings.host)
-        console.print(f"worker {worker_obj.name}: metrics on http://{settings.host}:{settings.metrics_port}/metrics")
+    if health is not None:
+        health.loaded(worker_obj)
     done = run_sampled(worker_obj, settings.sample_stacks)
     engine_obj.close()  # lets the caches write what they hold back (the shared vision cache writes behind)
     console.print(f"worker {worker_obj.name}: {done} jobs done, stopped", markup=False)
+
+
+def probes(settings: Settings, name: str | None):
+    """With --metrics-port: /metrics and the health probes (worker/probes.py), open while the
+    model loads (ready once it has); else None."""
+    if settings.metrics_port is None:
+        return None
+    from wicore.worker.probes import WorkerHealth, serve_probes
+
+    health = WorkerHealth(settings.redis_url or "")
+    serve_probes(health, settings.metrics_port, settings.host)
+    where = f"http://{settings.host}:{settings.metrics_port}"
+    console.print(
+        f"worker {name or ''}: metrics on {where}/metrics, probes on {where}/health/{{live,ready}}", markup=False
+    )
+    return health
 
 
 def ready(engine_obj) -> str:
