@@ -153,6 +153,14 @@ class Settings(BaseSettings):
     max_file_bytes: int = Field(64 * 2**20, ge=1)  # 64 MiB
     batch_window_s: float = Field(86_400.0, gt=0)  # one day
 
+    @property
+    def s3_endpoint(self) -> str | None:
+        """The S3 endpoint s3:// URLs are read from: the setting, else the AWS SDKs' variables
+        AWS_ENDPOINT_URL_S3 and AWS_ENDPOINT_URL, else None (AWS itself)."""
+        return (
+            self.s3_endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or None
+        )
+
     @model_validator(mode="before")
     @classmethod
     def _password_into_url(cls, data: Any) -> Any:

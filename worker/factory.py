@@ -167,13 +167,8 @@ def url_policy(settings: Settings) -> UrlPolicy:
         connect_timeout_s=settings.url_connect_timeout_s,
         timeout_s=settings.url_timeout_s,
         max_redirects=settings.url_max_redirects,
-        s3_endpoint_url=s3_endpoint_url(settings.s3_endpoint_url),
+        s3_endpoint_url=settings.s3_endpoint,
     )
-
-
-def s3_endpoint_url(setting: str | None) -> str | None:
-    """The setting, else AWS_ENDPOINT_URL_S3, else AWS_ENDPOINT_URL (the AWS SDKs' names), else AWS."""
-    return setting or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or None
 
 
 GENERATION_CONFIG_KEYS = ("temperature", "top_p", "top_k", "max_new_tokens")  # those vLLM takes too

@@ -104,13 +104,12 @@ EngineOption = typer.Option(
 def dataset_options(settings: Settings, image_column: str | None, key_column: str | None, prompt_column: str):
     """How dataset INPUTs are read (input_paths.py, dataset_inputs.py)."""
     from wicore.cli.dataset_inputs import DatasetOptions
-    from wicore.cli.object_store import endpoint_url
 
     return DatasetOptions(
         image_column=image_column,
         key_column=key_column,
         prompt_column=prompt_column,
-        s3_endpoint_url=endpoint_url(settings.s3_endpoint_url),
+        s3_endpoint_url=settings.s3_endpoint,
         max_image_bytes=settings.max_image_bytes,
     )
 

@@ -6,7 +6,6 @@ WICORE_S3_ENDPOINT_URL, AWS_ENDPOINT_URL_S3 or AWS_ENDPOINT_URL, in that order."
 from __future__ import annotations
 
 import glob as local_glob
-import os
 from functools import lru_cache
 from pathlib import Path
 from typing import BinaryIO
@@ -23,10 +22,6 @@ def is_s3(url: str) -> bool:
 
 def has_glob(url: str) -> bool:
     return any(char in url for char in GLOB_CHARS)
-
-
-def endpoint_url(flag: str | None) -> str | None:
-    return flag or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or None
 
 
 @lru_cache(maxsize=4)
