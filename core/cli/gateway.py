@@ -104,7 +104,13 @@ def gateway_config(settings: Settings):
         max_request_bytes=settings.max_request_bytes,
         request_timeout_s=settings.request_timeout_s,
         producer=producer,
-        files=FilesConfig(store=settings.files_store, folder=settings.files_dir, max_bytes=settings.max_file_bytes),
+        files=FilesConfig(
+            store=settings.files_store,
+            folder=settings.files_dir,
+            s3_url=settings.files_s3_url or "",
+            s3_endpoint=settings.s3_endpoint,
+            max_bytes=settings.max_file_bytes,
+        ),
         batch_window_s=settings.batch_window_s,
     )
 

@@ -5,6 +5,7 @@ to the file store in pieces as they arrive, never held whole."""
 from __future__ import annotations
 
 import time
+from itertools import chain
 
 from fastapi import APIRouter, Depends, Path, Query, Request
 from fastapi.responses import StreamingResponse
@@ -93,10 +94,13 @@ def known_file(batches: BatchService, file_id: str) -> FileObject:
 
 @router.get("/files/{file_id}/content", response_class=StreamingResponse)
 def file_content(request: Request, file_id: str = FILE_ID) -> StreamingResponse:
-    """The file's bytes, streamed from the store."""
+    """The file's bytes, streamed from the store; a store that cannot be read at the start is a
+    503 (its first piece is read before the response begins)."""
     batches = service(request)
     known_file(batches, file_id)
-    return StreamingResponse(batches.store.chunks(file_id), media_type="application/jsonl")
+    pieces = batches.store.chunks(file_id)
+    first = next(pieces, b"")
+    return StreamingResponse(chain([first], pieces), media_type="application/jsonl")
 
 
 @router.delete("/files/{file_id}", response_model=FileDeleted)
