@@ -59,6 +59,7 @@ def serve(
 
     check_port_free(settings.host, settings.port)
     gateway = gateway_config(settings)
+    app = create_app(gateway)  # the file store is checked here, before the banner
     keys = f"{len(gateway.api_keys)} API keys" if gateway.api_keys else "no API key (open)"
     where = f"http://{settings.host}:{settings.port}/"
     console.print(f"gateway on {where} (docs at /docs), model {gateway.model}, {keys}", markup=False)
@@ -68,7 +69,7 @@ def serve(
         keep_alive_s=settings.keep_alive_s,
         max_connections=settings.max_connections,
     )
-    run(create_app(gateway), settings.host, settings.port, limits, settings.log_level.lower())
+    run(app, settings.host, settings.port, limits, settings.log_level.lower())
 
 
 def check_port_free(host: str, port: int) -> None:
