@@ -11,6 +11,7 @@ the standard AWS chain; the endpoint of an S3-compatible store from `s3_endpoint
 from __future__ import annotations
 
 import os
+from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +28,7 @@ S3_BLOCK = 1 << 20  # bytes one ranged GET of an object fetches
 S3_CONNECT_TIMEOUT_S = 5.0
 S3_READ_TIMEOUT_S = 30.0
 S3_ATTEMPTS = 3  # botocore's tries of one call before the store reports itself unavailable
+KNOWN_ENDS = 4096  # files whose size an S3 store remembers from its own appends
 OFFSET_DIGITS = 16  # an object's name: the offset it starts at, zero-padded so names sort by it
 
 
@@ -138,6 +140,7 @@ class S3Store:
         self.max_bytes = max_bytes
         self.fs = s3_filesystem(endpoint)
         self.name = f"s3:{urlsplit(endpoint).netloc if endpoint else 'aws'}/{self.bucket}/{self.prefix}"
+        self.ends: OrderedDict[str, int] = OrderedDict()  # sizes this process wrote last, newest last
         self.check_bucket(url, endpoint)
 
     def check_bucket(self, url: str, endpoint: str | None) -> None:
@@ -150,15 +153,27 @@ class S3Store:
             raise ConfigError(f"{where}: cannot reach the bucket ({describe(exc)})") from exc
 
     def append(self, file_id: str, data: bytes) -> int:
-        size = self.size(file_id)
+        """One object at the file's end. The size is the one this process last wrote, else listed:
+        a file has one writer at a time (an upload, a batch's lease holder), and each holder starts
+        with `truncate`, which lists."""
+        size = self.ends.pop(file_id, None)
+        if size is None:
+            size = self.size(file_id)
         if data:
             self.call(self.fs.pipe_file, self.path(file_id, size), data)
+        self.remember(file_id, size + len(data))
         return size + len(data)
+
+    def remember(self, file_id: str, size: int) -> None:
+        self.ends[file_id] = size
+        while len(self.ends) > KNOWN_ENDS:
+            self.ends.popitem(last=False)
 
     def size(self, file_id: str) -> int:
         return sum(length for _, length in self.segments(file_id))
 
     def truncate(self, file_id: str, size: int) -> None:
+        self.ends.pop(file_id, None)
         for start, length in self.segments(file_id):
             if start >= size:
                 self.call(self.fs.rm_file, self.path(file_id, start))
@@ -169,15 +184,17 @@ class S3Store:
     def chunks(self, file_id: str, start: int = 0) -> Iterator[bytes]:
         for begin, length in self.segments(file_id):
             if begin + length > start:
-                yield from self.object_chunks(self.path(file_id, begin), max(0, start - begin))
+                yield from self.object_chunks(self.path(file_id, begin), max(0, start - begin), length)
 
-    def object_chunks(self, path: str, start: int) -> Iterator[bytes]:
-        with self.call(self.fs.open, path, "rb", block_size=S3_BLOCK, cache_type="readahead") as source:
-            source.seek(start)
-            while piece := self.call(source.read, CHUNK):
-                yield piece
+    def object_chunks(self, path: str, start: int, length: int) -> Iterator[bytes]:
+        """The object's bytes from `start`, one ranged GET per S3_BLOCK."""
+        for begin in range(start, length, S3_BLOCK):
+            block = self.call(self.fs.cat_file, path, start=begin, end=min(begin + S3_BLOCK, length))
+            for at in range(0, len(block), CHUNK):
+                yield block[at : at + CHUNK]
 
     def delete(self, file_id: str) -> None:
+        self.ends.pop(file_id, None)
         paths = [self.path(file_id, start) for start, _ in self.segments(file_id)]
         if paths:
             self.call(self.fs.rm, paths)
