@@ -245,8 +245,11 @@ def s3_filesystem(endpoint: str | None) -> Any:
         import s3fs
     except ImportError:
         raise ConfigError("files_store s3 needs s3fs on the gateway: pip install 'wicore[s3]'") from None
-    config = {"connect_timeout": S3_CONNECT_TIMEOUT_S, "read_timeout": S3_READ_TIMEOUT_S}
-    config["retries"] = {"max_attempts": S3_ATTEMPTS, "mode": "standard"}
+    config = {
+        "connect_timeout": S3_CONNECT_TIMEOUT_S,
+        "read_timeout": S3_READ_TIMEOUT_S,
+        "retries": {"max_attempts": S3_ATTEMPTS, "mode": "standard"},
+    }
     options: dict[str, Any] = {"skip_instance_cache": True, "use_listings_cache": False, "config_kwargs": config}
     return s3fs.S3FileSystem(endpoint_url=endpoint, **options) if endpoint else s3fs.S3FileSystem(**options)
 

@@ -94,12 +94,11 @@ def known_file(batches: BatchService, file_id: str) -> FileObject:
 
 @router.get("/files/{file_id}/content", response_class=StreamingResponse)
 def file_content(request: Request, file_id: str = FILE_ID) -> StreamingResponse:
-    """The file's bytes, streamed from the store; a store that cannot be read at the start is a
-    503 (its first piece is read before the response begins)."""
+    """The file's bytes, streamed from the store (503 when the store cannot be read)."""
     batches = service(request)
     known_file(batches, file_id)
     pieces = batches.store.chunks(file_id)
-    first = next(pieces, b"")
+    first = next(pieces, b"")  # read before the response starts: a store that is down is a 503
     return StreamingResponse(chain([first], pieces), media_type="application/jsonl")
 
 
