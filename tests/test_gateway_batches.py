@@ -344,6 +344,34 @@ def test_a_missing_bucket_stops_the_gateway_with_one_line_and_exit_2(redis_serve
     assert "no bucket 'no-such-bucket'" in said and "testing" not in said
 
 
+@pytest.mark.parametrize("store", ["folder", "s3"])
+def test_an_upload_over_the_store_limit_is_a_413_and_leaves_nothing_behind(redis_server, tmp_path, store):
+    """Over max_file_bytes after one piece was already stored: that piece goes too."""
+    import openai
+    import s3fs
+
+    limit = 3 * 2**19  # 1.5 MiB: the first 1 MiB piece is stored, the second goes over
+    with s3_server() as endpoint:
+        env = s3_store_env(endpoint, f"s3://{BUCKET}/capped") if store == "s3" else {}
+        env["WICORE_MAX_FILE_BYTES"] = str(limit)
+        process, url = gateway_process(redis_server.url, tmp_path, env=env)
+        try:
+            client = client_of(url)
+            with pytest.raises(openai.APIStatusError, match="max_file_bytes") as refused:
+                client.files.create(file=("big.jsonl", b"x" * (2 * limit)), purpose="batch")
+            assert refused.value.status_code == 413 and refused.value.body["param"] == "file"
+            kept = client.files.create(file=("ok.jsonl", b"y" * limit), purpose="batch")
+            assert client.files.content(kept.id).content == b"y" * limit
+        finally:
+            stop(process)
+        if store == "s3":
+            fs = s3fs.S3FileSystem(endpoint_url=endpoint, skip_instance_cache=True, use_listings_cache=False)
+            left = fs.find(f"{BUCKET}/capped/")
+        else:
+            left = [str(path) for path in (tmp_path / "files").iterdir()]
+    assert len(left) == (2 if store == "s3" else 1) and all(kept.id in path for path in left), left
+
+
 @pytest.mark.faults
 def test_s3_gone_mid_batch_the_batch_waits_and_the_other_routes_answer(redis_server, worker, tmp_path):
     """The S3 endpoint stops while a batch runs (its server's socket closed): the batch stays in
