@@ -4,6 +4,7 @@ to the file store in pieces as they arrive, never held whole."""
 
 from __future__ import annotations
 
+import logging
 import time
 from itertools import chain
 
@@ -12,12 +13,16 @@ from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import UploadFile
 
+from wicore.errors import FileStoreUnavailable
 from wicore.gateway.auth import require_key
 from wicore.gateway.batch_shapes import FileDeleted, FileList, FileObject
 from wicore.gateway.batch_state import new_id
 from wicore.gateway.errors import ApiError
+from wicore.gateway.file_store import FileStore
 from wicore.gateway.limits import form_body
 from wicore.gateway.service_batches import BatchService
+
+log = logging.getLogger(__name__)
 
 router = APIRouter(prefix="/v1", dependencies=[Depends(require_key)], tags=["files"])
 
@@ -49,19 +54,34 @@ async def upload_file(request: Request) -> FileObject:
 
 
 async def store_upload(batches: BatchService, file_id: str, upload: UploadFile) -> int:
-    """The upload into the store piece by piece; refused past the store's size limit."""
-    size, limit = 0, batches.store.max_bytes
+    """The upload into the store piece by piece; refused past the store's size limit. An upload
+    that fails part-way (over the limit, the store down) leaves none of its pieces behind."""
+    try:
+        return await copy_upload(batches.store, file_id, upload)
+    except (ApiError, FileStoreUnavailable):
+        await run_in_threadpool(discard, batches.store, file_id)
+        raise
+
+
+async def copy_upload(store: FileStore, file_id: str, upload: UploadFile) -> int:
+    size, limit = 0, store.max_bytes
     while piece := await upload.read(UPLOAD_PIECE):
         size += len(piece)
         if size > limit:
-            await run_in_threadpool(batches.store.delete, file_id)
             raise ApiError(
                 413, f"file: over the {limit}-byte limit of the file store; raise max_file_bytes", param="file"
             )
-        await run_in_threadpool(batches.store.append, file_id, piece)
+        await run_in_threadpool(store.append, file_id, piece)
     if not size:
         raise ApiError(400, "file: the uploaded file is empty", param="file")
     return size
+
+
+def discard(store: FileStore, file_id: str) -> None:
+    try:
+        store.delete(file_id)
+    except FileStoreUnavailable as exc:
+        log.warning("the pieces of the failed upload %s stay in the file store: %s", file_id, exc)
 
 
 @router.get("/files", response_model=FileList)
@@ -106,6 +126,6 @@ def file_content(request: Request, file_id: str = FILE_ID) -> StreamingResponse:
 def delete_file(request: Request, file_id: str = FILE_ID) -> FileDeleted:
     batches = service(request)
     known_file(batches, file_id)
+    batches.store.delete(file_id)  # first: a store that is down (503) leaves the file listed, to delete again
     batches.files.delete(file_id)
-    batches.store.delete(file_id)
     return FileDeleted(id=file_id, deleted=True)
