@@ -152,6 +152,7 @@ class Settings(BaseSettings):
     files_store: Literal["folder", "redis", "s3"] = "folder"  # folder
     files_dir: Path = Path(os.environ.get("XDG_DATA_HOME", Path.home() / ".local/share")) / "wicore"  # batch files
     files_s3_url: str | None = None  # the s3 store's s3://bucket/prefix; the bucket must exist
+    files_s3_timeout_s: float = Field(10.0, gt=0)  # the s3 store: connecting, and each read of an answer; 10 s
     max_file_bytes: int = Field(64 * 2**20, ge=1)  # 64 MiB
     batch_window_s: float = Field(86_400.0, gt=0)  # one day
 

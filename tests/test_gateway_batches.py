@@ -373,55 +373,80 @@ def test_an_upload_over_the_store_limit_is_a_413_and_leaves_nothing_behind(redis
 
 
 @pytest.mark.faults
-def test_s3_gone_mid_batch_the_batch_waits_and_the_other_routes_answer(redis_server, worker, tmp_path):
-    """The S3 endpoint stops while a batch runs (its server's socket closed): the batch stays in
-    progress, the file routes answer 503, chat completions and health answer 200; once the
-    endpoint is back the batch ends with every line once."""
+def test_s3_hung_mid_batch_the_batch_waits_and_the_other_routes_answer(redis_server, worker, tmp_path):
+    """The S3 server stops answering while a batch runs (SIGSTOP): the batch stays in progress,
+    the file routes answer 503 within the store's timeout, chat completions, batch status and
+    health answer 200; after SIGCONT the batch ends with every line once."""
     port = free_port()
     endpoint = f"http://127.0.0.1:{port}"
-    server = moto_at(port, bucket=BUCKET)
-    process, url = gateway_process(redis_server.url, tmp_path, env=s3_store_env(endpoint))
+    s3 = moto_process(port, tmp_path / "moto.log")
     try:
-        client = client_of(url)
-        good = good_lines(300, max_tokens=48)
-        for line in good:
-            line["body"]["seed"] += 60_000
-        batch = submit(client, jsonl(good))
-        wait_until(lambda: client.batches.retrieve(batch.id).request_counts.completed >= 20, 120, 0.05, "done lines")
-        server.stop()
-        wait_until(lambda: b"file store" in (tmp_path / "gateway.log").read_bytes(), 30, 0.2, "the runner waiting")
-        assert client.batches.retrieve(batch.id).status == "in_progress"
-        content = httpx.get(f"{url}/v1/files/{batch.input_file_id}/content", timeout=60)
-        assert content.status_code == 503 and "file store" in content.json()["error"]["message"], content.text
-        assert httpx.get(url + "/health/live").status_code == 200
-        answer = client.chat.completions.create(model=MODEL, messages=good[0]["body"]["messages"], max_tokens=8)
-        assert answer.choices[0].message.content
-        server = moto_at(port)
-        batch = wait_ended(client, batch.id, timeout=300)
-        output = lines_of(client, batch.output_file_id)
+        env = {**s3_store_env(endpoint), "WICORE_FILES_S3_TIMEOUT_S": "1"}
+        process, url = gateway_process(redis_server.url, tmp_path, env=env)
+        try:
+            client = client_of(url)
+            good = good_lines(300, max_tokens=48)
+            for line in good:
+                line["body"]["seed"] += 60_000
+            batch = submit(client, jsonl(good))
+            wait_until(lambda: client.batches.retrieve(batch.id).request_counts.completed >= 20, 120, 0.05, "done")
+            s3.send_signal(signal.SIGSTOP)
+            wait_until(lambda: b"file store" in (tmp_path / "gateway.log").read_bytes(), 60, 0.2, "the runner waiting")
+            check_routes_while_the_store_hangs(client, url, batch, good)
+            s3.send_signal(signal.SIGCONT)
+            batch = wait_ended(client, batch.id, timeout=300)
+            output = lines_of(client, batch.output_file_id)
+        finally:
+            stop(process)
     finally:
-        stop(process)
-        server.stop()
+        s3.send_signal(signal.SIGCONT)
+        stop(s3)
     assert batch.status == "completed" and batch.request_counts.completed == 300, batch
     check_answers(output)
     assert sorted(no_line_twice(output)) == sorted(line["custom_id"] for line in good)
 
 
-def moto_at(port: int, bucket: str | None = None):
-    """moto's S3 server on `port`; its buckets live in this process, so one started again on
-    the same port holds what the last one held."""
-    import s3fs
-    from moto.server import ThreadedMotoServer
+def check_routes_while_the_store_hangs(client, url: str, batch, good: list[dict]) -> None:
+    assert client.batches.retrieve(batch.id).status == "in_progress"
+    content = httpx.get(f"{url}/v1/files/{batch.input_file_id}/content", timeout=60)
+    assert content.status_code == 503 and "file store" in content.json()["error"]["message"], content.text
+    assert content.headers["retry-after"] and "testing" not in content.text
+    assert httpx.delete(f"{url}/v1/files/{batch.input_file_id}", timeout=60).status_code == 503
+    assert client.files.retrieve(batch.input_file_id).id == batch.input_file_id  # still listed
+    upload = httpx.post(
+        f"{url}/v1/files", files={"file": ("r.jsonl", jsonl(good[:2]))}, data={"purpose": "batch"}, timeout=60
+    )
+    assert upload.status_code == 503, upload.text
+    assert httpx.get(url + "/health/live").status_code == 200
+    answer = client.chat.completions.create(model=MODEL, messages=good[0]["body"]["messages"], max_tokens=8)
+    assert answer.choices[0].message.content
 
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    if bucket:
-        key, secret = S3_ENV["AWS_ACCESS_KEY_ID"], S3_ENV["AWS_SECRET_ACCESS_KEY"]
-        fs = s3fs.S3FileSystem(
-            endpoint_url=f"http://127.0.0.1:{port}", key=key, secret=secret, skip_instance_cache=True
-        )
-        fs.makedirs(bucket, exist_ok=True)
+
+def moto_process(port: int, log: Path):
+    """moto's S3 server (`moto_server`) in a process of its own, with BUCKET made."""
+    import sys
+
+    import s3fs
+
+    sink = open(log, "wb")  # noqa: SIM115 (closed with the process)
+    server = subprocess.Popen(
+        [str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
+        env={**os.environ, **S3_ENV}, stdout=sink, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    key, secret = S3_ENV["AWS_ACCESS_KEY_ID"], S3_ENV["AWS_SECRET_ACCESS_KEY"]
+    fs = s3fs.S3FileSystem(endpoint_url=f"http://127.0.0.1:{port}", key=key, secret=secret, skip_instance_cache=True)
+    wait_until(lambda: made(fs, BUCKET), 30, 0.2, "moto_server")
     return server
+
+
+def made(fs, bucket: str) -> bool:
+    from botocore.exceptions import BotoCoreError
+
+    try:
+        fs.makedirs(bucket, exist_ok=True)
+    except (OSError, BotoCoreError):  # not listening yet
+        return False
+    return True
 
 
 def test_existing_batch_route_stays(gateway):

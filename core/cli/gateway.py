@@ -110,6 +110,7 @@ def gateway_config(settings: Settings):
             folder=settings.files_dir,
             s3_url=settings.files_s3_url or "",
             s3_endpoint=settings.s3_endpoint,
+            s3_timeout_s=settings.files_s3_timeout_s,
             max_bytes=settings.max_file_bytes,
         ),
         batch_window_s=settings.batch_window_s,

@@ -25,9 +25,7 @@ from wicore.errors import ConfigError, FileStoreUnavailable
 
 CHUNK = 1 << 16  # bytes per read
 S3_BLOCK = 1 << 20  # bytes one ranged GET of an object fetches
-S3_CONNECT_TIMEOUT_S = 5.0
-S3_READ_TIMEOUT_S = 30.0
-S3_ATTEMPTS = 3  # botocore's tries of one call before the store reports itself unavailable
+S3_ATTEMPTS = 2  # tries of one S3 call (botocore's; s3fs's own retries off) before the store is unavailable
 KNOWN_ENDS = 4096  # files whose size an S3 store remembers from its own appends
 OFFSET_DIGITS = 16  # an object's name: the offset it starts at, zero-padded so names sort by it
 
@@ -38,6 +36,7 @@ class FilesConfig:
     folder: Path = Path("wicore-files")
     s3_url: str = ""  # the s3 store's s3://bucket/prefix
     s3_endpoint: str | None = None  # an S3-compatible endpoint; None: AWS
+    s3_timeout_s: float = 10.0  # connecting to the endpoint, and each read of an answer
     max_bytes: int = 64 * 2**20  # largest upload the store takes (the Redis store: keep it small)
 
 
@@ -135,10 +134,10 @@ class S3Store:
     """One object per append under `s3://bucket/prefix/<file id>/` (see the module's docstring).
     An S3 call that fails (the endpoint down, access refused) raises FileStoreUnavailable."""
 
-    def __init__(self, url: str, endpoint: str | None, max_bytes: int):
+    def __init__(self, url: str, endpoint: str | None, max_bytes: int, timeout_s: float = 10.0):
         self.bucket, self.prefix = bucket_and_prefix(url)
         self.max_bytes = max_bytes
-        self.fs = s3_filesystem(endpoint)
+        self.fs = s3_filesystem(endpoint, timeout_s)
         self.name = f"s3:{urlsplit(endpoint).netloc if endpoint else 'aws'}/{self.bucket}/{self.prefix}"
         self.ends: OrderedDict[str, int] = OrderedDict()  # sizes this process wrote last, newest last
         self.check_bucket(url, endpoint)
@@ -240,18 +239,20 @@ def bucket_and_prefix(url: str) -> tuple[str, str]:
     return parts.netloc, f"{prefix}/" if prefix else ""
 
 
-def s3_filesystem(endpoint: str | None) -> Any:
+def s3_filesystem(endpoint: str | None, timeout_s: float) -> Any:
     try:
         import s3fs
     except ImportError:
         raise ConfigError("files_store s3 needs s3fs on the gateway: pip install 'wicore[s3]'") from None
     config = {
-        "connect_timeout": S3_CONNECT_TIMEOUT_S,
-        "read_timeout": S3_READ_TIMEOUT_S,
+        "connect_timeout": timeout_s,
+        "read_timeout": timeout_s,
         "retries": {"max_attempts": S3_ATTEMPTS, "mode": "standard"},
     }
     options: dict[str, Any] = {"skip_instance_cache": True, "use_listings_cache": False, "config_kwargs": config}
-    return s3fs.S3FileSystem(endpoint_url=endpoint, **options) if endpoint else s3fs.S3FileSystem(**options)
+    fs = s3fs.S3FileSystem(endpoint_url=endpoint, **options) if endpoint else s3fs.S3FileSystem(**options)
+    fs.retries = 1  # botocore retries; s3fs's own retries on top would multiply the wait on a hung endpoint
+    return fs
 
 
 def s3_errors() -> tuple[type[Exception], ...]:
@@ -275,7 +276,7 @@ def open_store(config: FilesConfig, connection: Redis) -> FileStore:
     if config.store == "redis":
         return RedisStore(connection, config.max_bytes)
     if config.store == "s3":
-        return S3Store(config.s3_url, config.s3_endpoint, config.max_bytes)
+        return S3Store(config.s3_url, config.s3_endpoint, config.max_bytes, config.s3_timeout_s)
     return FolderStore(config.folder, config.max_bytes)
 
 
