@@ -146,10 +146,13 @@ class Settings(BaseSettings):
     keep_alive_s: float = Field(5.0, gt=0)  # 5 s
     max_connections: int = Field(2048, ge=1)  # 2048
     # OpenAI's Files and Batches at `wicore serve`: where files live (folder: under files_dir; redis: in
-    # Redis, for small files), the largest upload (an upload is a request too: max_request_bytes bounds it
-    # as well), and how long a batch's "24h" completion window really lasts (lines not done by then expire).
-    files_store: Literal["folder", "redis"] = "folder"  # folder
+    # Redis, for small files; s3: under files_s3_url, at s3_endpoint_url, with the standard AWS credentials),
+    # the largest upload (an upload is a request too: max_request_bytes bounds it as well), and how long a
+    # batch's "24h" completion window really lasts (lines not done by then expire).
+    files_store: Literal["folder", "redis", "s3"] = "folder"  # folder
     files_dir: Path = Path(os.environ.get("XDG_DATA_HOME", Path.home() / ".local/share")) / "wicore"  # batch files
+    files_s3_url: str | None = None  # the s3 store's s3://bucket/prefix; the bucket must exist
+    files_s3_timeout_s: float = Field(10.0, gt=0)  # the s3 store: connecting, and each read of an answer; 10 s
     max_file_bytes: int = Field(64 * 2**20, ge=1)  # 64 MiB
     batch_window_s: float = Field(86_400.0, gt=0)  # one day
 

@@ -49,6 +49,10 @@ class RedisUnavailable(WicoreError):
     """Redis cannot be reached, refuses the credentials, or refuses writes."""
 
 
+class FileStoreUnavailable(WicoreError):
+    """The gateway's file store (an S3 bucket) cannot be reached or refuses a call."""
+
+
 class JobInputError(WicoreError):
     """The job itself is bad; running it again cannot help."""
 
