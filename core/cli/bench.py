@@ -166,15 +166,23 @@ def caption(
         "once), their token agreement and the demo captioner's accuracy in both: caption-<preset>-fp8-<gpu>.json. "
         "With --gpus N, both sides of the scaling run use FP8 GEMMs: caption-<preset>-fp8-<gpu>-xN.json.",
     ),
+    variant: str = typer.Option(
+        "one-image",
+        help="What a prompt holds, on both sides: one-image; two-images (--images N: N / 2 prompts of two images, "
+        "images/s and prompts/s); text-only (N text prompts, prompts/s and output tokens/s). The report: "
+        "caption-<preset>-<variant>-<gpu>.json. Not with --gpus.",
+    ),
     workdir: Path = typer.Option(Path("/tmp/wicore-bench"), help="Scratch folder (model config, images, logs)."),
     out: Path = typer.Option(Path("bench/results"), help="Folder for the JSON and the PNG."),
     as_json: bool = typer.Option(False, "--json", help="End with one JSON line."),
 ) -> None:
     """Bulk captioning on the GPU: the whole product vs HF generate, with the roofline; with
-    --gpus N, the whole product on N GPUs vs on one; with --dtype fp8, bf16 vs FP8 GEMMs."""
+    --gpus N, the whole product on N GPUs vs on one; with --dtype fp8, bf16 vs FP8 GEMMs; with
+    --variant, two images a prompt or text only."""
     require(PLOTS)
     from wicore.bench.caption_bench import CaptionBench
     from wicore.bench.caption_fp8 import fp8_variant
+    from wicore.bench.caption_variants import images_per_prompt
     from wicore.cli.common import engine_options
     from wicore.errors import ConfigError
     from wicore.models.gemma3 import SEEDED_PRESETS
@@ -183,6 +191,9 @@ def caption(
         raise ConfigError(f"unknown preset {preset!r}; choose one of {', '.join(SEEDED_PRESETS)}")
     if dtype not in ("bfloat16", "fp8"):
         raise ConfigError(f"--dtype {dtype}: use bfloat16 or fp8")
+    images_per_prompt(variant)  # a ConfigError naming the variants
+    if gpus and variant != "one-image":
+        raise ConfigError(f"--variant {variant} runs on one GPU (--gpus 0); the scaling run sends one image a prompt")
     bench = CaptionBench(
         workdir=workdir,
         preset=preset,
@@ -197,6 +208,7 @@ def caption(
         decode_processes=decode_processes,
         sample_stacks=sample_stacks,
         gpus=gpus,
+        variant=variant,
     )
     if gpus:
         report = caption_scaling(fp8_variant(bench) if dtype == "fp8" else bench, out)

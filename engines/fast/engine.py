@@ -85,8 +85,8 @@ class FastEngine(Engine):
     def handover_size(self) -> int:
         return self.resolved.vision_batch_size
 
-    def pixel_spec(self) -> PreprocessSpec:
-        return self.inputs.pixel_spec
+    def pixel_spec(self) -> PreprocessSpec | None:
+        return self.inputs.pixel_spec  # None: a text-only checkpoint
 
     def abort(self, request_ids: Iterable[str]) -> list[Completion]:
         """Stop requests between steps: a waiting one leaves the queue, an admitted one gives its

@@ -84,7 +84,7 @@ class ModelRunner:
         # Cast once: looking up the cast table gives the same bits as casting looked-up float32.
         self.pixel_lut = None if pixel_lut is None else torch.from_numpy(pixel_lut).to(self.device, dtype)
         self.cuda = self.device.type == "cuda"
-        self.text_config = parts.config.text_config
+        self.text_config = parts.text_config
         self.null_row = max_rows
         self.tables = torch.zeros(
             (len(layout.groups), max_rows + 1, layout.table_width), dtype=torch.int32, device=device
