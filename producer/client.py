@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 import uuid
 import zlib
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TypeVar
 
@@ -28,6 +28,7 @@ from rq.utils import now
 
 from wicore import defaults, keys, rq_keys
 from wicore.errors import JobCanceled, JobFailed, ResultTimeout, TooManyImages, UnknownJob
+from wicore.producer.admission import Admission
 from wicore.producer.image_refs import prepare_image
 from wicore.producer.outcome import Outcome, outcome_of
 from wicore.producer.submission import Prepared, ProducerConfig, Submission
@@ -160,6 +161,14 @@ class Producer:
         self.notify_key = keys.notify(self.session)
         self._cancel = self.connection.register_script(_CANCEL_LUA)
         self._mark = self.connection.register_script(_MARK_LUA)
+        caps = {"high": self.config.max_queued_high_jobs}
+        caps |= {"normal": self.config.max_queued_jobs, "low": self.config.max_queued_jobs}
+        self.admission = Admission(self.connection, caps)
+
+    @property
+    def connections(self) -> list[Redis]:
+        """One, as `ShardedProducer.connections` lists its shards'."""
+        return [self.connection]
 
     # -- submitting -------------------------------------------------------------------------
 
@@ -183,6 +192,7 @@ class Producer:
         blobs = {sha: data for p in prepared for sha, data in p.blobs.items()}
         new_ids, stored = self._claim_new([job.job_id for job in jobs], list(blobs))
         new_jobs = list({job.job_id: job for job in jobs if job.job_id in new_ids}.values())
+        self._admit(new_jobs)
         labels = {p.job.job_id: p.label for p in prepared}
         with self.connection.pipeline(transaction=True) as pipe:  # all of the chunk is enqueued, or none
             for sha in {image.sha256 for job in new_jobs for image in job.images if image.is_blob}:
@@ -190,9 +200,17 @@ class Producer:
                     pipe.expire(keys.blob(sha), self.config.blob_ttl_s)
                 else:
                     pipe.set(keys.blob(sha), blobs[sha], ex=self.config.blob_ttl_s)
+                pipe.incrby(keys.blob_refs(sha), count)  # the workers' ends count it down (`RQBridge`)
+                pipe.expire(keys.blob_refs(sha), self.config.blob_ttl_s)
             self._enqueue(new_jobs, pipe, labels)
             pipe.execute()
         return [job.job_id for job in jobs]
+
+    def _admit(self, jobs: list[CaptionJob]) -> None:
+        """QueueFull when these jobs would take a lane past its cap. Their dedup marks stay: a
+        mark without a job hash is enqueued by the next submission of the same work."""
+        lanes = Counter(job.priority.value for job in jobs)
+        self.admission.check(self.model, lanes, self.config.result_ttl_s)
 
     def prepare(self, submission: Submission) -> Prepared:
         """The job, the image bytes that travel as blobs, and its label. Raises ImageError, or

@@ -61,3 +61,6 @@ class ProducerConfig:
     max_image_bytes: int = defaults.MAX_IMAGE_BYTES
     max_images_per_request: int = defaults.MAX_IMAGES_PER_REQUEST
     notify: bool = True  # workers push each ended job to this producer's list (`wait` reads it)
+    # Admission control (admission.py): queued jobs per lane of the model past which `QueueFull` is raised; 0: none.
+    max_queued_jobs: int = 0  # the normal and low lanes, each
+    max_queued_high_jobs: int = 0  # the high lane
