@@ -15,7 +15,6 @@ stops them, and with an external Redis the jobs it leaves unstarted are removed 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
 import shutil
 import signal
@@ -188,10 +187,9 @@ class Todo:
 
 @dataclass
 class Window:
-    """Jobs submitted together, and the image blobs they put in Redis."""
+    """Jobs submitted together (their image blobs leave Redis as they end: `RQBridge._release_blobs`)."""
 
     jobs: dict[str, list[str]]  # job id -> the inputs it answers
-    blobs: set[str]  # sha256 of each image sent as bytes
 
 
 class Meter:
@@ -321,32 +319,25 @@ class CaptionRun:
             for chunk in windows:
                 in_flight.append(self._submit(producer, chunk, on_error))
                 if len(in_flight) == WINDOWS_IN_FLIGHT:
-                    self._drain(producer, in_flight.pop(0), in_flight, write, poll)
+                    self._drain(producer, in_flight.pop(0), write, poll)
             while in_flight:
-                self._drain(producer, in_flight.pop(0), in_flight, write, poll)
+                self._drain(producer, in_flight.pop(0), write, poll)
             self.meter.ready_at = self.meter.ready_at or first_birth(producer.connections, pool.names)
             self.meter.stopped_at = time.time()
 
     def _submit(self, producer, chunk: list[InputItem], on_error: Callable) -> Window:
-        window = Window({}, {hashlib.sha256(i.data).hexdigest() for i in chunk if i.data is not None})
+        window = Window({})
         for job_id, input in submit_items(producer, chunk, self._submission, on_error):
             self.pending.setdefault(job_id, []).append(input)
             window.jobs.setdefault(job_id, []).append(input)
         return window
 
-    def _drain(self, producer, window: Window, later: list[Window], write: Callable, poll: Callable) -> None:
-        """Write the window's lines as its jobs end; then, on the embedded Redis, drop the image
-        blobs no later window uses (on an external Redis others may share them: they expire
-        shortly after their jobs' results, `RQBridge._expire_blobs`)."""
+    def _drain(self, producer, window: Window, write: Callable, poll: Callable) -> None:
+        """Write the window's lines as its jobs end."""
         for line in wait_lines(producer, window.jobs, None, on_poll=poll, poll_s=1.0):
             self.pending.pop(line.job_id, None)
             self.meter.ended += 1
             write(line)
-        unused = window.blobs.difference(*(w.blobs for w in later))
-        if self.config.embedded and unused:
-            from wicore import keys
-
-            producer.connections[0].delete(*(keys.blob(sha) for sha in unused))
 
     def _submission(self, item: InputItem):
         from wicore.producer import Submission
