@@ -78,10 +78,8 @@ class EngineSettings(FastOptions):
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="WICORE_", env_nested_delimiter="__", extra="forbid", frozen=True)
 
-    # redis:// or rediss:// URL; None: `wicore caption` starts an embedded server. Several URLs (a TOML list, or
-    # comma-separated: WICORE_REDIS_URL=redis://a,redis://b) are independent shards (producer/shards.py): kept
-    # here comma-joined, read as a list through `redis_urls`.
-    redis_url: str | None = None
+    # Kept comma-joined; `redis_urls` reads it as a list (producer/shards.py: one shard per URL).
+    redis_url: str | None = None  # redis:// URL, or several comma-separated (or a TOML list): shards; None: embedded
     # The Redis password, when the URL does not carry it (so that it never shows in `ps`): given itself
     # (WICORE_REDIS_PASSWORD) or as a file holding it (`--redis-password-file`, WICORE_REDIS_PASSWORD_FILE).
     # Validation puts it into redis_url, which every connection is made from.
@@ -155,14 +153,12 @@ class Settings(BaseSettings):
     files_dir: Path = Path(os.environ.get("XDG_DATA_HOME", Path.home() / ".local/share")) / "wicore"  # batch files
     max_file_bytes: int = Field(64 * 2**20, ge=1)  # 64 MiB
     batch_window_s: float = Field(86_400.0, gt=0)  # one day
-    # Flow control of bulk submitters (`wicore caption`, `wicore enqueue --window`): at most this many of
-    # their jobs, and of their image bytes, unfinished in Redis at once (cli/submitting.py). 0 bytes: no byte bound.
-    window_jobs: int = Field(defaults.WINDOW_JOBS, ge=1)  # 2048
-    window_bytes: int = Field(defaults.WINDOW_BYTES, ge=0)  # 256 MiB
-    # Admission control: jobs queued per model and lane past which submissions are refused (HTTP 429 with
-    # Retry-After, `QueueFull` from the Producer; bulk submitters wait). 0: no cap. The high lane has its own cap.
-    max_queued_jobs: int = Field(defaults.MAX_QUEUED_JOBS, ge=0)  # 100000
-    max_queued_high_jobs: int = Field(defaults.MAX_QUEUED_HIGH_JOBS, ge=0)  # 1000
+    # Flow control of bulk runs (`wicore caption`, `wicore enqueue`): the window they keep in Redis (cli/submitting.py).
+    window_jobs: int = Field(defaults.WINDOW_JOBS, ge=1)  # a bulk run's unfinished jobs in Redis, at most; 2048
+    window_bytes: int = Field(defaults.WINDOW_BYTES, ge=0)  # their image bytes in Redis, at most (0: no bound); 256 MiB
+    # Admission control (producer/admission.py): past the cap, HTTP 429 with Retry-After, QueueFull from the Producer.
+    max_queued_jobs: int = Field(defaults.MAX_QUEUED_JOBS, ge=0)  # queued jobs per model and lane (0: none); 100000
+    max_queued_high_jobs: int = Field(defaults.MAX_QUEUED_HIGH_JOBS, ge=0)  # the high lane's own cap (0: none); 1000
 
     @property
     def s3_endpoint(self) -> str | None:

@@ -62,7 +62,7 @@ class Admission:
 
     def load(self, model: str, lanes: list[str], result_ttl_s: int) -> dict[str, LaneLoad]:
         """Queued jobs per lane now, and the model's finish rate: one round trip."""
-        args = [f"{keys.QUEUE_PREFIX}.{model}.", time.time(), result_ttl_s, RATE_WINDOW_S, *lanes]
+        args: list[str | float] = [f"{keys.QUEUE_PREFIX}.{model}.", time.time(), result_ttl_s, RATE_WINDOW_S, *lanes]
         counts = [int(c) for c in self._count(args=args)]
         rate = counts[-1] / RATE_WINDOW_S
         return {lane: LaneLoad(queued, rate) for lane, queued in zip(lanes, counts)}

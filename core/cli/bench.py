@@ -113,6 +113,37 @@ def http(
 
 @app.command()
 @friendly_errors
+def burst(
+    factor: float = typer.Option(10.0, min=1.0, help="The burst's request rate over the workers' measured rate."),
+    seconds: float = typer.Option(5.0, min=1.0, help="How long the burst lasts."),
+    wait_s: float = typer.Option(2.0, min=0.1, help="The capped side's max_queued_jobs: this many seconds of work."),
+    redis_url: str = typer.Option(None, help="Redis to use (default: a fresh embedded one)."),
+    out: Path = typer.Option(Path("bench/results"), help="Folder for burst-<host>.json and .png."),
+    as_json: bool = typer.Option(False, "--json", help="End with one JSON line."),
+) -> None:
+    """The gateway under a burst of chat completions FACTOR x the workers' rate, with admission
+    control (max_queued_jobs) and without: latency of the answers and the 429s."""
+    require(PLOTS)
+    require("fastapi")  # the gateway it starts
+    from wicore.bench.burst_bench import run_bench, write_results
+    from wicore.embedded import redis_url_or_embedded
+
+    with redis_url_or_embedded(redis_url) as url:
+        report = run_bench(url, factor, seconds, wait_s, Path("/tmp/wicore-bench/burst"))
+    console.print(
+        f"workers: {report['worker_jobs_per_s']} jobs/s; burst {report['burst_requests_per_s']} requests/s for "
+        f"{seconds:g}s\ncapped ({report['capped_cap']} queued): p99 {report['capped_p99_s']} s, "
+        f"{report['capped_refused_429']} answered 429\nuncapped: p99 {report['uncapped_p99_s']} s",
+        markup=False,
+    )
+    for path in write_results(report, out):
+        console.print(f"wrote {path}")
+    if as_json:
+        typer.echo(json.dumps(report))
+
+
+@app.command()
+@friendly_errors
 def crowd(
     requests: int = typer.Option(500, min=1, help="Concurrent requests of each kind."),
     redis_url: str = typer.Option(None, help="Redis to use (default: a fresh embedded one)."),
