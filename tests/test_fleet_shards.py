@@ -140,3 +140,17 @@ def chat_body() -> dict:
     image = "data:image/png;base64," + base64.b64encode(png_bytes(99)).decode()
     parts = [{"type": "text", "text": "Describe."}, {"type": "image_url", "image_url": {"url": image}}]
     return {"model": MODEL, "messages": [{"role": "user", "content": parts}], "max_tokens": 4}
+
+
+def test_caption_over_a_shard_list(tmp_path, servers, shards):
+    both = ",".join(servers)
+    write_images(tmp_path / "imgs", 20)
+    out = tmp_path / "out.jsonl"
+    env = {"XDG_CACHE_HOME": str(tmp_path / "cache")}
+    one = wicore("caption", str(tmp_path / "imgs"), "-o", str(out), "--redis-url", both, env=env, check=False)
+    assert one.returncode == 2 and "each shard needs one" in one.stderr
+    wicore("caption", str(tmp_path / "imgs"), "-o", str(out), "--redis-url", both, "--workers", "2",
+           "--engine", "null", env=env)  # fmt: skip
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(lines) == 20 and {line["status"] for line in lines} == {"finished"}
+    assert {shard_of(line["job_id"], 2) for line in lines} == {0, 1}

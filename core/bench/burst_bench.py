@@ -137,13 +137,13 @@ def run_side(redis_url: str, side: Side, rate: float, seconds: float, folder: Pa
     return side.as_dict()
 
 
-def run_bench(redis_url: str, factor: float, seconds: float, wait_s: float, folder: Path) -> dict:
+def run_bench(redis_url: str, factor: float, seconds: float, wait_s: float, folder: Path, rate_jobs: int = 200) -> dict:
     folder.mkdir(parents=True, exist_ok=True)
     worker = start("worker", "--redis-url", redis_url, "--engine", "reference", "--model-id", MODEL_ID,
                    "--max-queue-delay-ms", "5", log=folder / "worker.log")  # fmt: skip
     try:
         wait_worker(redis_url)
-        rate = worker_rate(redis_url, 200)
+        rate = worker_rate(redis_url, rate_jobs)
         capped = Side("capped", cap=max(1, int(rate * wait_s)))
         uncapped = Side("uncapped", cap=0)
         sides = {s.name: run_side(redis_url, s, factor * rate, seconds, folder) for s in (capped, uncapped)}
@@ -151,7 +151,8 @@ def run_bench(redis_url: str, factor: float, seconds: float, wait_s: float, fold
         worker.terminate()
         worker.wait(timeout=120)
     return {
-        "command": f"wicore bench burst --factor {factor:g} --seconds {seconds:g} --wait-s {wait_s:g}",
+        "command": f"wicore bench burst --factor {factor:g} --seconds {seconds:g} --wait-s {wait_s:g} "
+        f"--rate-jobs {rate_jobs}",
         "cpus": os.cpu_count(),
         "engine": "reference (bundled demo captioner, CPU)",
         "max_tokens": MAX_TOKENS,

@@ -117,6 +117,7 @@ def burst(
     factor: float = typer.Option(10.0, min=1.0, help="The burst's request rate over the workers' measured rate."),
     seconds: float = typer.Option(5.0, min=1.0, help="How long the burst lasts."),
     wait_s: float = typer.Option(2.0, min=0.1, help="The capped side's max_queued_jobs: this many seconds of work."),
+    rate_jobs: int = typer.Option(200, min=1, help="Jobs the workers' rate is measured on."),
     redis_url: str = typer.Option(None, help="Redis to use (default: a fresh embedded one)."),
     out: Path = typer.Option(Path("bench/results"), help="Folder for burst-<host>.json and .png."),
     as_json: bool = typer.Option(False, "--json", help="End with one JSON line."),
@@ -129,7 +130,7 @@ def burst(
     from wicore.embedded import redis_url_or_embedded
 
     with redis_url_or_embedded(redis_url) as url:
-        report = run_bench(url, factor, seconds, wait_s, Path("/tmp/wicore-bench/burst"))
+        report = run_bench(url, factor, seconds, wait_s, Path("/tmp/wicore-bench/burst"), rate_jobs)
     console.print(
         f"workers: {report['worker_jobs_per_s']} jobs/s; burst {report['burst_requests_per_s']} requests/s for "
         f"{seconds:g}s\ncapped ({report['capped_cap']} queued): p99 {report['capped_p99_s']} s, "

@@ -111,6 +111,11 @@ def over_shards(specs: list[WorkerSpec], shards: int) -> list[WorkerSpec]:
     named by its index in the list (`--redis-shard`), so no URL shows in `ps`."""
     if shards < 2:
         return specs
+    if len(specs) < shards:
+        raise ConfigError(
+            f"{len(specs)} worker processes for {shards} Redis shards: each shard needs one; "
+            f"start at least {shards} (--workers {shards}, or --gpus with as many GPUs)"
+        )
     return [replace(spec, args=(*spec.args, "--redis-shard", str(i % shards))) for i, spec in enumerate(specs)]
 
 
