@@ -40,7 +40,7 @@ class Side:
     cap: int  # max_queued_jobs (0: none)
     latencies: list[float] = field(default_factory=list)  # seconds, accepted requests
     refused: list[float] = field(default_factory=list)  # seconds to the 429
-    other: dict[int, int] = field(default_factory=dict)  # any other status -> count
+    other: dict[int | str, int] = field(default_factory=dict)  # any other status (or transport error) -> count
     retry_after: set[str] = field(default_factory=set)
 
     def as_dict(self) -> dict:
@@ -99,12 +99,18 @@ def chat_body(i: int) -> dict:
 
 async def burst(url: str, side: Side, rate: float, seconds: float) -> None:
     """Open-loop arrivals at `rate` per second for `seconds`; every answer recorded in `side`."""
-    limits = httpx.Limits(max_connections=4096, max_keepalive_connections=512)
+    # a connection per request: a kept-alive one the gateway closes as it is reused would be a
+    # client-side error, not the gateway's answer
+    limits = httpx.Limits(max_connections=4096, max_keepalive_connections=0)
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as http:
 
         async def one(i: int) -> None:
             begin = time.perf_counter()
-            reply = await http.post("/v1/chat/completions", json=chat_body(i))
+            try:
+                reply = await http.post("/v1/chat/completions", json=chat_body(i))
+            except httpx.TransportError as exc:  # counted, not raised: every request gets a line
+                side.other[type(exc).__name__] = side.other.get(type(exc).__name__, 0) + 1
+                return
             took = time.perf_counter() - begin
             if reply.status_code == 200:
                 side.latencies.append(took)
