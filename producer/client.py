@@ -200,15 +200,14 @@ class Producer:
                     pipe.expire(keys.blob(sha), self.config.blob_ttl_s)
                 else:
                     pipe.set(keys.blob(sha), blobs[sha], ex=self.config.blob_ttl_s)
-                pipe.incrby(keys.blob_refs(sha), count)  # the workers' ends count it down (`RQBridge`)
-                pipe.expire(keys.blob_refs(sha), self.config.blob_ttl_s)
             self._enqueue(new_jobs, pipe, labels)
             pipe.execute()
         return [job.job_id for job in jobs]
 
     def _admit(self, jobs: list[CaptionJob]) -> None:
-        """QueueFull when these jobs would take a lane past its cap. Their dedup marks stay: a
-        mark without a job hash is enqueued by the next submission of the same work."""
+        """QueueFull when these new jobs would take a lane past its cap (work submitted again,
+        already in Redis, is not counted). Their dedup marks stay: a mark without a job hash is
+        enqueued by the next submission of the same work."""
         lanes = Counter(job.priority.value for job in jobs)
         self.admission.check(self.model, lanes, self.config.result_ttl_s)
 
