@@ -56,6 +56,10 @@ class ProducerConfig:
     result_ttl_s: int = defaults.RESULT_TTL_S  # results (and the dedup mark) live this long
     failure_ttl_s: int = 7 * 86_400
     blob_ttl_s: int = 86_400
+    # A job's blobs leave Redis at its end, with their last user (`keys.BLOB_USERS`), instead of
+    # after blob_ttl_s: what bulk runs need to keep Redis within their window. It costs a chunk
+    # 2 commands per distinct blob, and a worker's settle of a batch 2 per distinct blob its jobs used.
+    release_blobs: bool = False
     retries: int = defaults.RETRIES  # re-runs after a transient failure or a dead worker
     job_timeout_s: int = 3_600
     max_image_bytes: int = defaults.MAX_IMAGE_BYTES

@@ -187,7 +187,7 @@ class Todo:
 
 @dataclass
 class Window:
-    """Jobs submitted together (their image blobs leave Redis as they end: `RQBridge._release_blobs`)."""
+    """Jobs submitted together (their image blobs leave Redis as the last job using each ends)."""
 
     jobs: dict[str, list[str]]  # job id -> the inputs it answers
 
@@ -269,6 +269,7 @@ class CaptionRun:
                 by_path=self.config.embedded, result_ttl_s=settings.result_ttl_s, retries=settings.retries,
                 max_image_bytes=settings.max_image_bytes, max_images_per_request=settings.max_images_per_request,
                 max_queued_jobs=settings.max_queued_jobs, max_queued_high_jobs=settings.max_queued_high_jobs,
+                release_blobs=True,
             )  # fmt: skip
             producer = producer_over(url.split(","), model=self.config.model_id, config=config)
             stack.push(lambda *exc: self._leave(producer, exc[1]))  # runs once the workers have stopped

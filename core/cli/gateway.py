@@ -98,6 +98,7 @@ def gateway_config(settings: Settings):
         max_images_per_request=settings.max_images_per_request,
         max_queued_jobs=settings.max_queued_jobs,
         max_queued_high_jobs=settings.max_queued_high_jobs,
+        release_blobs=True,  # blobs leave Redis with their last job, not a day later
     )
     return GatewayConfig(
         redis_url=settings.redis_url or "",

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from functools import partial
 from itertools import islice
+from pathlib import Path
 from typing import TypeVar
 
 from wicore.cli.input_paths import InputItem
@@ -44,13 +45,18 @@ class FlowLimits:
 
 
 def blob_bytes(item: InputItem, by_path: bool) -> int:
-    """The bytes the item's image puts in Redis: its data, or its file unless sent by path."""
+    """The bytes the item's images put in Redis: its data, or its files unless sent by path (URLs
+    are fetched by the workers and cost Redis nothing)."""
     if item.data is not None:
         return len(item.data)
-    if by_path or item.path is None or item.error:
+    if by_path or item.error:
         return 0
+    return sum(_file_size(path) for path in item.files)
+
+
+def _file_size(path: Path) -> int:
     try:
-        return item.path.stat().st_size
+        return path.stat().st_size
     except OSError:
         return 0  # unreadable: the producer reports it, and it stores nothing
 
