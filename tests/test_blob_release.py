@@ -20,8 +20,8 @@ from wicore import keys
 from wicore.embedded import EmbeddedRedis
 from wicore.producer import Producer, ProducerConfig, Submission
 from wicore.producer.client import blob_shas
-from wicore.schemas import GenerationParams
 from wicore.scheduler.queues import BucketQueues
+from wicore.schemas import GenerationParams
 from wicore.worker.rq_bridge import Finished, RQBridge, RQWorkerRecord
 
 MODEL = "release"
@@ -105,26 +105,29 @@ def test_cancel_frees_a_blob_of_no_other_user_and_the_canceled_run_frees_nothing
     assert blob_state(connection, shared) == (False, set())
 
 
+def settle_costs(connection: Redis, config: ProducerConfig, n: int, images: int) -> dict[str, int]:
+    """Commands by name of one settle of n - 1 jobs over `images` distinct images."""
+    connection.flushdb()
+    Producer(connection, model=MODEL, config=config).submit_many(
+        Submission(png_bytes(i % images), f"job {i}") for i in range(n)
+    )
+    [queue] = BucketQueues(connection, MODEL).names()
+    bridge = bridge_of(connection, "budget")
+    claimed = bridge.claim(queue, n)
+    bridge.finish([Finished(claimed[0], result={"text": "ok"})])  # loads the script (NOSCRIPT is no batch's cost)
+    with CommandCount(connection) as settle:
+        assert bridge.finish([Finished(c, result={"text": "ok"}) for c in claimed[1:]]) == n - 1
+    return {**settle.by_name, "total": settle.total}
+
+
 def test_release_costs_two_commands_per_distinct_blob_and_nothing_without(connection):
     n, images = 64, 4
-    for config, extra in ((ProducerConfig(), 0), (RELEASING, 2 * images)):
-        connection.flushdb()
-        producer = Producer(connection, model=MODEL, config=config)
-        producer.submit_many(Submission(png_bytes(i % images), f"job {i}") for i in range(n))
-        [queue] = BucketQueues(connection, MODEL).names()
-        bridge = bridge_of(connection, "budget")
-        claimed = bridge.claim(queue, n)
-        bridge.finish([Finished(claimed[0], result={"text": "ok"})])  # loads the script: a first call's NOSCRIPT is no per-batch cost
-        with CommandCount(connection) as settle:
-            assert bridge.finish([Finished(c, result={"text": "ok"}) for c in claimed[1:]]) == n - 1
-        costs = dict(settle.by_name)
-        if extra:
-            assert costs.get("srem", 0) - baseline.get("srem", 0) == images, costs
-            assert costs.get("exists", 0) - baseline.get("exists", 0) == images, costs
-            assert settle.total == baseline_total + extra, (costs, baseline)
-            assert not list(connection.scan_iter("wicore:blob*")), "every blob went with its last user"
-        else:
-            baseline, baseline_total = costs, settle.total
+    plain = settle_costs(connection, ProducerConfig(), n, images)
+    releasing = settle_costs(connection, RELEASING, n, images)
+    assert releasing["total"] == plain["total"] + 2 * images, (plain, releasing)
+    assert releasing.get("srem", 0) - plain.get("srem", 0) == images, (plain, releasing)
+    assert releasing.get("exists", 0) - plain.get("exists", 0) == images, (plain, releasing)
+    assert not list(connection.scan_iter("wicore:blob*")), "every blob went with its last user"
 
 
 LIVENESS_TTL_S = 3
@@ -138,7 +141,10 @@ def test_killed_and_frozen_workers_never_free_a_blob_still_needed(tmp_path):
     it gives them back), another frozen past its liveness TTL holding jobs (the others' reapers
     requeue them; thawed, its runs are stale). Every job finishes, so no blob went while a job
     needed it; at the end no blob and no set of users is left."""
-    with EmbeddedRedis() as server, Workers(server.url, tmp_path / "logs", ARGS, {"WICORE_LIVENESS_TTL_S": "3"}) as workers:
+    with (
+        EmbeddedRedis() as server,
+        Workers(server.url, tmp_path / "logs", ARGS, {"WICORE_LIVENESS_TTL_S": "3"}) as workers,
+    ):
         connection = Redis.from_url(server.url)
         for name in ("w0", "w1", "w2"):
             workers.start(name)
