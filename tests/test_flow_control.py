@@ -81,3 +81,13 @@ def test_enqueue_waits_past_its_window_and_fire_and_forget_does_not(tmp_path, ph
 
 def report(line: str) -> None:
     print(line)
+
+
+def test_bench_flow_reports_each_sides_redis_peak(tmp_path):
+    done = wicore("bench", "flow", "--photos", "24", "--workdir", str(tmp_path), "--out", str(tmp_path), "--json")
+    report = json.loads(done.stdout.splitlines()[-1])
+    assert report["photos"] == 24 and report["photo_bytes_total"] > 24 * 400_000
+    for side in ("window", "unbounded"):
+        assert report[f"{side}_lines"] == 24 and report[f"{side}_blobs_left"] == 0
+        assert report[f"{side}_redis_peak_over_start_bytes"] > 0 and report[f"{side}_images_per_s"] > 0
+    assert (tmp_path / "flow-null-24.json").exists()

@@ -145,6 +145,42 @@ def burst(
 
 @app.command()
 @friendly_errors
+def flow(
+    photos: int = typer.Option(5000, min=1, help="Distinct ~420 KB photos captioned (made once under --workdir)."),
+    engine: str = typer.Option("null", help="The workers' engine (null: the queue path alone, cheap on a CPU)."),
+    unbounded: bool = typer.Option(True, help="Also run without a window (every input at once), in the same run."),
+    workdir: Path = typer.Option(Path("/tmp/wicore-bench/flow"), help="Scratch folder (photos, outputs)."),
+    out: Path = typer.Option(Path("bench/results"), help="Folder for flow-<engine>-<photos>.json."),
+    as_json: bool = typer.Option(False, "--json", help="End with one JSON line."),
+) -> None:
+    """Redis' memory under `wicore caption --redis-url` over many photos: its used_memory peak with
+    the flow-control window at its default (window_jobs, window_bytes) and unbounded."""
+    from wicore.bench.flow_bench import FlowBench, run_flow_bench, write_flow_report
+
+    report = run_flow_bench(FlowBench(workdir, photos=photos, engine=engine, unbounded=unbounded))
+    report["command"] = f"wicore bench flow --photos {photos} --engine {engine}" + (
+        "" if unbounded else " --no-unbounded"
+    )
+    print_flow(report)
+    console.print(f"wrote {write_flow_report(report, out, f'flow-{engine}-{photos}')}")
+    if as_json:
+        typer.echo(json.dumps(report))
+
+
+def print_flow(report: dict) -> None:
+    mib = 2**20
+    lines = [f"{report['photos']} photos, {report['photo_bytes_total'] / mib:.0f} MiB"]
+    for side in ("window", "unbounded"):
+        if f"{side}_wall_s" in report:
+            lines.append(
+                f"{side}: Redis peak {report[f'{side}_redis_peak_over_start_bytes'] / mib:.1f} MiB over start, "
+                f"{report[f'{side}_images_per_s']} images/s, {report[f'{side}_blobs_left']} blobs left"
+            )
+    console.print("\n".join(lines), markup=False)
+
+
+@app.command()
+@friendly_errors
 def crowd(
     requests: int = typer.Option(500, min=1, help="Concurrent requests of each kind."),
     redis_url: str = typer.Option(None, help="Redis to use (default: a fresh embedded one)."),
@@ -198,12 +234,19 @@ def caption(
         "once), their token agreement and the demo captioner's accuracy in both: caption-<preset>-fp8-<gpu>.json. "
         "With --gpus N, both sides of the scaling run use FP8 GEMMs: caption-<preset>-fp8-<gpu>-xN.json.",
     ),
+    compare_window: bool = typer.Option(
+        False,
+        help="`wicore caption --redis-url` over --images ~420 KB photos with the flow-control window at its default "
+        "and unbounded, in the same run (no HF peer): images/s and Redis' memory peak of each, "
+        "caption-window-<preset>-<gpu>.json.",
+    ),
     workdir: Path = typer.Option(Path("/tmp/wicore-bench"), help="Scratch folder (model config, images, logs)."),
     out: Path = typer.Option(Path("bench/results"), help="Folder for the JSON and the PNG."),
     as_json: bool = typer.Option(False, "--json", help="End with one JSON line."),
 ) -> None:
     """Bulk captioning on the GPU: the whole product vs HF generate, with the roofline; with
-    --gpus N, the whole product on N GPUs vs on one; with --dtype fp8, bf16 vs FP8 GEMMs."""
+    --gpus N, the whole product on N GPUs vs on one; with --dtype fp8, bf16 vs FP8 GEMMs; with
+    --compare-window, the flow-control window at its default vs unbounded."""
     require(PLOTS)
     from wicore.bench.caption_bench import CaptionBench
     from wicore.bench.caption_fp8 import fp8_variant
@@ -230,12 +273,34 @@ def caption(
         sample_stacks=sample_stacks,
         gpus=gpus,
     )
-    if gpus:
+    if compare_window:
+        report = caption_window(bench, out)
+    elif gpus:
         report = caption_scaling(fp8_variant(bench) if dtype == "fp8" else bench, out)
     else:
         report = caption_fp8(bench, out) if dtype == "fp8" else caption_vs_hf(bench, out)
     if as_json:
         typer.echo(json.dumps({k: v for k, v in report.items() if not k.startswith("engine_stats")}))
+
+
+def caption_window(bench, out: Path) -> dict:
+    """`wicore caption --redis-url` with the window at its default vs unbounded, on the preset's
+    seeded model on the bench's device."""
+    from wicore.bench.caption_bench import device_name
+    from wicore.bench.flow_bench import FlowBench, run_flow_bench, write_flow_report
+    from wicore.models.gemma3 import make_seeded
+
+    bench.workdir.mkdir(parents=True, exist_ok=True)
+    model_dir = bench.model_dir or make_seeded(bench.workdir / bench.preset, bench.preset)
+    args = ("--model", str(model_dir), "--model-id", bench.preset, "--device", bench.device, "--batch-size",
+            str(bench.batch_size), "--max-new-tokens", str(bench.new_tokens), "--allow-random-weights")  # fmt: skip
+    flow = FlowBench(bench.workdir / "flow", photos=bench.images, engine=bench.engine, caption_args=args)
+    report = run_flow_bench(flow)
+    report["command"] = f"wicore bench caption --preset {bench.preset} --images {bench.images} --compare-window"
+    print_flow(report)
+    gpu = device_name(bench.device).replace(" ", "-")
+    console.print(f"wrote {write_flow_report(report, out, f'caption-window-{bench.preset}-{gpu}')}")
+    return report
 
 
 def caption_vs_hf(bench, out: Path) -> dict:
