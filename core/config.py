@@ -155,7 +155,8 @@ class Settings(BaseSettings):
     batch_window_s: float = Field(86_400.0, gt=0)  # one day
     # Flow control of bulk runs (`wicore caption`, `wicore enqueue`): the window they keep in Redis (cli/submitting.py).
     window_jobs: int = Field(defaults.WINDOW_JOBS, ge=1)  # a bulk run's unfinished jobs in Redis, at most; 2048
-    window_bytes: int = Field(defaults.WINDOW_BYTES, ge=0)  # their image bytes in Redis, at most (0: no bound); 256 MiB
+    # Their image bytes in Redis, at most (0: no bound); `wicore caption` allows this per worker it starts. 512 MiB
+    window_bytes: int = Field(defaults.WINDOW_BYTES, ge=0)
     # Admission control (producer/admission.py): past the cap, HTTP 429 with Retry-After, QueueFull from the Producer.
     max_queued_jobs: int = Field(defaults.MAX_QUEUED_JOBS, ge=0)  # queued jobs per model and lane (0: none); 100000
     max_queued_high_jobs: int = Field(defaults.MAX_QUEUED_HIGH_JOBS, ge=0)  # the high lane's own cap (0: none); 1000

@@ -75,9 +75,10 @@ KEEP_RUN_LOGS = 20  # per-run log folders kept in the cache dir
 
 def flow_limits(settings: Settings, workers: int, by_path: bool) -> FlowLimits:
     """The run's window: `window_jobs` from the settings, raised so that each of the two windows
-    fills every worker's batch twice over."""
+    fills every worker's batch twice over, and `window_bytes` per worker (a window of ~420 KB
+    photos at the default holds ~600 a worker: more than a batch of 384)."""
     jobs = max(settings.window_jobs, WINDOWS_IN_FLIGHT * 2 * settings.batch_size * workers)
-    return FlowLimits(jobs=jobs, bytes=settings.window_bytes, by_path=by_path)
+    return FlowLimits(jobs=jobs, bytes=settings.window_bytes * workers, by_path=by_path)
 
 
 @friendly_errors
