@@ -107,7 +107,7 @@ def run_side(bench: FlowBench, folder: Path, name: str, env: dict[str, str]) -> 
         raise RuntimeError(f"wicore caption ({name}) exited {done.returncode}:\n{done.stderr[-3000:]}")
     rate = _RATE.search(done.stdout + done.stderr)
     return {
-        "settings": env or "defaults",
+        "settings": {**bench.env, **env} or "defaults",
         "wall_s": round(wall, 1),
         "images_per_s": float(rate.group(1)) if rate else None,
         "redis_peak_over_start_bytes": max(sampled, int(info["used_memory_peak"])) - start,

@@ -149,6 +149,12 @@ def flow(
     photos: int = typer.Option(5000, min=1, help="Distinct ~420 KB photos captioned (made once under --workdir)."),
     engine: str = typer.Option("null", help="The workers' engine (null: the queue path alone, cheap on a CPU)."),
     unbounded: bool = typer.Option(True, help="Also run without a window (every input at once), in the same run."),
+    window_jobs: int = typer.Option(
+        None, min=1, help="The window side's window_jobs (default: the setting's).", show_default=False
+    ),
+    window_bytes: int = typer.Option(
+        None, min=0, help="The window side's window_bytes (default: the setting's).", show_default=False
+    ),
     workdir: Path = typer.Option(Path("/tmp/wicore-bench/flow"), help="Scratch folder (photos, outputs)."),
     out: Path = typer.Option(Path("bench/results"), help="Folder for flow-<engine>-<photos>.json."),
     as_json: bool = typer.Option(False, "--json", help="End with one JSON line."),
