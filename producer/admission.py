@@ -68,13 +68,15 @@ class Admission:
         return {lane: LaneLoad(queued, rate) for lane, queued in zip(lanes, counts)}
 
     def check(self, model: str, adding: Mapping[str, int], result_ttl_s: int) -> None:
-        """Raise QueueFull when adding `adding[lane]` jobs would take a capped lane past its cap."""
+        """Raise QueueFull when a capped lane holds its cap, or when adding `adding[lane]` jobs
+        would take it past its cap (a submission larger than the cap goes into an empty lane, so
+        that it can ever go)."""
         lanes = [lane for lane in adding if lane in self.caps]
         if not lanes:
             return
         for lane, load in self.load(model, lanes, result_ttl_s).items():
             cap = self.caps[lane]
-            if load.queued + adding[lane] > cap:
+            if load.queued >= cap or (load.queued and load.queued + adding[lane] > cap):
                 raise QueueFull(model, lane, load.queued, cap, retry_after(load.queued + adding[lane] - cap, load))
 
 

@@ -71,3 +71,27 @@ def chat_messages() -> list[dict]:
     image = "data:image/png;base64," + base64.b64encode(png_bytes(500)).decode()
     parts = [{"type": "text", "text": "Describe."}, {"type": "image_url", "image_url": {"url": image}}]
     return [{"role": "user", "content": parts}]
+
+
+@pytest.mark.slow
+def test_enqueue_waits_at_the_cap_and_goes_on_as_a_worker_drains(tmp_path, redis_url):
+    """A lane holding its cap: `wicore enqueue` says it waits, and enqueues everything once a
+    worker has drained the lane (an oversized first submission goes into the empty lane)."""
+    from tests.helpers import start_cli, start_worker, wait_until, wicore, write_images
+
+    write_images(tmp_path / "first", 6)
+    write_images(tmp_path / "second", 6, start=6)
+    env = {"WICORE_MAX_QUEUED_JOBS": "4"}
+    common = ["--redis-url", redis_url, "--model-id", MODEL]
+    wicore("enqueue", str(tmp_path / "first"), *common, env=env)
+    log = tmp_path / "enqueue.log"
+    with ExitStack() as stack:
+        waiting = start_cli("enqueue", str(tmp_path / "second"), *common, env=env, log=log)
+        stack.callback(stop, waiting)
+        wait_until(lambda: "waiting: model" in log.read_text(), 60, what="enqueue to say it waits")
+        worker = start_worker(*common, "--engine", "null", "--batch-size", "2", log=tmp_path / "worker.log")
+        stack.callback(stop, worker)
+        assert waiting.wait(timeout=120) == 0
+    said = log.read_text()
+    assert f"waiting: model {MODEL}'s normal lane has 6 queued jobs, at its cap of 4" in said
+    assert len([line for line in said.splitlines() if "\t" in line]) == 6, "every input enqueued in the end"

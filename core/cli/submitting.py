@@ -24,7 +24,7 @@ from wicore.errors import JobInputError, QueueFull
 
 CHUNK = 256
 WINDOWS_IN_FLIGHT = 2  # one draining while the next keeps the workers busy
-MAX_FULL_WAIT_S = 30.0  # longest single wait on a full lane before trying again
+MAX_FULL_WAIT_S = 5.0  # longest single wait on a full lane before trying again
 T = TypeVar("T")
 
 
