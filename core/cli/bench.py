@@ -163,12 +163,15 @@ def flow(
     the flow-control window at its default (window_jobs, window_bytes) and unbounded."""
     from wicore.bench.flow_bench import FlowBench, run_flow_bench, write_flow_report
 
-    report = run_flow_bench(FlowBench(workdir, photos=photos, engine=engine, unbounded=unbounded))
-    report["command"] = f"wicore bench flow --photos {photos} --engine {engine}" + (
-        "" if unbounded else " --no-unbounded"
-    )
+    given = {"window_jobs": window_jobs, "window_bytes": window_bytes}
+    env = {f"WICORE_{key.upper()}": str(value) for key, value in given.items() if value is not None}
+    report = run_flow_bench(FlowBench(workdir, photos=photos, engine=engine, unbounded=unbounded, env=env))
+    flags = [f"--{key.replace('_', '-')} {value}" for key, value in given.items() if value is not None]
+    command = [f"wicore bench flow --photos {photos} --engine {engine}", *flags]
+    report["command"] = " ".join(command + ([] if unbounded else ["--no-unbounded"]))
     print_flow(report)
-    console.print(f"wrote {write_flow_report(report, out, f'flow-{engine}-{photos}')}")
+    name = f"flow-{engine}-{photos}" + "".join(f"-{key}-{value}" for key, value in given.items() if value is not None)
+    console.print(f"wrote {write_flow_report(report, out, name.replace('_', '-'))}")
     if as_json:
         typer.echo(json.dumps(report))
 
