@@ -105,8 +105,8 @@ def enqueue(
         return Submission(item.image, item.prompt or prompt, name=item.input, **fields)
 
     limits = FlowLimits(settings.window_jobs, settings.window_bytes, by_path) if window else None
+    _warn_if_unserved(producer.connections, served_id)  # before a wait on the window, which no worker would end
     failed = _enqueue_items(producer, items, submission, limits)
-    _warn_if_unserved(producer.connections, served_id)
     if failed:
         raise typer.Exit(ExitCode.FAILED)
 
