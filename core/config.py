@@ -78,7 +78,8 @@ class EngineSettings(FastOptions):
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="WICORE_", env_nested_delimiter="__", extra="forbid", frozen=True)
 
-    redis_url: str | None = None  # redis:// or rediss:// URL; None: `wicore caption` starts an embedded server
+    # Kept comma-joined; `redis_urls` reads it as a list (producer/shards.py: one shard per URL).
+    redis_url: str | None = None  # redis:// URL, or several comma-separated (or a TOML list): shards; None: embedded
     # The Redis password, when the URL does not carry it (so that it never shows in `ps`): given itself
     # (WICORE_REDIS_PASSWORD) or as a file holding it (`--redis-password-file`, WICORE_REDIS_PASSWORD_FILE).
     # Validation puts it into redis_url, which every connection is made from.
@@ -155,6 +156,13 @@ class Settings(BaseSettings):
     files_s3_timeout_s: float = Field(10.0, gt=0)  # the s3 store: connecting, and each read of an answer; 10 s
     max_file_bytes: int = Field(64 * 2**20, ge=1)  # 64 MiB
     batch_window_s: float = Field(86_400.0, gt=0)  # one day
+    # Flow control of bulk runs (`wicore caption`, `wicore enqueue`): the window they keep in Redis (cli/submitting.py).
+    window_jobs: int = Field(defaults.WINDOW_JOBS, ge=1)  # a bulk run's unfinished jobs in Redis, at most; 2048
+    # Their image bytes in Redis, at most (0: no bound); `wicore caption` allows this per worker it starts. 512 MiB
+    window_bytes: int = Field(defaults.WINDOW_BYTES, ge=0)
+    # Admission control (producer/admission.py): past the cap, HTTP 429 with Retry-After, QueueFull from the Producer.
+    max_queued_jobs: int = Field(defaults.MAX_QUEUED_JOBS, ge=0)  # queued jobs per model and lane (0: none); 100000
+    max_queued_high_jobs: int = Field(defaults.MAX_QUEUED_HIGH_JOBS, ge=0)  # the high lane's own cap (0: none); 1000
 
     @property
     def s3_endpoint(self) -> str | None:
@@ -172,10 +180,26 @@ class Settings(BaseSettings):
         password = given_password(data.get("redis_password"), data.get("redis_password_file"))
         if password is None or not data.get("redis_url"):
             return data
-        url, in_url = split_password(str(data["redis_url"]))
-        if in_url is not None:
-            raise ValueError("the Redis password is given twice: in redis_url and as redis_password(_file)")
-        return {**data, "redis_url": with_password(url, password)}
+        given = data["redis_url"]
+        urls = given if isinstance(given, list | tuple) else str(given).split(",")
+        return {**data, "redis_url": ",".join(_with_given_password(str(url).strip(), password) for url in urls)}
+
+    @field_validator("redis_url", mode="before")
+    @classmethod
+    def _shard_list(cls, value: Any) -> Any:
+        """['redis://a', 'redis://b'] or 'redis://a, redis://b' -> 'redis://a,redis://b'."""
+        urls = value if isinstance(value, list | tuple) else str(value).split(",") if value is not None else None
+        if urls is None:
+            return None
+        urls = [str(url).strip() for url in urls if str(url).strip()]
+        if not urls:
+            raise ValueError("give at least one Redis URL")
+        return ",".join(urls)
+
+    @property
+    def redis_urls(self) -> list[str]:
+        """The Redis shards, in order (one for a single Redis); [] for the embedded one."""
+        return self.redis_url.split(",") if self.redis_url else []
 
     @field_validator("high_lane_slots")
     @classmethod
@@ -217,6 +241,13 @@ class Settings(BaseSettings):
         if self.redis_url:
             values["redis_url"] = redact(self.redis_url)
         return values
+
+
+def _with_given_password(url: str, password: str) -> str:
+    bare, in_url = split_password(url)
+    if in_url is not None:
+        raise ValueError("the Redis password is given twice: in redis_url and as redis_password(_file)")
+    return with_password(bare, password)
 
 
 def given_password(password: Any, password_file: Any) -> str | None:

@@ -13,6 +13,10 @@ LIVENESS_TTL_S = 15.0  # a worker silent this long is dead; its jobs are requeue
 RESULT_TTL_S = 86_400  # a finished job's result (and its dedup mark) lives this long
 RETRIES = 2  # re-runs of a job after a transient failure or a dead worker
 NOTIFY_TTL_S = 3_600  # a producer's notification list lives this long after its last push (it may be gone)
+WINDOW_JOBS = 2048  # a bulk submitter's unfinished jobs in Redis, at most
+WINDOW_BYTES = 512 * 2**20  # a bulk submitter's image bytes in Redis, at most (per worker `wicore caption` starts)
+MAX_QUEUED_JOBS = 100_000  # queued jobs per model and lane past which submissions are refused
+MAX_QUEUED_HIGH_JOBS = 1_000  # the same for the high lane: interactive work keeps its own headroom
 MAX_DECODE_PROCESSES = 8  # a GPU worker's image decode processes by default, at most
 
 

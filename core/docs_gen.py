@@ -220,7 +220,7 @@ def metric_families() -> list[tuple[str, str, str, str]]:
                 "vision_cache_shared": tier, "cache": {"gpu": tier, "host": tier, "disk": tier}}  # fmt: skip
     worker.engine_snapshot(snapshot)
     with EmbeddedRedis() as server:
-        gateway = list(GatewayMetrics(Redis.from_url(server.url)).registry.collect())
+        gateway = list(GatewayMetrics([Redis.from_url(server.url)]).registry.collect())
     families = [("worker", f) for f in worker.registry.collect()] + [("gateway", f) for f in gateway]
     return sorted(
         (who, f.name + ("_total" if f.type == "counter" else ""), f.type, f.documentation) for who, f in families

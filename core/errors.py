@@ -110,6 +110,18 @@ class ResultTimeout(WicoreError):
     """The job did not finish within the time the caller was willing to wait."""
 
 
+class QueueFull(WicoreError):
+    """Admission control refused the submission: its model's lane holds its cap of queued jobs.
+    `retry_after_s`: the wait, estimated from the rate its jobs finished at lately."""
+
+    def __init__(self, model: str, lane: str, queued: int, cap: int, retry_after_s: int):
+        super().__init__(
+            f"model {model}'s {lane} lane has {queued} queued jobs, at its cap of {cap}; "
+            f"retry in about {retry_after_s}s"
+        )
+        self.model, self.lane, self.queued, self.cap, self.retry_after_s = model, lane, queued, cap, retry_after_s
+
+
 class EngineError(WicoreError):
     """The engine failed for a reason that is not the input's fault (OOM, device lost)."""
 

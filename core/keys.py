@@ -6,6 +6,13 @@ PREFIX = "wicore"
 
 # Image bytes stored once by content hash (the producer writes, workers read).
 BLOB = PREFIX + ":blob:{sha256}"
+# The ids of the unfinished jobs that use the blob of this sha256 (a set): a producer adds a job in
+# the script that finds the blob stored; the job's end (its run's final settle, a cancel, the
+# reaper failing it) removes it, and the blob goes with the last one. Ids, not a count: removing
+# an id twice (a run settled twice, a job ended by a cancel and then by its worker) changes nothing.
+BLOB_USERS = PREFIX + ":blobusers:{sha256}"
+# The key of a job's meta (RQ's, JSON) naming the blobs it uses, for the scripts that end it.
+META_BLOBS = "blobs"
 # Set when a job id is first submitted; makes resubmission of the same work a no-op.
 SUBMITTED = PREFIX + ":submitted:{job_id}"
 # The runs (`run`: job id:execution id) a worker has taken from a queue and not yet completed (a
@@ -41,6 +48,10 @@ QUEUE_PREFIX = PREFIX
 
 def blob(sha256: str) -> str:
     return BLOB.format(sha256=sha256)
+
+
+def blob_users(sha256: str) -> str:
+    return BLOB_USERS.format(sha256=sha256)
 
 
 def submitted(job_id: str) -> str:

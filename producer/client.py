@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 import uuid
 import zlib
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TypeVar
 
@@ -28,6 +28,7 @@ from rq.utils import now
 
 from wicore import defaults, keys, rq_keys
 from wicore.errors import JobCanceled, JobFailed, ResultTimeout, TooManyImages, UnknownJob
+from wicore.producer.admission import Admission
 from wicore.producer.image_refs import prepare_image
 from wicore.producer.outcome import Outcome, outcome_of
 from wicore.producer.submission import Prepared, ProducerConfig, Submission
@@ -42,38 +43,80 @@ MISSING = "missing"  # the status of an id with no job in Redis (never submitted
 T = TypeVar("T")
 
 
+def blob_shas(job: CaptionJob) -> list[str]:
+    """The sha256s of the job's images that travel as blobs, each once."""
+    return list(dict.fromkeys(image.sha256 for image in job.images if image.is_blob and image.sha256))
+
+
+def _blob_uses(jobs: Sequence[CaptionJob], ids: list[str], shas: Sequence[str]) -> list[str | int]:
+    """The mark script's per-blob arguments: each sha256, then the positions (1-based, in `ids`)
+    of the jobs that use it."""
+    position = {job_id: i + 1 for i, job_id in enumerate(ids)}
+    users: dict[str, set[int]] = {sha: set() for sha in shas}
+    for job in jobs:
+        for sha in blob_shas(job):
+            users.setdefault(sha, set()).add(position[job.job_id])
+    return [item for sha, at in users.items() for item in (sha, len(at), *sorted(at))]
+
+
+def _no_uses(shas: Sequence[str]) -> list[str | int]:
+    """The mark script's per-blob arguments when no job joins its blobs' users: a lookup each."""
+    return [item for sha in shas for item in (sha, 0)]
+
+
 def result_stream(job_id: str) -> str:
     """The job's RQ result stream: workers add an entry when it ends (XREAD on it to wait)."""
     return Result.get_key(job_id)
 
 
-# ARGV: this producer's session, the marks' TTL, the key prefixes of dedup marks, job hashes and
-# blobs, the number of job ids, the job ids, then blob sha256s. Returns 1 or 0 per job id (enqueue
-# it: its mark is new, or names no job hash), then per blob (it is in Redis already).
+# ARGV: this producer's session, the marks' TTL, the key prefixes of dedup marks, job hashes, blobs
+# and blob users, the blobs' TTL, the number n of job ids, the n job ids, then per blob: its sha256,
+# the number k of those jobs that use it and their k positions among the ids (1-based). Returns 1 or
+# 0 per job id (enqueue it: its mark is new, or names no job hash), then per blob (it is in Redis
+# already). The jobs to enqueue join their blobs' users (`keys.BLOB_USERS`) here, in the step that
+# finds a blob stored, so that no worker ending a blob's last other user deletes it in between.
 _MARK_LUA = """
-local session, ttl, marks, jobs, blobs, n = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], tonumber(ARGV[6])
+local session, ttl, marks, jobs, blobs, users = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6]
+local blob_ttl, n = ARGV[7], tonumber(ARGV[8])
 local out = {}
-for i = 7, 6 + n do
+for i = 9, 8 + n do
   local new = redis.pcall('SET', marks .. ARGV[i], session, 'NX', 'EX', ttl)
   if type(new) == 'table' and new.err then  -- refused (maxmemory, a read-only replica): Redis' own error
     return redis.error_reply((string.gsub(new.err, '^@user_script:%s*%d+:%s*%-', '')))
   end
   out[#out + 1] = (new or redis.call('EXISTS', jobs .. ARGV[i]) == 0) and 1 or 0
 end
-for i = 7 + n, #ARGV do out[#out + 1] = redis.call('EXISTS', blobs .. ARGV[i]) end
+local stored = {}
+local i = 9 + n
+while i <= #ARGV do
+  local sha, k = ARGV[i], tonumber(ARGV[i + 1])
+  local joining = {}
+  for j = i + 2, i + 1 + k do
+    local at = tonumber(ARGV[j])
+    if out[at] == 1 then joining[#joining + 1] = ARGV[8 + at] end
+  end
+  if #joining > 0 then
+    redis.call('SADD', users .. sha, unpack(joining))
+    redis.call('EXPIRE', users .. sha, blob_ttl)
+  end
+  stored[#stored + 1] = redis.call('EXISTS', blobs .. sha)
+  i = i + 2 + k
+end
+for _, flag in ipairs(stored) do out[#out + 1] = flag end
 return out
 """
 
 
 # ARGV: this producer's session, own-queued-only ('1' or '0'), now (unix), TTL of a canceled job
 # and of a worker's cancel set, notify TTL, the key prefixes of notification lists, cancel sets
-# and dedup marks, the job hash's run field (`keys.RUN_FIELD`), then job ids. Returns each id's status afterwards:
+# and dedup marks, the job hash's run field (`keys.RUN_FIELD`), the key prefixes of blobs and blob
+# users, then job ids. Returns each id's status afterwards:
 # 'canceled', the status it keeps (ended, or not this producer's queued job when own-queued-only),
 # or 'missing'. One call, so no worker claims a job between its check and its cancel; fields are
 # read as plain strings (a job hash RQ could not restore cancels like any other). A canceled job
 # is what RQ's `Job.cancel` makes of it (status, out of its queue and the started registry, in
 # the canceled registry), its worker (if one started it) finds the run it stops (`keys.run`) in its
-# cancel set, its dedup mark goes (submitting the same work again runs it, a new run that the old
+# cancel set, it leaves its blobs' users (a blob left with none goes), its dedup mark goes (submitting the same work again runs it, a new run that the old
 # run's end leaves alone) and its producer's `wait` hears of it.
 _CANCEL_LUA = (
     rq_keys.LUA_PREAMBLE
@@ -81,6 +124,7 @@ _CANCEL_LUA = (
 local session, own_only, now = ARGV[1], ARGV[2] == '1', tonumber(ARGV[3])
 local ttl, notify_ttl = tonumber(ARGV[4]), tonumber(ARGV[5])
 local notify_prefix, cancel_prefix, marks, run_field = ARGV[6], ARGV[7], ARGV[8], ARGV[9]
+local blobs, users = ARGV[10], ARGV[11]
 local ended = {finished = 1, failed = 1, stopped = 1, canceled = 1}
 local function expire(key, seconds)
   if seconds < 0 then redis.call('PERSIST', key) else redis.call('EXPIRE', key, math.max(seconds, 1)) end
@@ -90,6 +134,17 @@ local function notify_key(meta)
   local key = ok and type(decoded) == 'table' and decoded['notify']
   if type(key) == 'string' and #key <= 200 and string.sub(key, 1, #notify_prefix) == notify_prefix then return key end
   return nil
+end
+local function leave_blobs(id, meta)
+  local ok, decoded = pcall(cjson.decode, meta or '')
+  local shas = ok and type(decoded) == 'table' and decoded['blobs']
+  if type(shas) ~= 'table' then return end
+  for _, sha in ipairs(shas) do
+    if type(sha) == 'string' and #sha == 64 and string.find(sha, '^%x+$') then
+      redis.call('SREM', users .. sha, id)
+      if redis.call('EXISTS', users .. sha) == 0 then redis.call('DEL', blobs .. sha) end
+    end
+  end
 end
 local function leave_registries(id, origin, status)
   redis.pcall('LREM', RQ.queue .. origin, 0, id)
@@ -111,6 +166,7 @@ local function cancel(id, job, f)
     expire(cancel_prefix .. f[3], ttl)
   end
   expire(job, ttl)
+  leave_blobs(id, f[4])
   redis.call('DEL', marks .. id)
   local notify = notify_key(f[4])
   if notify then
@@ -119,19 +175,19 @@ local function cancel(id, job, f)
   end
 end
 local out = {}
-for i = 10, #ARGV do
+for i = 12, #ARGV do
   local id = ARGV[i]
   local job = RQ.job .. id
   if redis.call('TYPE', job)['ok'] ~= 'hash' then
-    out[i - 9] = 'missing'
+    out[i - 11] = 'missing'
   else
     local f = redis.call('HMGET', job, 'status', 'origin', 'worker_name', 'meta', run_field)
     local mine = redis.pcall('GET', marks .. id) == session and f[1] == 'queued'
     if ended[f[1]] or (own_only and not mine) then
-      out[i - 9] = f[1] or 'unknown'
+      out[i - 11] = f[1] or 'unknown'
     else
       cancel(id, job, f)
-      out[i - 9] = 'canceled'
+      out[i - 11] = 'canceled'
     end
   end
 end
@@ -160,6 +216,14 @@ class Producer:
         self.notify_key = keys.notify(self.session)
         self._cancel = self.connection.register_script(_CANCEL_LUA)
         self._mark = self.connection.register_script(_MARK_LUA)
+        caps = {"high": self.config.max_queued_high_jobs}
+        caps |= {"normal": self.config.max_queued_jobs, "low": self.config.max_queued_jobs}
+        self.admission = Admission(self.connection, caps)
+
+    @property
+    def connections(self) -> list[Redis]:
+        """One, as `ShardedProducer.connections` lists its shards'."""
+        return [self.connection]
 
     # -- submitting -------------------------------------------------------------------------
 
@@ -181,8 +245,9 @@ class Producer:
         prepares them one by one first). One job id per job, in order."""
         jobs = [p.job for p in prepared]
         blobs = {sha: data for p in prepared for sha, data in p.blobs.items()}
-        new_ids, stored = self._claim_new([job.job_id for job in jobs], list(blobs))
+        new_ids, stored = self._claim_new(jobs, list(blobs))
         new_jobs = list({job.job_id: job for job in jobs if job.job_id in new_ids}.values())
+        self._admit(new_jobs)
         labels = {p.job.job_id: p.label for p in prepared}
         with self.connection.pipeline(transaction=True) as pipe:  # all of the chunk is enqueued, or none
             for sha in {image.sha256 for job in new_jobs for image in job.images if image.is_blob}:
@@ -193,6 +258,13 @@ class Producer:
             self._enqueue(new_jobs, pipe, labels)
             pipe.execute()
         return [job.job_id for job in jobs]
+
+    def _admit(self, jobs: list[CaptionJob]) -> None:
+        """QueueFull when these new jobs would take a lane past its cap (work submitted again,
+        already in Redis, is not counted). Their dedup marks stay: a mark without a job hash is
+        enqueued by the next submission of the same work."""
+        lanes = Counter(job.priority.value for job in jobs)
+        self.admission.check(self.model, lanes, self.config.result_ttl_s)
 
     def prepare(self, submission: Submission) -> Prepared:
         """The job, the image bytes that travel as blobs, and its label. Raises ImageError, or
@@ -220,15 +292,17 @@ class Producer:
         )
         return Prepared(job, blobs, submission.label)
 
-    def _claim_new(self, job_ids: Sequence[str], blob_shas: Sequence[str]) -> tuple[set[str], set[str]]:
+    def _claim_new(self, jobs: Sequence[CaptionJob], blob_shas: Sequence[str]) -> tuple[set[str], set[str]]:
         """(ids to enqueue, blobs already in Redis), in one script call: only the first submission
         of a piece of work enqueues it (a failed or canceled job drops its mark, so resubmitting
-        it runs it again). A mark without a job hash is a submission whose enqueue never happened
-        (refused for memory, or its producer died between the two round trips): that id is
-        enqueued now."""
-        unique = list(dict.fromkeys(job_ids))
-        prefixes = [keys.submitted(""), rq_keys.JOB, keys.blob("")]
-        flags = self._mark(args=[self.session, self.config.result_ttl_s, *prefixes, len(unique), *unique, *blob_shas])
+        it runs it again), and joins its blobs' users. A mark without a job hash is a submission
+        whose enqueue never happened (refused for memory or by admission control, or its producer
+        died between the two round trips): that id is enqueued now."""
+        unique = list(dict.fromkeys(job.job_id for job in jobs))
+        prefixes = [keys.submitted(""), rq_keys.JOB, keys.blob(""), keys.blob_users("")]
+        args = [self.session, self.config.result_ttl_s, *prefixes, self.config.blob_ttl_s, len(unique), *unique]
+        uses = _blob_uses(jobs, unique, blob_shas) if self.config.release_blobs else _no_uses(blob_shas)
+        flags = self._mark(args=[*args, *uses])
         new_ids = {job_id for job_id, flag in zip(unique, flags) if flag}
         return new_ids, {sha for sha, flag in zip(blob_shas, flags[len(unique) :]) if flag}
 
@@ -264,13 +338,19 @@ class Producer:
             result_ttl=self.config.result_ttl_s,
             failure_ttl=self.config.failure_ttl_s,
             retry=Retry(max=self.config.retries) if self.config.retries else None,
-            meta={"notify": self.notify_key} if self.config.notify else {},
+            meta=self._meta(job),
             description=f"caption {label or describe_images(job)}",
             status=JobStatus.QUEUED,
         )
         rq_job.enqueued_at = now()
         rq_job.redis_server_version = queue.get_redis_server_version()
         return rq_job
+
+    def _meta(self, job: CaptionJob) -> dict[str, object]:
+        """The RQ meta of a job: the list its worker notifies, the blobs whose users it joins."""
+        meta: dict[str, object] = {"notify": self.notify_key} if self.config.notify else {}
+        shas = blob_shas(job) if self.config.release_blobs else []
+        return meta | {keys.META_BLOBS: shas} if shas else meta
 
     # -- results ----------------------------------------------------------------------------
 
@@ -394,7 +474,8 @@ class Producer:
             return {}
         ttl = self.config.result_ttl_s
         args = [self.session, int(own_queued_only), time.time(), ttl, defaults.NOTIFY_TTL_S]
-        args += [keys.NOTIFY_PREFIX, keys.CANCEL_PREFIX, keys.submitted(""), keys.RUN_FIELD, *ids]
+        args += [keys.NOTIFY_PREFIX, keys.CANCEL_PREFIX, keys.submitted(""), keys.RUN_FIELD]
+        args += [keys.blob(""), keys.blob_users(""), *ids]
         statuses = self._cancel(args=args)
         return {job_id: raw.decode(errors="replace") for job_id, raw in zip(ids, statuses)}
 

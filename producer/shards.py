@@ -27,7 +27,7 @@ from redis import Redis
 from wicore.errors import ConfigError
 from wicore.producer.client import Producer, chunks
 from wicore.producer.outcome import Outcome
-from wicore.producer.submission import ProducerConfig, Submission
+from wicore.producer.submission import Prepared, ProducerConfig, Submission
 from wicore.scheduler.buckets import ShapeRules
 from wicore.schemas import CaptionResult
 
@@ -59,6 +59,12 @@ class ShardedProducer:
         if not connections:
             raise ConfigError("a sharded producer needs at least one Redis URL")
         self.shards = [Producer(c, model=model, config=config, rules=rules) for c in connections]
+        self.model = model
+        self.config = self.shards[0].config
+
+    @property
+    def connections(self) -> list[Redis]:
+        return [shard.connection for shard in self.shards]
 
     def shard_for(self, job_id: str) -> Producer:
         return self.shards[shard_of(job_id, len(self.shards))]
@@ -73,13 +79,23 @@ class ShardedProducer:
     def submit_many(self, submissions: Iterable[Submission], chunk: int = 256) -> list[str]:
         """One job id per submission, in order; a chunk costs each shard it touches the two round
         trips `Producer.enqueue_prepared` costs."""
-        ids: list[str] = []
-        for batch in chunks(submissions, chunk):
-            prepared = [self.shards[0].prepare(s) for s in batch]  # no Redis: only the id and the image
-            for index, group in self._by_shard(prepared, lambda p: p.job.job_id).items():
-                self.shards[index].enqueue_prepared(group)
-            ids += [p.job.job_id for p in prepared]
-        return ids
+        return [job_id for batch in chunks(submissions, chunk) for job_id in self._submit_chunk(batch)]
+
+    def _submit_chunk(self, batch: list[Submission]) -> list[str]:
+        return self.enqueue_prepared([self.prepare(s) for s in batch])
+
+    def prepare(self, submission: Submission) -> Prepared:
+        return self.shards[0].prepare(submission)  # no Redis: only the id and the image
+
+    def enqueue_prepared(self, prepared: list[Prepared]) -> list[str]:
+        """`Producer.enqueue_prepared` on each shard the jobs hash to. Shards are independent: a
+        refusal (QueueFull, Redis) on one leaves the groups sent to the shards before it enqueued."""
+        for index, group in self._by_shard(prepared, lambda p: p.job.job_id).items():
+            self.shards[index].enqueue_prepared(group)
+        return [p.job.job_id for p in prepared]
+
+    def poll(self, job_id: str) -> tuple[Outcome, str]:
+        return self.shard_for(job_id).poll(job_id)
 
     def outcome(self, job_id: str, timeout: float | None = None) -> Outcome:
         return self.shard_for(job_id).outcome(job_id, timeout)
@@ -93,32 +109,43 @@ class ShardedProducer:
             statuses |= self.shards[index].cancel(ids, own_queued_only=own_queued_only)
         return statuses
 
-    def wait(self, job_ids: Iterable[str], timeout: float | None = None) -> Iterator[Outcome]:
+    def wait(
+        self,
+        job_ids: Iterable[str],
+        timeout: float | None = None,
+        poll_s: float = 2.0,
+        on_poll: Callable[[], None] | None = None,
+    ) -> Iterator[Outcome]:
         """Yield each job's outcome as it ends, from every shard at once: a thread per shard blocks
         on that shard's notification list (`Producer.wait`). Raises what a shard's wait raises
-        (ResultTimeout after `timeout`)."""
+        (ResultTimeout after `timeout`), and what `on_poll` raises (called every `poll_s` here,
+        in the reader's thread)."""
         groups = self._by_shard(list(dict.fromkeys(job_ids)), str)
         ended: queue.Queue = queue.Queue()
         stop = threading.Event()
         waiters = [
-            threading.Thread(target=self._wait_one, args=(self.shards[i], ids, timeout, ended, stop), daemon=True)
+            threading.Thread(
+                target=self._wait_one, args=(self.shards[i], ids, timeout, poll_s, ended, stop), daemon=True
+            )
             for i, ids in groups.items()
         ]
         for waiter in waiters:
             waiter.start()
         try:
-            yield from _merge(ended, len(waiters))
+            yield from _merge(ended, len(waiters), poll_s, on_poll)
         finally:
             stop.set()
 
     @staticmethod
-    def _wait_one(producer: Producer, ids: list[str], timeout, ended: queue.Queue, stop: threading.Event) -> None:
+    def _wait_one(
+        producer: Producer, ids: list[str], timeout, poll_s: float, ended: queue.Queue, stop: threading.Event
+    ) -> None:
         def check() -> None:
             if stop.is_set():
                 raise _Stopped
 
         try:
-            for outcome in producer.wait(ids, timeout, on_poll=check):
+            for outcome in producer.wait(ids, timeout, poll_s=poll_s, on_poll=check):
                 ended.put(outcome)
         except _Stopped:
             pass
@@ -134,9 +161,23 @@ class ShardedProducer:
         return groups
 
 
-def _merge(ended: queue.Queue, waiters: int) -> Iterator[Outcome]:
+def producer_over(
+    connections: Sequence[Redis | str], *, model: str, config: ProducerConfig | None = None
+) -> Producer | ShardedProducer:
+    """A `Producer` for one Redis, a `ShardedProducer` for several: the same interface."""
+    if len(connections) == 1:
+        return Producer(connections[0], model=model, config=config)
+    return ShardedProducer(connections, model=model, config=config)
+
+
+def _merge(ended: queue.Queue, waiters: int, poll_s: float, on_poll: Callable[[], None] | None) -> Iterator[Outcome]:
     while waiters:
-        item = ended.get()
+        try:
+            item = ended.get(timeout=poll_s)
+        except queue.Empty:
+            if on_poll is not None:
+                on_poll()
+            continue
         if item is _DONE:
             waiters -= 1
         elif isinstance(item, Exception):

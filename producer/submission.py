@@ -56,8 +56,15 @@ class ProducerConfig:
     result_ttl_s: int = defaults.RESULT_TTL_S  # results (and the dedup mark) live this long
     failure_ttl_s: int = 7 * 86_400
     blob_ttl_s: int = 86_400
+    # A job's blobs leave Redis at its end, with their last user (`keys.BLOB_USERS`), instead of
+    # after blob_ttl_s: what bulk runs need to keep Redis within their window. It costs a chunk
+    # 2 commands per distinct blob, and a worker's settle of a batch 2 per distinct blob its jobs used.
+    release_blobs: bool = False
     retries: int = defaults.RETRIES  # re-runs after a transient failure or a dead worker
     job_timeout_s: int = 3_600
     max_image_bytes: int = defaults.MAX_IMAGE_BYTES
     max_images_per_request: int = defaults.MAX_IMAGES_PER_REQUEST
     notify: bool = True  # workers push each ended job to this producer's list (`wait` reads it)
+    # Admission control (admission.py): queued jobs per lane of the model past which `QueueFull` is raised; 0: none.
+    max_queued_jobs: int = 0  # the normal and low lanes, each
+    max_queued_high_jobs: int = 0  # the high lane

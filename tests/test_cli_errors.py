@@ -248,10 +248,10 @@ def test_enqueue_names_each_input_and_reports_each_it_could_not_enqueue(tmp_path
     pairs = [line.split("\t") for line in run.stdout.splitlines()]
     assert [item for _, item in pairs] == [str(p) for p in images]
     warnings = run.stderr.strip().splitlines()
-    assert warnings[0] == f"warning: not enqueued: {tmp_path / 'photos' / 'notes.txt'}: InputError: " + (
+    assert warnings[1] == f"warning: not enqueued: {tmp_path / 'photos' / 'notes.txt'}: InputError: " + (
         f"{tmp_path / 'photos' / 'notes.txt'}: not an image file (supported: .bmp .gif .heic .heif .jpeg .jpg .png .tif .tiff .webp)"
     )
-    assert warnings[1].startswith("warning: no live worker serves model democap (live workers serve: none)")
+    assert warnings[0].startswith("warning: no live worker serves model democap (live workers serve: none)")
     connection = Redis.from_url(locked.url)
     for job_id, item in pairs:  # rq-dashboard shows which input a job is
         assert Job.fetch(job_id, connection=connection, serializer=JSONSerializer).description == f"caption {item}"

@@ -307,3 +307,18 @@ def test_every_verb_takes_the_redis_password_from_a_file(tmp_path):
     assert takes_url == ["cancel", "caption", "dashboard", "enqueue", "result", "serve", "status", "worker"]
     for name in takes_url:
         assert any("--redis-password-file" in p.opts for p in commands[name].params), name
+
+
+def test_redis_url_lists_shards_from_the_environment_a_file_or_a_flag(tmp_path, monkeypatch):
+    monkeypatch.setenv("WICORE_REDIS_URL", "redis://a:6379/0, redis://b:6379/0")
+    assert load_settings().redis_urls == ["redis://a:6379/0", "redis://b:6379/0"]
+    config = tmp_path / "wicore.toml"
+    config.write_text('redis_url = ["redis://c:6379/0", "redis://d:6379/1"]\n')
+    monkeypatch.delenv("WICORE_REDIS_URL")
+    assert load_settings(config).redis_urls == ["redis://c:6379/0", "redis://d:6379/1"]
+    secret = tmp_path / "pw"
+    secret.write_text("s3cret\n")
+    both = load_settings(redis_url="redis://a:6379/0,redis://b:6379/0", redis_password_file=secret)
+    assert both.redis_urls == ["redis://:s3cret@a:6379/0", "redis://:s3cret@b:6379/0"]
+    assert "s3cret" not in json.dumps(both.public())
+    assert load_settings().redis_urls == []

@@ -83,7 +83,7 @@ def exported_names(redis_conn) -> set[str]:
             "cache": {"gpu": tier, "host": tier, "disk": tier},
         }
     )
-    families = [*worker.registry.collect(), *GatewayMetrics(redis_conn).registry.collect()]
+    families = [*worker.registry.collect(), *GatewayMetrics([redis_conn]).registry.collect()]
     suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_count", "_sum"), "gauge": ("",)}
     return {family.name + suffix for family in families for suffix in suffixes[family.type]}
 

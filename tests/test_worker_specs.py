@@ -93,3 +93,14 @@ def test_gpus_and_workers_exclude_each_other_and_gpus_own_the_device():
 
 def _settings(device: str = "auto", **engine) -> Settings:
     return Settings(device=device, engine={"name": "fast", **engine}) if engine else Settings(device=device)
+
+
+def test_workers_spread_over_the_shards_one_shard_each():
+    settings = Settings(redis_url="redis://a:6379/0,redis://b:6379/0")
+    specs = plan_workers("w", settings, gpus=None, workers=3)
+    assert [spec.args[spec.args.index("--redis-shard") + 1] for spec in specs] == ["0", "1", "0"]
+    assert all("redis://" not in " ".join(spec.args) for spec in specs), "no URL (nor its password) in argv"
+    assert all(
+        "--redis-shard" not in spec.args
+        for spec in plan_workers("w", Settings(redis_url="redis://a"), gpus=None, workers=2)
+    )

@@ -77,6 +77,16 @@ class BasicAuth:
         return ok_user and ok_password
 
 
+def instances(redis_url: str) -> tuple[tuple[str, ...], str | None]:
+    """The dashboard's Redis instances (one per shard of a comma-separated URL) without their
+    password, which the page would show, and the password rq-dashboard gives all of them."""
+    split = [split_password(url) for url in redis_url.split(",")]
+    passwords = {password for _, password in split}
+    if len(passwords) > 1:
+        raise ConfigError("the dashboard gives every shard one password: give the shards the same password")
+    return tuple(url for url, _ in split), passwords.pop()
+
+
 def make_app(redis_url: str, auth: BasicAuth | None = None):
     try:
         from flask import Flask
@@ -88,7 +98,7 @@ def make_app(redis_url: str, auth: BasicAuth | None = None):
 
     app = Flask(__name__, static_folder=blueprint.static_folder)  # the pages' favicon.ico
     app.config.from_object(default_settings)
-    app.config["RQ_DASHBOARD_REDIS_URL"], app.config["RQ_DASHBOARD_REDIS_PASSWORD"] = split_password(redis_url)
+    app.config["RQ_DASHBOARD_REDIS_URL"], app.config["RQ_DASHBOARD_REDIS_PASSWORD"] = instances(redis_url)
     app.register_blueprint(blueprint, url_prefix="")
     dashboard_config.serializer = JSONSerializer
     setup_rq_connection(app)

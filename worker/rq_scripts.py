@@ -12,7 +12,7 @@ registries, executions, result stream); tests/test_rq_bridge.py reads them back 
 Redis commands are the budget (docs/benchmarks.md, the queue benchmark): every command a script
 runs counts, so per job a claim spends 6 (read the job, mark it started, its execution hash and
 index with their TTLs) and a settle 5 (read status, mark it ended, the result entry and its TTL,
-the job's TTL). Whatever several jobs of a batch write to one key (registries, the claims set,
+the job's TTL), plus 2 per distinct blob whose users its jobs leave (`ProducerConfig.release_blobs`). Whatever several jobs of a batch write to one key (registries, the claims set,
 the worker's executions index, notification lists) or delete goes out once per batch (`defer`).
 RQ's key prefixes come from RQ's classes (`wicore.rq_keys.LUA_PREAMBLE`: `RQ.job .. id`). The
 scripts touch keys they compute (RQ's job hash of an id, ...): fine on one Redis, not on Redis Cluster
@@ -27,6 +27,7 @@ from wicore import keys, rq_keys
 _LIB = (
     rq_keys.LUA_PREAMBLE
     + f"local RUN_FIELD, SUBMITTED = '{keys.RUN_FIELD}', '{keys.submitted('')}'\n"
+    + f"local BLOB, BLOB_USERS, META_BLOBS = '{keys.blob('')}', '{keys.blob_users('')}', '{keys.META_BLOBS}'\n"
     + """
 -- Writes gathered over a batch and sent once per command and key at `flush`, in first-use order
 -- (a notification list's EXPIRE after its RPUSH). Members go out in slices of 1000 (Lua's unpack
@@ -72,6 +73,33 @@ end
 local function flush()
   for _, entry in ipairs(deferred_order) do call_many(entry.cmd, entry.key, entry.items) end
   deferred, deferred_order = {}, {}
+end
+
+-- Ended jobs leave the users of the blobs their meta names (`keys.BLOB_USERS`), gathered per blob
+-- over a batch; `release_blobs`, before `flush`, removes them and deletes each blob left with no
+-- user (in the flush's DEL). Removing an id twice is a no-op, so a job ended twice frees nothing twice.
+local leaving, leaving_order = {}, {}
+local function leave_blobs(id, meta)
+  if type(meta) ~= 'string' or not string.find(meta, META_BLOBS, 1, true) then return end
+  local ok, decoded = pcall(cjson.decode, meta)
+  local shas = ok and type(decoded) == 'table' and decoded[META_BLOBS]
+  if type(shas) ~= 'table' then return end
+  for _, sha in ipairs(shas) do
+    if type(sha) == 'string' and #sha == 64 and string.find(sha, '^%x+$') then
+      if not leaving[sha] then
+        leaving[sha] = {}
+        leaving_order[#leaving_order + 1] = sha
+      end
+      leaving[sha][#leaving[sha] + 1] = id
+    end
+  end
+end
+local function release_blobs()
+  for _, sha in ipairs(leaving_order) do
+    call_many('SREM', BLOB_USERS .. sha, leaving[sha])
+    if redis.call('EXISTS', BLOB_USERS .. sha) == 0 then defer('DEL', false, BLOB .. sha) end
+  end
+  leaving, leaving_order = {}, {}
 end
 
 local function forget_execution(id, eid, origin, worker_executions)
@@ -262,8 +290,9 @@ return out
 # result, no retry, not counted as failed; a 'cancel' of a job not canceled fails it with
 # `value`. A run no longer in this worker's claims set is skipped; a run that is no longer its
 # job's current one (RUN_FIELD: the job was canceled and submitted again, or requeued and taken
-# again) leaves the job as it is and only drops its own records. Returns how many jobs were
-# settled.
+# again) leaves the job as it is and only drops its own records. A job that ends (not a retry)
+# leaves the users of the blobs its meta names; a blob left with none is deleted. Returns how many
+# jobs were settled.
 SETTLE = (
     _LIB
     + """
@@ -280,12 +309,13 @@ local function settle(i)
   local job = RQ.job .. id
   defer('ZREM', KEYS[1], id .. ':' .. eid)
   worked = worked + (now - (started or now))
-  local f = redis.call('HMGET', job, 'status', 'failure_ttl', 'retries_left', RUN_FIELD)
+  local f = redis.call('HMGET', job, 'status', 'failure_ttl', 'retries_left', RUN_FIELD, 'meta')
   if f[4] ~= eid or not (f[1] == 'started' or f[1] == 'canceled') then  -- the job moved on (or is gone)
     forget_stale_run(id, eid, origin, KEYS[2])
     return
   end
   forget_execution(id, eid, origin, KEYS[2])
+  if not (kind == 'retry' and f[1] == 'started' and retries_of(f[3]) > 0) then leave_blobs(id, f[5]) end
   if f[1] == 'canceled' then
     canceled = canceled + 1
   elseif kind == 'ok' then
@@ -319,6 +349,7 @@ for j = 1, #runs do
     settle(6 + (j - 1) * 8)
   end
 end
+release_blobs()
 flush()
 if ok > 0 then redis.call('HINCRBY', KEYS[3], 'successful_job_count', ok) end
 if failed > 0 then redis.call('HINCRBY', KEYS[3], 'failed_job_count', failed) end
@@ -357,7 +388,7 @@ local handled = 0
 for i = #members, 1, -1 do
   local id, eid = parse_run(members[i])
   local mine = whole or redis.call('ZREM', KEYS[1], members[i]) == 1
-  local f = redis.call('HMGET', RQ.job .. id, 'status', 'origin', 'failure_ttl', 'retries_left', RUN_FIELD)
+  local f = redis.call('HMGET', RQ.job .. id, 'status', 'origin', 'failure_ttl', 'retries_left', RUN_FIELD, 'meta')
   if mine and f[2] then
     if eid and f[5] ~= eid then
       forget_stale_run(id, eid, f[2], KEYS[2])
@@ -365,6 +396,7 @@ for i = #members, 1, -1 do
       push(f[2], id, true)
     elseif f[1] == 'canceled' then
       forget_executions(id, f[2], KEYS[2])
+      leave_blobs(id, f[6])
     elseif f[1] == 'started' then
       forget_executions(id, f[2], KEYS[2])
       if not spend then
@@ -373,12 +405,14 @@ for i = #members, 1, -1 do
         requeue(id, f[2], now_text, true, true, retries_of(f[4]))
       else
         fail(id, f[2], exc, worker, '', '', now, now_text, ttl_of(f[3], default_ttl))
+        leave_blobs(id, f[6])
       end
     end
     handled = handled + 1
   end
 end
 if whole then redis.call('DEL', KEYS[1]) end
+release_blobs()
 flush()
 return handled
 """

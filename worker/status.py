@@ -22,6 +22,24 @@ def collect_status(connection: Redis) -> dict[str, Any]:
     return {"queues": queue_rows(connection, served_by(workers)), "workers": workers}
 
 
+COUNTS = ("queued", "started", "finished", "failed")
+
+
+def collect_shards(connections: list[Redis], names: list[str]) -> dict[str, Any]:
+    """`collect_status` of each shard (named by `names`: URLs without passwords), and their sum:
+    queues of the same name add up, workers are listed from every shard."""
+    shards = [{"shard": i, "url": name, **collect_status(c)} for i, (c, name) in enumerate(zip(connections, names))]
+    queues: dict[str, dict[str, Any]] = {}
+    for shard in shards:
+        for row in shard["queues"]:
+            total = queues.setdefault(row["name"], {**row, **dict.fromkeys(COUNTS, 0), "served": False})
+            total["served"] = total["served"] or row["served"]
+            for count in COUNTS:
+                total[count] += row[count]
+    workers = [worker for shard in shards for worker in shard["workers"]]
+    return {"queues": sorted(queues.values(), key=lambda q: q["name"]), "workers": workers, "shards": shards}
+
+
 def served_models(connection: Redis) -> set[str]:
     """The model ids that live workers serve."""
     return served_by(worker_rows(connection))

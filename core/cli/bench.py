@@ -113,6 +113,83 @@ def http(
 
 @app.command()
 @friendly_errors
+def burst(
+    factor: float = typer.Option(10.0, min=1.0, help="The burst's request rate over the workers' measured rate."),
+    seconds: float = typer.Option(5.0, min=1.0, help="How long the burst lasts."),
+    wait_s: float = typer.Option(2.0, min=0.1, help="The capped side's max_queued_jobs: this many seconds of work."),
+    rate_jobs: int = typer.Option(200, min=1, help="Jobs the workers' rate is measured on."),
+    redis_url: str = typer.Option(None, help="Redis to use (default: a fresh embedded one)."),
+    out: Path = typer.Option(Path("bench/results"), help="Folder for burst-<host>.json and .png."),
+    as_json: bool = typer.Option(False, "--json", help="End with one JSON line."),
+) -> None:
+    """The gateway under a burst of chat completions FACTOR x the workers' rate, with admission
+    control (max_queued_jobs) and without: latency of the answers and the 429s."""
+    require(PLOTS)
+    require("fastapi")  # the gateway it starts
+    from wicore.bench.burst_bench import run_bench, write_results
+    from wicore.embedded import redis_url_or_embedded
+
+    with redis_url_or_embedded(redis_url) as url:
+        report = run_bench(url, factor, seconds, wait_s, Path("/tmp/wicore-bench/burst"), rate_jobs)
+    console.print(
+        f"workers: {report['worker_jobs_per_s']} jobs/s; burst {report['burst_requests_per_s']} requests/s for "
+        f"{seconds:g}s\ncapped ({report['capped_cap']} queued): p99 {report['capped_p99_s']} s, "
+        f"{report['capped_refused_429']} answered 429\nuncapped: p99 {report['uncapped_p99_s']} s",
+        markup=False,
+    )
+    for path in write_results(report, out):
+        console.print(f"wrote {path}")
+    if as_json:
+        typer.echo(json.dumps(report))
+
+
+@app.command()
+@friendly_errors
+def flow(
+    photos: int = typer.Option(5000, min=1, help="Distinct ~420 KB photos captioned (made once under --workdir)."),
+    engine: str = typer.Option("null", help="The workers' engine (null: the queue path alone, cheap on a CPU)."),
+    unbounded: bool = typer.Option(True, help="Also run without a window (every input at once), in the same run."),
+    window_jobs: int = typer.Option(
+        None, min=1, help="The window side's window_jobs (default: the setting's).", show_default=False
+    ),
+    window_bytes: int = typer.Option(
+        None, min=0, help="The window side's window_bytes (default: the setting's).", show_default=False
+    ),
+    workdir: Path = typer.Option(Path("/tmp/wicore-bench/flow"), help="Scratch folder (photos, outputs)."),
+    out: Path = typer.Option(Path("bench/results"), help="Folder for flow-<engine>-<photos>.json."),
+    as_json: bool = typer.Option(False, "--json", help="End with one JSON line."),
+) -> None:
+    """Redis' memory under `wicore caption --redis-url` over many photos: its used_memory peak with
+    the flow-control window at its default (window_jobs, window_bytes) and unbounded."""
+    from wicore.bench.flow_bench import FlowBench, run_flow_bench, write_flow_report
+
+    given = {"window_jobs": window_jobs, "window_bytes": window_bytes}
+    env = {f"WICORE_{key.upper()}": str(value) for key, value in given.items() if value is not None}
+    report = run_flow_bench(FlowBench(workdir, photos=photos, engine=engine, unbounded=unbounded, env=env))
+    flags = [f"--{key.replace('_', '-')} {value}" for key, value in given.items() if value is not None]
+    command = [f"wicore bench flow --photos {photos} --engine {engine}", *flags]
+    report["command"] = " ".join(command + ([] if unbounded else ["--no-unbounded"]))
+    print_flow(report)
+    name = f"flow-{engine}-{photos}" + "".join(f"-{key}-{value}" for key, value in given.items() if value is not None)
+    console.print(f"wrote {write_flow_report(report, out, name.replace('_', '-'))}")
+    if as_json:
+        typer.echo(json.dumps(report))
+
+
+def print_flow(report: dict) -> None:
+    mib = 2**20
+    lines = [f"{report['photos']} photos, {report['photo_bytes_total'] / mib:.0f} MiB"]
+    for side in ("window", "unbounded"):
+        if f"{side}_wall_s" in report:
+            lines.append(
+                f"{side}: Redis peak {report[f'{side}_redis_peak_over_start_bytes'] / mib:.1f} MiB over start, "
+                f"{report[f'{side}_images_per_s']} images/s, {report[f'{side}_blobs_left']} blobs left"
+            )
+    console.print("\n".join(lines), markup=False)
+
+
+@app.command()
+@friendly_errors
 def crowd(
     requests: int = typer.Option(500, min=1, help="Concurrent requests of each kind."),
     redis_url: str = typer.Option(None, help="Redis to use (default: a fresh embedded one)."),
@@ -172,13 +249,20 @@ def caption(
         "images/s and prompts/s); text-only (N text prompts, prompts/s and output tokens/s). The report: "
         "caption-<preset>-<variant>-<gpu>.json. Not with --gpus.",
     ),
+    compare_window: bool = typer.Option(
+        False,
+        help="`wicore caption --redis-url` over --images ~420 KB photos with the flow-control window at its default "
+        "and unbounded, in the same run (no HF peer): images/s and Redis' memory peak of each, "
+        "caption-window-<preset>-<gpu>.json.",
+    ),
     workdir: Path = typer.Option(Path("/tmp/wicore-bench"), help="Scratch folder (model config, images, logs)."),
     out: Path = typer.Option(Path("bench/results"), help="Folder for the JSON and the PNG."),
     as_json: bool = typer.Option(False, "--json", help="End with one JSON line."),
 ) -> None:
     """Bulk captioning on the GPU: the whole product vs HF generate, with the roofline; with
     --gpus N, the whole product on N GPUs vs on one; with --dtype fp8, bf16 vs FP8 GEMMs; with
-    --variant, two images a prompt or text only."""
+    --variant, two images a prompt or text only; with --compare-window, the flow-control window at its
+    default vs unbounded."""
     require(PLOTS)
     from wicore.bench.caption_bench import CaptionBench
     from wicore.bench.caption_fp8 import fp8_variant
@@ -210,12 +294,34 @@ def caption(
         gpus=gpus,
         variant=variant,
     )
-    if gpus:
+    if compare_window:
+        report = caption_window(bench, out)
+    elif gpus:
         report = caption_scaling(fp8_variant(bench) if dtype == "fp8" else bench, out)
     else:
         report = caption_fp8(bench, out) if dtype == "fp8" else caption_vs_hf(bench, out)
     if as_json:
         typer.echo(json.dumps({k: v for k, v in report.items() if not k.startswith("engine_stats")}))
+
+
+def caption_window(bench, out: Path) -> dict:
+    """`wicore caption --redis-url` with the window at its default vs unbounded, on the preset's
+    seeded model on the bench's device."""
+    from wicore.bench.caption_bench import device_name
+    from wicore.bench.flow_bench import FlowBench, run_flow_bench, write_flow_report
+    from wicore.models.gemma3 import make_seeded
+
+    bench.workdir.mkdir(parents=True, exist_ok=True)
+    model_dir = bench.model_dir or make_seeded(bench.workdir / bench.preset, bench.preset)
+    args = ("--model", str(model_dir), "--model-id", bench.preset, "--device", bench.device, "--batch-size",
+            str(bench.batch_size), "--max-new-tokens", str(bench.new_tokens), "--allow-random-weights")  # fmt: skip
+    flow = FlowBench(bench.workdir / "flow", photos=bench.images, engine=bench.engine, caption_args=args)
+    report = run_flow_bench(flow)
+    report["command"] = f"wicore bench caption --preset {bench.preset} --images {bench.images} --compare-window"
+    print_flow(report)
+    gpu = device_name(bench.device).replace(" ", "-")
+    console.print(f"wrote {write_flow_report(report, out, f'caption-window-{bench.preset}-{gpu}')}")
+    return report
 
 
 def caption_vs_hf(bench, out: Path) -> dict:

@@ -1,8 +1,9 @@
 """`wicore caption INPUT... -o OUT.jsonl|OUT.parquet`: bulk captioning through the whole product.
 
 Starts an embedded redis-server unless given --redis-url, starts the workers, submits the inputs
-as jobs as they are read (at most two windows of WINDOW jobs ahead of the results: memory and
-Redis hold a bounded part of a dataset of any size), and writes one result line per input
+as jobs as they are read (flow control, submitting.py: at most `window_jobs` jobs and `window_bytes`
+of their images unfinished in Redis, in two windows; memory and Redis hold a bounded part of a
+dataset of any size), and writes one result line per input
 (`wicore schema result`) as results arrive. Re-running with the same OUT skips the inputs already
 captioned there and tries the ones that failed again (unless --skip-errors), so an interrupted
 run resumes where it stopped. One run per OUT at a time (output_file.run_lock).
@@ -14,7 +15,6 @@ stops them, and with an external Redis the jobs it leaves unstarted are removed 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
 import shutil
 import signal
@@ -63,7 +63,7 @@ from wicore.cli.output_file import Answers, open_sink, read_answers, run_lock
 from wicore.cli.pool import WorkerPool
 from wicore.cli.process_group import ProcessGroup
 from wicore.cli.result_lines import error_line, wait_lines
-from wicore.cli.submitting import batched, submit_items
+from wicore.cli.submitting import WINDOWS_IN_FLIGHT, FlowLimits, submit_items, windows
 from wicore.cli.worker_specs import WorkerSpec, plan_workers
 from wicore.config import Settings
 from wicore.errors import ConfigError
@@ -71,12 +71,14 @@ from wicore.redaction import redact
 from wicore.schemas import ResultLine
 
 KEEP_RUN_LOGS = 20  # per-run log folders kept in the cache dir
-WINDOW = 512  # fewest jobs submitted together; the next window goes out while the one before runs
 
 
-def window_size(batch_size: int, workers: int) -> int:
-    """Jobs per window: two windows keep every worker's batch full twice over."""
-    return max(WINDOW, 2 * batch_size * workers)
+def flow_limits(settings: Settings, workers: int, by_path: bool) -> FlowLimits:
+    """The run's window: `window_jobs` from the settings, raised so that each of the two windows
+    fills every worker's batch twice over, and `window_bytes` per worker (a window of ~420 KB
+    photos at the default holds ~600 a worker: more than a batch of 384)."""
+    jobs = max(settings.window_jobs, WINDOWS_IN_FLIGHT * 2 * settings.batch_size * workers)
+    return FlowLimits(jobs=jobs, bytes=settings.window_bytes * workers, by_path=by_path)
 
 
 @friendly_errors
@@ -153,9 +155,10 @@ def run_config(
 ) -> RunConfig:  # fmt: skip
     model_dir, served_id = checked_model(settings, allow_random_weights)
     if settings.redis_url:  # reachable, authenticated and writable before any worker starts
-        from wicore.cli.redis_check import connect
+        from wicore.cli.redis_check import connect_shards
 
-        connect(settings.redis_url).close()
+        for connection in connect_shards(settings.redis_urls):
+            connection.close()
     extra = ["--allow-random-weights"] if allow_random_weights else []  # engine options travel in the settings
     return RunConfig(settings, model_dir, served_id, output, prompt, max_new_tokens, redis_dir, tuple(extra))
 
@@ -185,10 +188,9 @@ class Todo:
 
 @dataclass
 class Window:
-    """Jobs submitted together, and the image blobs they put in Redis."""
+    """Jobs submitted together (their image blobs leave Redis as the last job using each ends)."""
 
     jobs: dict[str, list[str]]  # job id -> the inputs it answers
-    blobs: set[str]  # sha256 of each image sent as bytes
 
 
 class Meter:
@@ -256,7 +258,8 @@ class CaptionRun:
     log_dir: Path | None = None
 
     def run(self, todo: Iterable[InputItem], specs: list[WorkerSpec], answers: Answers) -> None:
-        from wicore.producer import Producer, ProducerConfig
+        from wicore.producer import ProducerConfig
+        from wicore.producer.shards import producer_over
 
         group = ProcessGroup()
         with contextlib.ExitStack() as stack:
@@ -266,8 +269,10 @@ class CaptionRun:
             config = ProducerConfig(
                 by_path=self.config.embedded, result_ttl_s=settings.result_ttl_s, retries=settings.retries,
                 max_image_bytes=settings.max_image_bytes, max_images_per_request=settings.max_images_per_request,
+                max_queued_jobs=settings.max_queued_jobs, max_queued_high_jobs=settings.max_queued_high_jobs,
+                release_blobs=True,
             )  # fmt: skip
-            producer = Producer(url, model=self.config.model_id, config=config)
+            producer = producer_over(url.split(","), model=self.config.model_id, config=config)
             stack.push(lambda *exc: self._leave(producer, exc[1]))  # runs once the workers have stopped
             self.log_dir = run_log_dir(Path(self.config.settings.cache_dir) / "logs", self.run_id)
             settings = self._worker_settings(url)
@@ -275,7 +280,8 @@ class CaptionRun:
             sink = open_sink(self.config.output, answers)
             stack.callback(sink.close)
             stack.callback(hold_signals)  # the first step of the way out: a second Ctrl-C cannot cut it short
-            self._caption(producer, pool, batched(todo, window_size(settings.batch_size, len(specs))), sink)
+            limits = flow_limits(settings, len(specs), by_path=self.config.embedded)
+            self._caption(producer, pool, windows(todo, limits), sink)
 
     def _redis(self, stack: contextlib.ExitStack, group: ProcessGroup) -> str:
         if not self.config.embedded:
@@ -307,39 +313,33 @@ class CaptionRun:
             def poll() -> None:
                 pool.check()
                 if self.meter.ready_at is None:
-                    self.meter.ready_at = first_birth(producer.connection, pool.names)
+                    self.meter.ready_at = first_birth(producer.connections, pool.names)
                     progress.update(task, description="captioning" if self.meter.ready_at else "starting workers")
 
             on_error = lambda item, error: write(error_line(item.input, error))  # noqa: E731
             in_flight: list[Window] = []
             for chunk in windows:
                 in_flight.append(self._submit(producer, chunk, on_error))
-                if len(in_flight) == 2:
-                    self._drain(producer, in_flight.pop(0), in_flight, write, poll)
+                if len(in_flight) == WINDOWS_IN_FLIGHT:
+                    self._drain(producer, in_flight.pop(0), write, poll)
             while in_flight:
-                self._drain(producer, in_flight.pop(0), in_flight, write, poll)
-            self.meter.ready_at = self.meter.ready_at or first_birth(producer.connection, pool.names)
+                self._drain(producer, in_flight.pop(0), write, poll)
+            self.meter.ready_at = self.meter.ready_at or first_birth(producer.connections, pool.names)
             self.meter.stopped_at = time.time()
 
     def _submit(self, producer, chunk: list[InputItem], on_error: Callable) -> Window:
-        window = Window({}, {hashlib.sha256(i.data).hexdigest() for i in chunk if i.data is not None})
+        window = Window({})
         for job_id, input in submit_items(producer, chunk, self._submission, on_error):
             self.pending.setdefault(job_id, []).append(input)
             window.jobs.setdefault(job_id, []).append(input)
         return window
 
-    def _drain(self, producer, window: Window, later: list[Window], write: Callable, poll: Callable) -> None:
-        """Write the window's lines as its jobs end; then, on the embedded Redis, drop the image
-        blobs no later window uses (on an external Redis they expire: others may share them)."""
+    def _drain(self, producer, window: Window, write: Callable, poll: Callable) -> None:
+        """Write the window's lines as its jobs end."""
         for line in wait_lines(producer, window.jobs, None, on_poll=poll, poll_s=1.0):
             self.pending.pop(line.job_id, None)
             self.meter.ended += 1
             write(line)
-        unused = window.blobs.difference(*(w.blobs for w in later))
-        if self.config.embedded and unused:
-            from wicore import keys
-
-            producer.connection.delete(*(keys.blob(sha) for sha in unused))
 
     def _submission(self, item: InputItem):
         from wicore.producer import Submission
@@ -383,15 +383,16 @@ class CaptionRun:
         )
 
 
-def first_birth(connection, names: list[str]) -> float | None:
-    """When the first of these workers registered with RQ (its model loaded), as unix time."""
+def first_birth(connections: list, names: list[str]) -> float | None:
+    """When the first of these workers registered with RQ (its model loaded) on any shard, as unix time."""
     from rq.worker import Worker
 
     births = []
     for name in names:
-        worker = Worker.find_by_key(Worker.redis_worker_namespace_prefix + name, connection=connection)
-        if worker is not None and worker.birth_date is not None:
-            births.append(worker.birth_date.timestamp())
+        for connection in connections:
+            worker = Worker.find_by_key(Worker.redis_worker_namespace_prefix + name, connection=connection)
+            if worker is not None and worker.birth_date is not None:
+                births.append(worker.birth_date.timestamp())
     return min(births, default=None)
 
 

@@ -26,7 +26,7 @@ from wicore.cli.common import (
 )
 from wicore.cli.failures import DebugOption, debug_level
 from wicore.cli.logs import configure_logging, level_or, quiet_progress_bars
-from wicore.cli.redis_check import connect
+from wicore.cli.redis_check import connect, connect_shards
 from wicore.config import Settings
 from wicore.errors import ConfigError
 from wicore.redaction import redact
@@ -81,6 +81,9 @@ def worker(
     gpus: str = GpusOption,
     workers: int = WorkersOption,
     settings_file: Path = SettingsFileOption,
+    redis_shard: int = typer.Option(
+        None, min=0, help="Of a sharded --redis-url, the shard (0, 1, ...) this worker serves.", show_default=False
+    ),
 ) -> None:
     """Serve caption jobs from Redis: take batches by shape bucket, run them, write results.
     Logs one INFO line per batch and one WARNING per failed job (WICORE_LOG_LEVEL=warning: fewer).
@@ -106,10 +109,20 @@ def worker(
         metrics_port=metrics_port,
         log_level=debug_level(debug),
     )
+    if redis_shard is not None:
+        settings = one_shard(settings, redis_shard)
     if gpus is not None or workers is not None:
         flags = worker_flags(allow_random_weights=allow_random_weights, burst=burst, max_jobs=max_jobs)
         raise typer.Exit(supervised(settings, name or uuid.uuid4().hex[:8], gpus, workers, flags))
     serve_jobs(settings, name, allow_random_weights=allow_random_weights, burst=burst, max_jobs=max_jobs)
+
+
+def one_shard(settings: Settings, index: int) -> Settings:
+    """The settings of a worker that serves shard `index` of a sharded redis_url."""
+    urls = settings.redis_urls
+    if index >= len(urls):
+        raise ConfigError(f"--redis-shard {index}: --redis-url lists {len(urls)} shards (0 to {len(urls) - 1})")
+    return settings.model_copy(update={"redis_url": urls[index]})
 
 
 def serve_jobs(
@@ -121,6 +134,11 @@ def serve_jobs(
     model_dir, served_id = checked_model(settings, allow_random_weights)
     from wicore.worker.redis_link import client_options
 
+    if len(settings.redis_urls) > 1:
+        raise ConfigError(
+            "a worker serves one shard: give --redis-url one URL, --redis-shard INDEX, or --gpus/--workers "
+            "to spread worker processes over the shards"
+        )
     # Checked before the model loads (a bad URL fails in a second); a client that notices outages.
     connection = connect(settings.redis_url, **client_options())
     from wicore.worker.factory import build_engine, build_worker
@@ -201,7 +219,8 @@ def supervised(settings: Settings, base: str, gpus: str | None, workers: int | N
 
     specs = plan_workers(base, settings, gpus=gpus, workers=workers)
     model_dir, served_id = checked_model(settings, "--allow-random-weights" in flags)
-    connect(settings.redis_url).close()
+    for connection in connect_shards(settings.redis_urls):
+        connection.close()
     return supervise(settings.model_copy(update={"model": model_dir, "model_id": served_id}), specs, flags)
 
 
@@ -231,7 +250,8 @@ def dashboard(
         raise ConfigError(
             f"listening on {host} without --auth would open the queues to the network: add --auth USER:PASS"
         )
-    connect(settings.redis_url, write=False).close()
+    for connection in connect_shards(settings.redis_urls, write=False):
+        connection.close()
     from wicore.worker.dashboard import BasicAuth, make_app, serve
 
     app = make_app(settings.redis_url, BasicAuth.parse(credentials) if credentials else None)

@@ -20,7 +20,7 @@ from wicore.cli.common import (
 )
 from wicore.cli.failures import DebugOption, ExitCode, debug_level
 from wicore.cli.jobs import ID_FILE_HELP, read_job_ids
-from wicore.cli.redis_check import connect
+from wicore.cli.redis_check import connect_shards
 from wicore.config import Settings
 from wicore.errors import ConfigError
 from wicore.models import model_dir_and_id
@@ -53,7 +53,8 @@ def serve(
         allowed_roots=allow_root or None,
         log_level=debug_level(debug),
     )
-    connect(settings.redis_url)  # a bad URL or password fails here, before the server starts
+    for connection in connect_shards(settings.redis_urls):  # a bad URL or password fails here, before the server starts
+        connection.close()
     from wicore.gateway.app import create_app
     from wicore.gateway.server import ServerLimits, run
 
@@ -96,6 +97,9 @@ def gateway_config(settings: Settings):
         retries=settings.retries,
         max_image_bytes=settings.max_image_bytes,
         max_images_per_request=settings.max_images_per_request,
+        max_queued_jobs=settings.max_queued_jobs,
+        max_queued_high_jobs=settings.max_queued_high_jobs,
+        release_blobs=True,  # blobs leave Redis with their last job, not a day later
     )
     return GatewayConfig(
         redis_url=settings.redis_url or "",
@@ -128,13 +132,13 @@ def cancel(
     """Cancel jobs: a queued job never runs, a running one stops at the engine's next step.
     Prints one JSON line per job with the status it ends in: canceled, or the status it had
     already ended with (null and an error for an id that names no job)."""
-    from wicore.producer import Producer
     from wicore.producer.client import MISSING, no_such_job
+    from wicore.producer.shards import producer_over
 
     settings = settings_from(
         config, redis_url=redis_url, redis_password_file=redis_password_file, log_level=debug_level(debug)
     )
-    producer = Producer(connect(settings.redis_url), model="any")
+    producer = producer_over(connect_shards(settings.redis_urls), model="any")
     statuses = producer.cancel(list(read_job_ids(job_ids)))
     for job_id, status in statuses.items():
         line = {"job_id": job_id, "status": status}

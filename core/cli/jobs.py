@@ -29,8 +29,10 @@ from wicore.cli.common import (
 )
 from wicore.cli.failures import DebugOption, ExitCode, debug_level
 from wicore.cli.input_paths import InputItem, iter_inputs
-from wicore.cli.redis_check import connect
+from wicore.cli.redis_check import connect_shards
+from wicore.cli.submitting import WINDOWS_IN_FLIGHT, FlowLimits
 from wicore.models import model_dir_and_id
+from wicore.redaction import redact
 from wicore.schemas import Lane
 
 ID_FILE_HELP = "Job ids printed by `wicore enqueue`, or - to read its output (id, tab, input per line) from stdin."
@@ -56,6 +58,12 @@ def enqueue(
     priority: Lane = typer.Option(Lane.NORMAL, help="Lane: high jobs are taken first."),
     deadline_s: float = typer.Option(None, help="Fail jobs not started within this many seconds."),
     by_path: bool = typer.Option(False, help="Send file paths (workers must see them) instead of image bytes."),
+    window: bool = typer.Option(
+        True,
+        help="Flow control: past the window (settings window_jobs, window_bytes) of unfinished jobs and image bytes "
+        "in Redis, wait for earlier jobs to end before submitting more, saying so on stderr. --no-window: submit "
+        "everything at once (fire and forget).",
+    ),
     image_column: str = ImageColumnOption,
     key_column: str = KeyColumnOption,
     prompt_column: str = PromptColumnOption,
@@ -65,7 +73,8 @@ def enqueue(
 ) -> None:
     """Submit images as caption jobs; print one line per input: its job id, a tab, the input
     (the same work gets the same id). Warns when no live worker serves the model."""
-    from wicore.producer import Producer, ProducerConfig, Submission
+    from wicore.producer import ProducerConfig, Submission
+    from wicore.producer.shards import producer_over
 
     settings = settings_from(
         config, redis_url=redis_url, redis_password_file=redis_password_file, model_id=model_id, model=model, s3_endpoint_url=s3_endpoint_url,
@@ -75,9 +84,11 @@ def enqueue(
     producer_config = ProducerConfig(
         by_path=by_path, result_ttl_s=settings.result_ttl_s, retries=settings.retries,
         max_image_bytes=settings.max_image_bytes, max_images_per_request=settings.max_images_per_request,
+        max_queued_jobs=settings.max_queued_jobs, max_queued_high_jobs=settings.max_queued_high_jobs,
+        release_blobs=True,
     )  # fmt: skip
     served_id = model_dir_and_id(settings)[1]
-    producer = Producer(connect(settings.redis_url), model=served_id, config=producer_config)
+    producer = producer_over(connect_shards(settings.redis_urls), model=served_id, config=producer_config)
     deadline = time.time() + deadline_s if deadline_s is not None else None
     flags = {"max_new_tokens": max_new_tokens, "temperature": temperature, "seed": seed}
     given = {key: value for key, value in flags.items() if value is not None}
@@ -93,33 +104,59 @@ def enqueue(
             return Submission(messages=item.messages, images=item.images, name=item.input, **fields)
         return Submission(item.image, item.prompt or prompt, name=item.input, **fields)
 
-    failed = _enqueue_items(producer, items, submission)
-    _warn_if_unserved(producer.connection, served_id)
+    limits = FlowLimits(settings.window_jobs, settings.window_bytes, by_path) if window else None
+    _warn_if_unserved(producer.connections, served_id)  # before a wait on the window, which no worker would end
+    failed = _enqueue_items(producer, items, submission, limits)
     if failed:
         raise typer.Exit(ExitCode.FAILED)
 
 
-def _enqueue_items(producer, items: Iterable[InputItem], submission) -> int:
+def _enqueue_items(producer, items: Iterable[InputItem], submission, limits: FlowLimits | None) -> int:
     """Print `id<TAB>input` per enqueued input and a warning per input that could not be; the
-    number of those."""
-    from wicore.cli.submitting import submit_items
+    number of those. With `limits`, at most two windows of jobs are unfinished at once: the
+    third waits for the first to end (said once on stderr)."""
+    from wicore.cli.submitting import submit_items, windows
 
     failed = 0
+    in_flight: list[list[str]] = []
+    said = False
 
     def on_error(item: InputItem, error: str) -> None:
         nonlocal failed
         failed += 1
         console.print(f"warning: not enqueued: {item.input}: {error}", markup=False)
 
-    for job_id, input in submit_items(producer, items, submission, on_error):
-        typer.echo(f"{job_id}\t{input}")
+    for chunk in windows(items, limits) if limits else [items]:
+        if limits and len(in_flight) == WINDOWS_IN_FLIGHT:
+            if not said:
+                console.print(_WAITING.format(jobs=limits.jobs, bytes=limits.bytes), markup=False)
+                said = True
+            _wait_ended(producer, in_flight.pop(0))
+        ids = []
+        for job_id, input in submit_items(producer, chunk, submission, on_error):
+            typer.echo(f"{job_id}\t{input}", nl=True)
+            ids.append(job_id)
+        sys.stdout.flush()
+        in_flight.append(ids)
     return failed
 
 
-def _warn_if_unserved(connection, model_id: str) -> None:
+_WAITING = (
+    "waiting: more inputs than the window ({jobs} jobs, {bytes} image bytes in Redis); each next part goes out as "
+    "earlier jobs end (--no-window: all at once)"
+)
+
+
+def _wait_ended(producer, job_ids: list[str]) -> None:
+    """Until these jobs have ended (or left Redis)."""
+    for _ in producer.wait(job_ids, poll_s=1.0):
+        pass
+
+
+def _warn_if_unserved(connections, model_id: str) -> None:
     from wicore.worker.status import served_models
 
-    served = served_models(connection)
+    served = set().union(*(served_models(connection) for connection in connections))
     if model_id not in served:
         serving = ", ".join(sorted(served)) or "none"
         console.print(
@@ -141,13 +178,13 @@ def result(
     """Print one JSON line per job as it ends (`wicore schema result`); after --wait seconds,
     an 'unfinished' line for each job still running."""
     from wicore.cli.result_lines import wait_lines
-    from wicore.producer import Producer
+    from wicore.producer.shards import producer_over
 
     settings = settings_from(
         config, redis_url=redis_url, redis_password_file=redis_password_file, log_level=debug_level(debug)
     )
     inputs_by_job = read_job_ids(job_ids)
-    producer = Producer(connect(settings.redis_url, write=False), model="any")
+    producer = producer_over(connect_shards(settings.redis_urls, write=False), model="any")
     statuses = set()
     for line in wait_lines(producer, inputs_by_job, timeout=wait):
         typer.echo(line.model_dump_json())
@@ -182,19 +219,25 @@ def status(
     debug: bool = DebugOption,
 ) -> None:
     """Queues per shape bucket (and whether a live worker serves each), workers with their model,
-    engine, device and state, and job counts."""
-    from wicore.worker.status import collect_status
+    engine, device and state, and job counts. With several shards: the sums over all of them,
+    then each shard's own tables."""
+    from wicore.worker.status import collect_shards
 
     settings = settings_from(
         config, redis_url=redis_url, redis_password_file=redis_password_file, log_level=debug_level(debug)
     )
-    report = collect_status(connect(settings.redis_url, write=False))
+    connections = connect_shards(settings.redis_urls, write=False)
+    report = collect_shards(connections, [redact(url) for url in settings.redis_urls])
     if as_json:
         typer.echo(json.dumps(report))
         return
     out = Console(soft_wrap=True, width=None if sys.stdout.isatty() else 1000)
     out.print(queue_table(report["queues"]))
     out.print(worker_table(report["workers"]))
+    for shard in report["shards"] if len(report["shards"]) > 1 else []:
+        out.print(f"shard {shard['shard']}: {shard['url']}")
+        out.print(queue_table(shard["queues"]))
+        out.print(worker_table(shard["workers"]))
 
 
 def queue_table(rows: list[dict]) -> Table:

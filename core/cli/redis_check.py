@@ -39,6 +39,13 @@ def connect(url: str | None, *, write: bool = True, **options: Any) -> Redis:
     return connection
 
 
+def connect_shards(urls: list[str], *, write: bool = True, **options: Any) -> list[Redis]:
+    """`connect` to each shard of a comma-separated --redis-url (one URL: one shard)."""
+    if not urls:
+        connect(None)
+    return [connect(url, write=write, **options) for url in urls]
+
+
 def db_index(url: str) -> str:
     """The database number a Redis URL names: its path ('/3') or its ?db= query; '0' by default."""
     parts = urlsplit(url)

@@ -96,13 +96,27 @@ def plan_workers(base: str, settings: Settings, *, gpus: str | None, workers: in
     if gpus is not None and workers is not None:
         raise ConfigError("--gpus and --workers exclude each other: --gpus for one worker per GPU, --workers N on CPU")
     if gpus is None:
-        return own_caches(cpu_specs(base, workers or 1), settings)
+        return over_shards(own_caches(cpu_specs(base, workers or 1), settings), len(settings.redis_urls))
     if settings.device not in ("auto", "cuda"):
         raise ConfigError(f"--gpus pins each worker to its GPU; leave out --device {settings.device}")
     chosen = parse_gpus(gpus, cuda_device_count())
     # the workers share the host's cores: each decodes images in its share unless told
     share = gpu_decode_processes(os.cpu_count() or 2, len(chosen)) if settings.decode_processes is None else None
-    return own_caches(gpu_specs(base, chosen, os.environ.get("CUDA_VISIBLE_DEVICES"), share), settings)
+    specs = own_caches(gpu_specs(base, chosen, os.environ.get("CUDA_VISIBLE_DEVICES"), share), settings)
+    return over_shards(specs, len(settings.redis_urls))
+
+
+def over_shards(specs: list[WorkerSpec], shards: int) -> list[WorkerSpec]:
+    """Each worker serves one shard of a sharded Redis, in turn (worker i: shard i mod shards),
+    named by its index in the list (`--redis-shard`), so no URL shows in `ps`."""
+    if shards < 2:
+        return specs
+    if len(specs) < shards:
+        raise ConfigError(
+            f"{len(specs)} worker processes for {shards} Redis shards: each shard needs one; "
+            f"start at least {shards} (--workers {shards}, or --gpus with as many GPUs)"
+        )
+    return [replace(spec, args=(*spec.args, "--redis-shard", str(i % shards))) for i, spec in enumerate(specs)]
 
 
 def own_caches(specs: list[WorkerSpec], settings: Settings) -> list[WorkerSpec]:

@@ -343,7 +343,7 @@ class BatchDriver:
     def live_models(self) -> dict[str, int]:
         read_at, models = self.models
         if time.monotonic() - read_at > MODELS_TTL_S:
-            self.models = (time.monotonic(), live_models(self.connection))
+            self.models = (time.monotonic(), live_models([self.connection]))
         return self.models[1]
 
     # -- jobs into output lines ---------------------------------------------------------------

@@ -25,7 +25,7 @@ UNMATCHED = "unmatched"  # requests no route answered share one label value (bou
 
 
 class GatewayMetrics:
-    def __init__(self, connection: Redis):
+    def __init__(self, connections: list[Redis]):
         self.registry = CollectorRegistry()
         self.requests = Counter(
             PREFIX + "http_requests", "HTTP requests answered.", ["handler", "method", "status"], registry=self.registry
@@ -43,7 +43,13 @@ class GatewayMetrics:
             ["model_name"],
             registry=self.registry,
         )
-        self.registry.register(QueueCollector(connection))
+        self.refused = Counter(
+            PREFIX + "jobs_refused",
+            "Jobs refused by admission control (their lane at its cap of queued jobs): answered 429.",
+            ["model_name", "lane"],
+            registry=self.registry,
+        )
+        self.registry.register(QueueCollector(connections))
 
     def observe(self, handler: str, method: str, status: int, seconds: float) -> None:
         self.requests.labels(handler, method, str(status)).inc()
@@ -54,8 +60,10 @@ class GatewayMetrics:
 
 
 class QueueCollector(Collector):
-    def __init__(self, connection: Redis):
-        self.connection = connection
+    """Queue depths summed over every shard (a queue of the same name on two shards is one series)."""
+
+    def __init__(self, connections: list[Redis]):
+        self.connections = connections
 
     def collect(self) -> Iterator[Metric]:
         jobs = GaugeMetricFamily(
@@ -63,8 +71,8 @@ class QueueCollector(Collector):
             "Jobs in each bucket queue and its RQ registries.",
             labels=["queue", "model_name", "lane", "status"],
         )
-        models = live_models(self.connection)
-        for row in queue_rows(self.connection, set(models)):
+        models = live_models(self.connections)
+        for row in summed_rows(self.connections, set(models)):
             bucket = BucketKey.parse(row["name"])
             lane = bucket.lane.value if bucket else ""
             for status in QUEUE_STATUSES:
@@ -74,6 +82,16 @@ class QueueCollector(Collector):
         for model, count in sorted(models.items()):
             workers.add_metric([model], count)
         yield workers
+
+
+def summed_rows(connections: list[Redis], served: set[str]) -> list[dict]:
+    totals: dict[str, dict] = {}
+    for connection in connections:
+        for row in queue_rows(connection, served):
+            total = totals.setdefault(row["name"], {**row, **dict.fromkeys(QUEUE_STATUSES, 0)})
+            for status in QUEUE_STATUSES:
+                total[status] += row[status]
+    return list(totals.values())
 
 
 class HttpMetrics:

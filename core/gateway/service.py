@@ -15,7 +15,7 @@ from redis.exceptions import RedisError, ResponseError
 from wicore import keys
 from wicore.gateway.auth import require_key
 from wicore.gateway.errors import RETRY_DOWN, RETRY_REFUSED, refusal_code, refused_message
-from wicore.worker.status import collect_status
+from wicore.worker.status import collect_shards
 
 router = APIRouter(tags=["service"])
 
@@ -35,7 +35,8 @@ def ready(request: Request) -> JSONResponse:
     gateway = request.app.state.gateway
     model = gateway.config.model
     try:
-        probe_write(gateway.connection)
+        for connection in gateway.connections:
+            probe_write(connection)
         workers = gateway.live_models().get(model, 0)
     except ResponseError as exc:
         if not (code := refusal_code(exc)):
@@ -65,4 +66,6 @@ def metrics(request: Request) -> Response:
 @router.get("/v1/stats", dependencies=[Depends(require_key)])
 def stats(request: Request) -> dict[str, Any]:
     """What `wicore status` shows: bucket queues with their registries, workers and their counters."""
-    return collect_status(request.app.state.gateway.connection)
+    gateway = request.app.state.gateway
+    report = collect_shards(gateway.connections, [f"shard {i}" for i in range(len(gateway.connections))])
+    return report if len(gateway.connections) > 1 else {k: v for k, v in report.items() if k != "shards"}

@@ -1,5 +1,6 @@
 """What the Files and Batches routes share: the file store, the Redis records, and the batch
-runner thread every gateway runs beside its routes."""
+runner thread every gateway runs beside its routes. Over a sharded redis_url, files, batches and
+the batches' jobs live on the first shard."""
 
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ STOP_WAIT_S = 10.0  # how long shutdown waits for the runner's current step
 
 class BatchService:
     def __init__(self, config: GatewayConfig):
-        self.connection = Redis.from_url(config.redis_url)
+        first_shard = config.redis_url.split(",")[0]
+        self.connection = Redis.from_url(first_shard)
         self.store = open_store(config.files, self.connection)
         self.files = FileRecords(self.connection)
         self.batches = BatchRecords(self.connection)
@@ -30,7 +32,7 @@ class BatchService:
             producer=config.producer,
             window_s=config.batch_window_s,
         )
-        self.runner = BatchRunner(Redis.from_url(config.redis_url), self.store, settings)
+        self.runner = BatchRunner(Redis.from_url(first_shard), self.store, settings)
 
     @contextmanager
     def running(self) -> Iterator[None]:

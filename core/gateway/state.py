@@ -1,5 +1,5 @@
-"""What every route shares: Redis connections, one producer per model, the live workers, the
-metrics, and the wait for a job's end."""
+"""What every route shares: Redis connections (one per shard of a comma-separated redis_url), one
+producer per model, the live workers, the metrics, and the wait for a job's end."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from wicore.gateway.metrics import GatewayMetrics
 from wicore.gateway.results import ResultReader
 from wicore.gateway.workers import live_models
 from wicore.producer import Outcome, Producer, ProducerConfig
+from wicore.producer.shards import ShardedProducer, producer_over, shard_of
 
 WAIT_SLICE_S = 1.0  # a waiter re-reads the job's status this often (a cancel writes no result)
 WORKERS_TTL_S = 2.0  # how long a read of the live workers is reused by the per-request model check
@@ -27,7 +28,7 @@ WORKERS_TTL_S = 2.0  # how long a read of the live workers is reused by the per-
 
 @dataclass(frozen=True)
 class GatewayConfig:
-    redis_url: str
+    redis_url: str  # several comma-separated: independent shards (producer/shards.py)
     model: str  # jobs without a model go to this one; readiness asks for a worker serving it
     allowed_roots: tuple[Path, ...] = ()
     api_keys: frozenset[str] = frozenset()
@@ -41,14 +42,22 @@ class GatewayConfig:
 class Gateway:
     def __init__(self, config: GatewayConfig):
         self.config = config
-        self.connection = Redis.from_url(config.redis_url)
-        self.quick = AsyncRedis.from_url(config.redis_url)  # short commands from the event loop
-        self.results = ResultReader(AsyncRedis.from_url(config.redis_url, single_connection_client=True), self.quick)
-        self.metrics = GatewayMetrics(self.connection)
-        self._producers: dict[str, Producer] = {}
+        urls = config.redis_url.split(",")
+        self.connections = [Redis.from_url(url) for url in urls]
+        self.quick = [AsyncRedis.from_url(url) for url in urls]  # short commands from the event loop
+        self.readers = [
+            ResultReader(AsyncRedis.from_url(url, single_connection_client=True), quick)
+            for url, quick in zip(urls, self.quick)
+        ]
+        self.metrics = GatewayMetrics(self.connections)
+        self._producers: dict[str, Producer | ShardedProducer] = {}
         self._models: tuple[float, dict[str, int]] = (float("-inf"), {})
 
-    def producer(self, model: str | None = None) -> Producer:
+    def reader_for(self, job_id: str) -> ResultReader:
+        """The result reader of the shard that holds the job."""
+        return self.readers[shard_of(job_id, len(self.readers))]
+
+    def producer(self, model: str | None = None) -> Producer | ShardedProducer:
         """The producer for `model` (default: the gateway's). Another model must be served by a
         live worker: a typo would otherwise queue jobs no one takes."""
         name = model or self.config.model
@@ -56,7 +65,7 @@ class Gateway:
             served = ", ".join(sorted(self.live_models(cached=True))) or "none"
             raise ApiError(404, f"model {name!r} is not served by any live worker (served: {served})", param="model")
         if name not in self._producers:
-            self._producers[name] = Producer(self.connection, model=name, config=self.config.producer)
+            self._producers[name] = producer_over(self.connections, model=name, config=self.config.producer)
         return self._producers[name]
 
     def live_models(self, cached: bool = False) -> dict[str, int]:
@@ -64,7 +73,7 @@ class Gateway:
         read_at, models = self._models
         if cached and time.monotonic() - read_at < WORKERS_TTL_S:
             return models
-        models = live_models(self.connection)
+        models = live_models(self.connections)
         self._models = (time.monotonic(), models)
         return models
 
@@ -77,7 +86,7 @@ class Gateway:
         outcome, last_seen = await run_in_threadpool(producer.poll, job_id)
         if outcome.done or seconds <= 0:
             return outcome
-        async with self.results.watching(job_id, last_seen) as arrived, client_gone(request) as gone:
+        async with self.reader_for(job_id).watching(job_id, last_seen) as arrived, client_gone(request) as gone:
             while (left := deadline - time.monotonic()) > 0:
                 await first_set((arrived, gone), min(left, WAIT_SLICE_S))
                 if gone.is_set():
@@ -89,9 +98,10 @@ class Gateway:
         return outcome
 
     async def close(self) -> None:
-        await self.results.close()
-        await self.quick.aclose()
-        self.connection.close()
+        for reader, quick, connection in zip(self.readers, self.quick, self.connections):
+            await reader.close()
+            await quick.aclose()
+            connection.close()
 
 
 async def first_set(events: tuple[asyncio.Event, ...], timeout: float) -> None:

@@ -12,7 +12,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from wicore.errors import WicoreError
+from wicore.errors import QueueFull, WicoreError
 from wicore.gateway.errors import ApiError, describe_validation
 from wicore.gateway.images import allowed_path, decode_image, fetched_url
 from wicore.gateway.openai_schemas import ChatCompletionRequest, chat_submission
@@ -171,7 +171,7 @@ def enqueue_lines(gateway, lines: list[Line]) -> BatchReply:
             except (ValidationError, ApiError, WicoreError) as exc:
                 line.error = problem(exc)
     for model, good in by_model.items():
-        ids = gateway.producer(model).enqueue_prepared([line.prepared for line in good])
+        ids = admitted(gateway, gateway.producer(model), [line.prepared for line in good])
         gateway.metrics.submitted.labels(model).inc(len(ids))
         for line, job_id in zip(good, ids):
             line.job_id, line.prepared = job_id, None
@@ -180,9 +180,20 @@ def enqueue_lines(gateway, lines: list[Line]) -> BatchReply:
     return BatchReply(jobs=jobs, accepted=accepted, rejected=len(jobs) - accepted)
 
 
+def admitted(gateway, producer, prepared: list[Prepared]) -> list[str]:
+    """`enqueue_prepared`, with a refusal of admission control as a 429 carrying Retry-After
+    (counted in `wicore:jobs_refused`)."""
+    try:
+        return producer.enqueue_prepared(prepared)
+    except QueueFull as full:
+        gateway.metrics.refused.labels(full.model, full.lane).inc(len(prepared))
+        headers = {"Retry-After": str(full.retry_after_s)}
+        raise ApiError(429, f"{full}; the queue is past what the workers finish in time", headers=headers) from None
+
+
 def enqueue_one(gateway, model: str | None, submission: Submission) -> JobAccepted:
     """A single job: its errors are the request's (ApiError, WicoreError, ValidationError)."""
     producer = gateway.producer(model)
-    [job_id] = producer.enqueue_prepared([producer.prepare(submission)])
+    [job_id] = admitted(gateway, producer, [producer.prepare(submission)])
     gateway.metrics.submitted.labels(producer.model).inc()
     return JobAccepted(job_id=job_id, status_url=f"/v1/jobs/{job_id}", model=producer.model)

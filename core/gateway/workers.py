@@ -11,6 +11,7 @@ from redis import Redis
 from wicore.worker.status import worker_rows
 
 
-def live_models(connection: Redis) -> dict[str, int]:
-    """model -> number of live workers serving it."""
-    return dict(Counter(row["model"] for row in worker_rows(connection) if row["model"]))
+def live_models(connections: list[Redis]) -> dict[str, int]:
+    """model -> number of live workers serving it, on every shard."""
+    rows = [row for connection in connections for row in worker_rows(connection)]
+    return dict(Counter(row["model"] for row in rows if row["model"]))
