@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from wicore import defaults
 from wicore.engines.options import FastOptions
 from wicore.errors import ConfigError
-from wicore.schemas import FinishReason, GenerationParams, Lane
+from wicore.schemas import FinishReason, GenerationParams, Lane, TokenLogprob
 
 if TYPE_CHECKING:
     import numpy as np
@@ -51,6 +51,8 @@ class Completion:
     out_of_memory: bool = False  # the device ran out of memory: run it again in a smaller batch
     engine_s: float = 0.0
     first_token_s: float | None = None  # in the engine -> its first token read back (None: not measured)
+    logprobs: list[TokenLogprob] | None = None  # with params.logprobs: one per token of `token_ids`
+    samples: list[Completion] = field(default_factory=list)  # params.n > 1: every sample, this one first
 
     @property
     def ok(self) -> bool:

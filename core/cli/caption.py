@@ -266,6 +266,7 @@ class CaptionRun:
             config = ProducerConfig(
                 by_path=self.config.embedded, result_ttl_s=settings.result_ttl_s, retries=settings.retries,
                 max_image_bytes=settings.max_image_bytes, max_images_per_request=settings.max_images_per_request,
+                sampling=settings.sampling_limits,
             )  # fmt: skip
             producer = Producer(url, model=self.config.model_id, config=config)
             stack.push(lambda *exc: self._leave(producer, exc[1]))  # runs once the workers have stopped

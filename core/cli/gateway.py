@@ -95,6 +95,7 @@ def gateway_config(settings: Settings):
         retries=settings.retries,
         max_image_bytes=settings.max_image_bytes,
         max_images_per_request=settings.max_images_per_request,
+        sampling=settings.sampling_limits,
     )
     return GatewayConfig(
         redis_url=settings.redis_url or "",

@@ -75,6 +75,7 @@ def enqueue(
     producer_config = ProducerConfig(
         by_path=by_path, result_ttl_s=settings.result_ttl_s, retries=settings.retries,
         max_image_bytes=settings.max_image_bytes, max_images_per_request=settings.max_images_per_request,
+        sampling=settings.sampling_limits,
     )  # fmt: skip
     served_id = model_dir_and_id(settings)[1]
     producer = Producer(connect(settings.redis_url), model=served_id, config=producer_config)

@@ -144,7 +144,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(WicoreError)
     async def wicore_error(request: Request, exc: WicoreError) -> JSONResponse:
-        return error_response(wicore_error_status(exc), str(exc))
+        return error_response(wicore_error_status(exc), str(exc), getattr(exc, "param", None))
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:

@@ -7,14 +7,20 @@ no host round trip and no host sync, and the whole sampler can be captured in a 
 Top-k / top-p (applied in that order after the temperature, as transformers does) only mask
 logits to -inf before the argmax. Requests with `ignore_eos` get their EOS logits masked, as
 transformers' `min_new_tokens` does, so they generate exactly max_new_tokens.
+
+A step's logits go through three stages: `adjusted` (per-row rules on the raw logits:
+penalties, then token masks), the choice (argmax, or the warped logits plus noise), and, when a
+row asks for them, the log-probabilities of the distribution each token was drawn from.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 import torch
 
+from wicore.engines.fast.penalties import Penalties
 from wicore.ops.transfer import upload
 from wicore.schemas import GenerationParams
 
@@ -46,10 +52,25 @@ class SamplingBatch:
     top_p: torch.Tensor | None = None  # [B] float32, 1 = off (None: off for all rows)
     keys: torch.Tensor | None = None  # [B] int64 noise keys
     suppress: torch.Tensor | None = None  # [B] bool: mask EOS logits (ignore_eos)
+    penalties: Penalties | None = None  # None: no row is penalized
+    top_logprobs: int | None = None  # None: no row asks for logprobs; else the most alternatives a row asks for
 
     @classmethod
-    def build(cls, params: list[GenerationParams], seeds: list[int], indices: list[int], device) -> SamplingBatch:
+    def build(
+        cls,
+        params: list[GenerationParams],
+        seeds: list[int],
+        indices: list[int],
+        device,
+        penalties: Penalties | None = None,
+    ) -> SamplingBatch:
         """`indices`: the index (0 = first new token) of the token each row samples now."""
+        batch = cls._choice(params, seeds, indices, device)
+        logprobs = max((p.top_logprobs for p in params if p.logprobs), default=None)
+        return replace(batch, penalties=penalties, top_logprobs=logprobs)
+
+    @classmethod
+    def _choice(cls, params: list[GenerationParams], seeds: list[int], indices: list[int], device) -> SamplingBatch:
         suppress = None
         if any(p.ignore_eos for p in params):
             suppress = upload([p.ignore_eos for p in params], device, torch.bool)
@@ -69,6 +90,21 @@ class SamplingBatch:
         )
 
 
+@dataclass
+class TokenScores:
+    """Log-probabilities of one step's rows, on the device: of the token each drew, and of the
+    `k` most likely tokens (k = the most any row asked for)."""
+
+    chosen: torch.Tensor  # [B] float32
+    top_ids: torch.Tensor  # [B, k] int64
+    top_logprobs: torch.Tensor  # [B, k] float32
+
+
+class Sampled(NamedTuple):
+    tokens: torch.Tensor  # [B] int64
+    scores: TokenScores | None  # None: no row asked for logprobs
+
+
 class Sampler:
     def __init__(self, vocab_size: int, eos_ids: frozenset[int], device):
         self.eos_ids = torch.tensor(sorted(i for i in eos_ids if i < vocab_size), dtype=torch.int64, device=device)
@@ -76,24 +112,55 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """logits [B, V] -> token ids [B] int64."""
-        logits = logits.float()
-        if batch.suppress is not None and self.eos_ids.numel():
-            eos = logits[:, self.eos_ids]
-            logits = logits.index_copy(1, self.eos_ids, eos.masked_fill(batch.suppress[:, None], float("-inf")))
-        greedy = logits.argmax(dim=-1)
-        if batch.greedy_only:
-            return greedy
-        sampled = self._sample(logits, batch)
-        return torch.where(batch.temperature > 0, sampled, greedy)
+        return self.sample(logits, batch).tokens
 
-    def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> Sampled:
+        """logits [B, V] -> token ids [B], and their log-probabilities where a row asks."""
+        x = self.adjusted(logits, batch)
+        greedy = x.argmax(dim=-1)
+        if batch.greedy_only:
+            return Sampled(greedy, self._scores(x, greedy, batch))
+        warped = self._warped(x, batch)
+        sampled = (warped + self.gumbel(batch.keys)).argmax(dim=-1)
+        drawn = batch.temperature > 0
+        tokens = torch.where(drawn, sampled, greedy)
+        if batch.top_logprobs is None:
+            return Sampled(tokens, None)
+        return Sampled(tokens, self._scores(torch.where(drawn[:, None], warped, x), tokens, batch))
+
+    def adjusted(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """logits [B, V] -> float32 [B, V] after the per-row rules: penalties over the tokens seen,
+        then the token masks (a masked token's logit is -inf)."""
+        x = logits.float()
+        if batch.penalties is not None:
+            x = batch.penalties.apply(x)
+        return self._masked(x, batch)
+
+    def _masked(self, x: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """Token masks: EOS for rows that ignore it."""
+        if batch.suppress is not None and self.eos_ids.numel():
+            eos = x[:, self.eos_ids]
+            x = x.index_copy(1, self.eos_ids, eos.masked_fill(batch.suppress[:, None], float("-inf")))
+        return x
+
+    def _warped(self, x: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """The sampled rows' distribution (as logits): temperature, then top-k and top-p masks."""
         temperature = torch.where(batch.temperature > 0, batch.temperature, torch.ones_like(batch.temperature))
-        x = logits / temperature[:, None]
+        x = x / temperature[:, None]
         if batch.top_k is not None:
             x = mask_top_k(x, batch.top_k)
         if batch.top_p is not None:
             x = mask_top_p(x, batch.top_p)
-        return (x + self.gumbel(batch.keys)).argmax(dim=-1)
+        return x
+
+    @staticmethod
+    def _scores(dist: torch.Tensor, tokens: torch.Tensor, batch: SamplingBatch) -> TokenScores | None:
+        """dist [B, V]: the logits each row's token was drawn from."""
+        if batch.top_logprobs is None:
+            return None
+        logprobs = torch.log_softmax(dist, dim=-1)
+        top = logprobs.topk(batch.top_logprobs, dim=-1)
+        return TokenScores(logprobs.gather(1, tokens[:, None])[:, 0], top.indices, top.values)
 
     def gumbel(self, keys: torch.Tensor) -> torch.Tensor:
         """Gumbel noise [B, V] from the row keys and the vocabulary ids."""

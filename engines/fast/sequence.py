@@ -148,6 +148,8 @@ class TokenState:
 
     generated: list[int] = field(default_factory=list)  # tokens read back so far
     launched: int = 0  # tokens whose sampling has been launched on the device
+    # with params.logprobs: per token read back, its log-probability and (id, log-probability) alternatives
+    scores: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
 
 
 @dataclass(eq=False)
