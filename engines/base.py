@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from wicore import defaults
 from wicore.engines.options import FastOptions
+from wicore.engines.samples import SampleGroups
 from wicore.errors import ConfigError
 from wicore.schemas import FinishReason, GenerationParams, Lane, TokenLogprob
 
@@ -168,10 +169,11 @@ class Engine(abc.ABC):
         return {"requests_seen": self.requests_seen, "unfinished": self.num_unfinished()}
 
     def generate(self, requests: list[EngineRequest]) -> list[Completion]:
-        """Run `requests` to the end; completions in request order."""
-        done = {c.id: c for c in self.add(requests)}
+        """Run `requests` to the end (n samples each); completions in request order."""
+        samples = SampleGroups()
+        done = {c.id: c for c in samples.merge(self.add(samples.split(requests)))}
         while self.num_unfinished():
-            done.update((c.id, c) for c in self.step())
+            done.update((c.id, c) for c in samples.merge(self.step()))
         return [done[r.id] for r in requests]
 
     def close(self) -> None:

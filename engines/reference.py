@@ -178,7 +178,9 @@ class OutputPenalties(LogitsProcessor):
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         output = input_ids[:, self.width :]
-        counts = torch.zeros_like(scores).scatter_add_(1, output, torch.ones(output.shape, dtype=scores.dtype, device=scores.device))
+        counts = torch.zeros_like(scores).scatter_add_(
+            1, output, torch.ones(output.shape, dtype=scores.dtype, device=scores.device)
+        )
         return scores - self.frequency * counts - self.presence * (counts > 0).to(scores.dtype)
 
 
