@@ -31,7 +31,10 @@ def caption_of(path: Path) -> str:
 
 def messages() -> list[dict]:
     url = f"data:image/png;base64,{base64.b64encode(IMAGE.read_bytes()).decode()}"
-    parts = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "Describe this image in detail."}]
+    parts = [
+        {"type": "image_url", "image_url": {"url": url}},
+        {"type": "text", "text": "Describe this image in detail."},
+    ]
     return [{"role": "user", "content": parts}]
 
 
