@@ -160,8 +160,8 @@ def sampling_key(request: EngineRequest) -> tuple:
     seeded sampled request runs alone: `generate` draws every row from one generator, so batch
     mates would change its sample."""
     params = request.params
-    shared = (params.ignore_eos, params.repetition_penalty, params.presence_penalty, params.frequency_penalty)
-    shared += (params.logprobs, params.top_logprobs)
+    penalties = (params.repetition_penalty, params.presence_penalty, params.frequency_penalty)
+    shared = (params.ignore_eos, *penalties, params.logprobs, params.top_logprobs)
     if params.greedy:
         return ("greedy", *shared)
     if params.seed is not None:
@@ -176,7 +176,7 @@ class OutputPenalties(LogitsProcessor):
     def __init__(self, presence: float, frequency: float, width: int):
         self.presence, self.frequency, self.width = presence, frequency, width
 
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.Tensor:
         output = input_ids[:, self.width :]
         counts = torch.zeros_like(scores).scatter_add_(
             1, output, torch.ones(output.shape, dtype=scores.dtype, device=scores.device)
