@@ -13,10 +13,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import Any
 
-if TYPE_CHECKING:  # engines.base runs `Engine.generate` through this module
-    from wicore.engines.base import Completion, EngineRequest
+# engines.base's `EngineRequest` and `Completion` (dataclasses): `Engine.generate` runs through
+# this module, so it names them without importing them.
+EngineRequest = Any
+Completion = Any
 
 SEPARATOR = "#sample"
 
