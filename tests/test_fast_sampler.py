@@ -128,7 +128,7 @@ def test_logprobs_are_of_the_distribution_the_token_was_drawn_from():
         GenerationParams(temperature=0.5, top_k=3, logprobs=True, top_logprobs=5),
         GenerationParams(temperature=1.0),
     ]
-    batch = SamplingBatch.build(params, [1, 2, 3], [0, 0, 0], "cpu")
+    batch = SamplingBatch.build(params, [1, 2, 3], [0, 0, 0], "cpu", top_logprobs=5)
     tokens, scores = Sampler(VOCAB, EOS, "cpu").sample(x, batch)
     assert batch.top_logprobs == 5 and scores.top_ids.shape == (3, 5)
     greedy = torch.log_softmax(x[0], -1)

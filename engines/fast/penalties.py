@@ -56,13 +56,13 @@ class TokenHistory:
     def penalties(self, seqs: Rows[Sequence], indices: Rows[int]) -> Penalties | None:
         """The penalties of a step sampling token `indices[i]` of `seqs[i]`; None when no row is
         penalized. A row's first token (index 0) writes its prompt first."""
-        params = [s.request.params for s in seqs]
-        if not any(p.penalized for p in params):
+        if not any(s.penalized for s in seqs):
             return None
         for seq, index in zip(seqs, indices, strict=True):
-            if index == 0 and seq.request.params.penalized:
+            if index == 0 and seq.penalized:
                 self._write_prompt(seq)
-        lengths = [s.prompt_len + i if p.penalized else 0 for s, i, p in zip(seqs, indices, params, strict=True)]
+        params = [s.request.params for s in seqs]
+        lengths = [s.prompt_len + i if s.penalized else 0 for s, i in zip(seqs, indices, strict=True)]
         starts = [s.prompt_len for s in seqs]
         seen, output = self._gather(seqs, lengths, starts)
         return Penalties(

@@ -63,11 +63,12 @@ class SamplingBatch:
         indices: list[int],
         device,
         penalties: Penalties | None = None,
+        top_logprobs: int | None = None,
     ) -> SamplingBatch:
-        """`indices`: the index (0 = first new token) of the token each row samples now."""
+        """`indices`: the index (0 = first new token) of the token each row samples now;
+        `top_logprobs`: the most alternatives a row asks for (None: no row asks for logprobs)."""
         batch = cls._choice(params, seeds, indices, device)
-        logprobs = max((p.top_logprobs for p in params if p.logprobs), default=None)
-        return replace(batch, penalties=penalties, top_logprobs=logprobs)
+        return replace(batch, penalties=penalties, top_logprobs=top_logprobs)
 
     @classmethod
     def _choice(cls, params: list[GenerationParams], seeds: list[int], indices: list[int], device) -> SamplingBatch:
