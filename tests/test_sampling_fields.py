@@ -112,6 +112,15 @@ def test_n_samples_are_reproducible_distinct_and_share_the_prompts_cached_blocks
     assert one.token_ids == three.samples[0].token_ids and one.samples == []
 
 
+def test_a_seeded_penalized_sample_is_the_same_alone_and_among_others(fast):
+    ask = dict(variant=3, max_new_tokens=12, temperature=0.8, top_p=0.9, seed=21, repetition_penalty=1.2, logprobs=True)
+    [alone] = fast.generate([request("alone", **ask)])
+    crowd = [request(f"mate{i}", variant=i, max_new_tokens=6 + i, temperature=1.0) for i in range(3)]
+    among = {c.id: c for c in fast.generate([crowd[0], request("among", **ask), *crowd[1:]])}["among"]
+    assert among.token_ids == alone.token_ids
+    assert [e.logprob for e in among.logprobs] == pytest.approx([e.logprob for e in alone.logprobs], abs=1e-5)
+
+
 def test_n_samples_on_the_reference_engine_are_reproducible(reference):
     ask = dict(variant=5, max_new_tokens=10, temperature=1.0, seed=11, n=3)
     first, second = (reference.generate([request(tag, **ask)])[0] for tag in ("r1", "r2"))
