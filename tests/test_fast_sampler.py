@@ -112,13 +112,15 @@ def test_penalties_equal_a_row_by_row_reference():
         seen[row, : len(prompt) + len(out)] = torch.tensor(prompt + out)
         output[row, len(prompt) : len(prompt) + len(out)] = torch.tensor(out, dtype=torch.int64)
     floats = lambda name: torch.tensor([getattr(p, name) for p in params])  # noqa: E731
-    penalties = Penalties(
-        floats("presence_penalty"), floats("frequency_penalty"), floats("repetition_penalty"), seen, output
-    )
-    got = penalties.apply(x)
+    slots = (torch.zeros(4, dtype=torch.int64), torch.zeros(4, dtype=torch.int64))
+    values = (floats("presence_penalty"), floats("frequency_penalty"), floats("repetition_penalty"))
+    got = Penalties(None, *values, seen, output, slots).apply(x)
     for row in range(4):
         assert torch.allclose(got[row], naive_penalties(x[row], prompts[row], outputs[row], params[row]))
     assert torch.equal(got[1], x[1]), "a row without penalties keeps its logits"
+    picked = torch.tensor([0, 2, 3])  # only the penalized rows are worked on: the others are copied
+    some = Penalties(picked, *(v[picked] for v in values), seen[picked], output[picked], slots).apply(x)
+    assert torch.equal(some, got)
 
 
 def test_logprobs_are_of_the_distribution_the_token_was_drawn_from():

@@ -394,7 +394,7 @@ class ModelRunner:
         tokens, scores = self.sampler.sample(logits, batch)
         self.last_token.index_copy_(0, _tensor([s.kv.row for s in seqs], self.device), tokens)
         if penalties is not None:
-            self.history.record(seqs, indices, tokens)
+            self.history.record(penalties, tokens)
         for seq in seqs:
             seq.tokens.launched += 1
         return Readback.start(seqs, tokens, scores)

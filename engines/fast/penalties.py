@@ -25,16 +25,28 @@ from wicore.ops.transfer import upload
 
 @dataclass
 class Penalties:
-    """One step's penalties, row by row, on the device."""
+    """One step's penalties on the device, for its P penalized rows (the others are left alone)."""
 
-    presence: torch.Tensor  # [B] float32
-    frequency: torch.Tensor  # [B] float32
-    repetition: torch.Tensor  # [B] float32 (1: off)
-    seen: torch.Tensor  # [B, L] int64: prompt and output tokens; V (the vocabulary size) pads
-    output: torch.Tensor  # [B, L] int64: output tokens alone; V elsewhere
+    rows: torch.Tensor | None  # [P] int64: the penalized rows' places in the batch; None: every row
+    presence: torch.Tensor  # [P] float32
+    frequency: torch.Tensor  # [P] float32
+    repetition: torch.Tensor  # [P] float32 (1: off)
+    seen: torch.Tensor  # [P, L] int64: prompt and output tokens; V (the vocabulary size) pads
+    output: torch.Tensor  # [P, L] int64: output tokens alone; V elsewhere
+    slots: tuple[torch.Tensor, torch.Tensor]  # [P] table rows, [P] positions: where their new tokens go
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
         """x [B, V] float32 -> penalized logits [B, V]."""
+        if self.rows is None:
+            return self._penalized(x)
+        return x.index_copy(0, self.rows, self._penalized(x.index_select(0, self.rows)))
+
+    def picked(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The penalized rows' entries of a [B] tensor."""
+        return tokens if self.rows is None else tokens.index_select(0, self.rows)
+
+    def _penalized(self, x: torch.Tensor) -> torch.Tensor:
+        """x [P, V] -> [P, V]: one scatter each for the tokens seen and the output's counts."""
         rows, vocab = x.shape
         seen = torch.zeros((rows, vocab + 1), dtype=torch.bool, device=x.device).scatter_(1, self.seen, True)
         counts = torch.zeros((rows, vocab + 1), dtype=x.dtype, device=x.device)
@@ -56,40 +68,45 @@ class TokenHistory:
     def penalties(self, seqs: Rows[Sequence], indices: Rows[int]) -> Penalties | None:
         """The penalties of a step sampling token `indices[i]` of `seqs[i]`; None when no row is
         penalized. A row's first token (index 0) writes its prompt first."""
-        if not any(s.penalized for s in seqs):
+        picks = [i for i, s in enumerate(seqs) if s.penalized]
+        if not picks:
             return None
-        for seq, index in zip(seqs, indices, strict=True):
-            if index == 0 and seq.penalized:
+        chosen, at = [seqs[i] for i in picks], [indices[i] for i in picks]
+        for seq, index in zip(chosen, at, strict=True):
+            if index == 0:
                 self._write_prompt(seq)
-        params = [s.request.params for s in seqs]
-        lengths = [s.prompt_len + i if s.penalized else 0 for s, i in zip(seqs, indices, strict=True)]
-        starts = [s.prompt_len for s in seqs]
-        seen, output = self._gather(seqs, lengths, starts)
+        params = [s.request.params for s in chosen]
+        lengths = [s.prompt_len + i for s, i in zip(chosen, at, strict=True)]
+        seen, output = self._gather(chosen, lengths)
+        floats = lambda values: upload(values, self.device, torch.float32)  # noqa: E731
         return Penalties(
-            presence=upload([p.presence_penalty for p in params], self.device, torch.float32),
-            frequency=upload([p.frequency_penalty for p in params], self.device, torch.float32),
-            repetition=upload([p.repetition_penalty for p in params], self.device, torch.float32),
+            rows=None if len(picks) == len(seqs) else upload(picks, self.device, torch.int64),
+            presence=floats([p.presence_penalty for p in params]),
+            frequency=floats([p.frequency_penalty for p in params]),
+            repetition=floats([p.repetition_penalty for p in params]),
             seen=seen,
             output=output,
+            slots=(
+                upload([s.kv.row for s in chosen], self.device, torch.int64),
+                upload(lengths, self.device, torch.int64),
+            ),
         )
 
-    def record(self, seqs: Rows[Sequence], indices: Rows[int], tokens: torch.Tensor) -> None:
-        """Write the tokens just sampled (tokens [B] on the device) at their positions."""
-        rows = upload([s.kv.row for s in seqs], self.device, torch.int64)
-        positions = upload([s.prompt_len + i for s, i in zip(seqs, indices, strict=True)], self.device, torch.int64)
-        self._buffer().index_put_((rows, positions), tokens.to(torch.int32))
+    def record(self, penalties: Penalties, tokens: torch.Tensor) -> None:
+        """Write the penalized rows' tokens just sampled (tokens [B] on the device) at their positions."""
+        self._buffer().index_put_(penalties.slots, penalties.picked(tokens).to(torch.int32))
 
     def _write_prompt(self, seq: Sequence) -> None:
         self._buffer()[seq.kv.row, : seq.prompt_len].copy_(upload(seq.prompt.ids, self.device, torch.int32))
 
-    def _gather(self, seqs: Rows[Sequence], lengths: list[int], starts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """[B, L] seen and output tokens (L: the longest history), V where a row has none."""
+    def _gather(self, seqs: Rows[Sequence], lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """[P, L] seen and output tokens (L: the longest history), V where a row has none."""
         span = max(1, max(lengths))
         rows = upload([s.kv.row for s in seqs], self.device, torch.int64)
         tokens = self._buffer()[rows, :span].to(torch.int64)
         position = torch.arange(span, device=self.device)[None, :]
         seen = position < upload(lengths, self.device, torch.int64)[:, None]
-        output = seen & (position >= upload(starts, self.device, torch.int64)[:, None])
+        output = seen & (position >= upload([s.prompt_len for s in seqs], self.device, torch.int64)[:, None])
         return tokens.masked_fill(~seen, self.vocab), tokens.masked_fill(~output, self.vocab)
 
     def _buffer(self) -> torch.Tensor:
