@@ -130,9 +130,9 @@ def test_logprobs_are_of_the_distribution_the_token_was_drawn_from():
         GenerationParams(temperature=0.5, top_k=3, logprobs=True, top_logprobs=5),
         GenerationParams(temperature=1.0),
     ]
-    batch = SamplingBatch.build(params, [1, 2, 3], [0, 0, 0], "cpu", top_logprobs=5)
+    batch = SamplingBatch.build(params, [1, 2, 3], [0, 0, 0], "cpu", top_logprobs=5, logprob_rows=[0, 1])
     tokens, scores = Sampler(VOCAB, EOS, "cpu").sample(x, batch)
-    assert batch.top_logprobs == 5 and scores.top_ids.shape == (3, 5)
+    assert batch.top_logprobs == 5 and scores.top_ids.shape == (2, 5), "the rows that ask, alone"
     greedy = torch.log_softmax(x[0], -1)
     assert scores.chosen[0] == greedy[tokens[0]] and scores.top_ids[0, 0] == x[0].argmax()
     warped = torch.log_softmax(mask_top_k(x[1:2] / 0.5, torch.tensor([3])), -1)[0]

@@ -64,15 +64,18 @@ class Readback:
 
     def row_scores(self) -> list[RowScores | None]:
         """Per row (after `tokens`): its token's log-probability and the alternatives it asked
-        for, or None where it asked for no logprobs."""
+        for, or None where it asked for no logprobs (the scores hold the asking rows, in order)."""
         if self.scores is None:
             return [None] * len(self.seqs)
-        chosen, ids, values = (t.tolist() for t in vars(self.scores).values())
-        rows = []
-        for seq, lp, top_ids, top_values in zip(self.seqs, chosen, ids, values, strict=True):
-            params = seq.request.params
-            k = params.top_logprobs
-            rows.append((lp, list(zip(top_ids[:k], top_values[:k], strict=True))) if params.logprobs else None)
+        chosen, ids, values = (iter(t.tolist()) for t in vars(self.scores).values())
+        rows: list[RowScores | None] = []
+        for seq in self.seqs:
+            k = seq.top_logprobs
+            if k is None:
+                rows.append(None)
+                continue
+            pairs = list(zip(next(ids)[:k], next(values)[:k], strict=True))
+            rows.append((next(chosen), pairs))
         return rows
 
 

@@ -389,8 +389,9 @@ class ModelRunner:
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor, indices: list[int]) -> Readback:
         params = [s.request.params for s in seqs]
         penalties = self.history.penalties(seqs, indices)
-        logprobs = max((s.top_logprobs for s in seqs if s.top_logprobs is not None), default=None)
-        batch = SamplingBatch.build(params, [s.seed for s in seqs], indices, self.device, penalties, logprobs)
+        asking = [i for i, s in enumerate(seqs) if s.top_logprobs is not None]
+        most = max((seqs[i].top_logprobs or 0 for i in asking), default=None)
+        batch = SamplingBatch.build(params, [s.seed for s in seqs], indices, self.device, penalties, most, asking)
         tokens, scores = self.sampler.sample(logits, batch)
         self.last_token.index_copy_(0, _tensor([s.kv.row for s in seqs], self.device), tokens)
         if penalties is not None:

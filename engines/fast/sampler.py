@@ -54,6 +54,7 @@ class SamplingBatch:
     suppress: torch.Tensor | None = None  # [B] bool: mask EOS logits (ignore_eos)
     penalties: Penalties | None = None  # None: no row is penalized
     top_logprobs: int | None = None  # None: no row asks for logprobs; else the most alternatives a row asks for
+    logprob_rows: torch.Tensor | None = None  # [R] int64: the rows that ask, in order; None: all or none
 
     @classmethod
     def build(
@@ -64,11 +65,20 @@ class SamplingBatch:
         device,
         penalties: Penalties | None = None,
         top_logprobs: int | None = None,
+        logprob_rows: list[int] | None = None,
     ) -> SamplingBatch:
         """`indices`: the index (0 = first new token) of the token each row samples now;
-        `top_logprobs`: the most alternatives a row asks for (None: no row asks for logprobs)."""
+        `top_logprobs`: the most alternatives a row asks for (None: no row asks for logprobs);
+        `logprob_rows`: the rows that ask (None: every row)."""
         batch = cls._choice(params, seeds, indices, device)
-        return replace(batch, penalties=penalties, top_logprobs=top_logprobs)
+        rows = None
+        if top_logprobs is not None and logprob_rows is not None and len(logprob_rows) < len(params):
+            rows = upload(logprob_rows, device, torch.int64)
+        return replace(batch, penalties=penalties, top_logprobs=top_logprobs, logprob_rows=rows)
+
+    def asking(self, rows: torch.Tensor) -> torch.Tensor:
+        """The rows (of a [B, ...] tensor) that ask for logprobs."""
+        return rows if self.logprob_rows is None else rows.index_select(0, self.logprob_rows)
 
     @classmethod
     def _choice(cls, params: list[GenerationParams], seeds: list[int], indices: list[int], device) -> SamplingBatch:
@@ -93,12 +103,12 @@ class SamplingBatch:
 
 @dataclass
 class TokenScores:
-    """Log-probabilities of one step's rows, on the device: of the token each drew, and of the
-    `k` most likely tokens (k = the most any row asked for)."""
+    """Log-probabilities of the R rows of one step that ask for them (`logprob_rows`), on the
+    device: of the token each drew, and of the `k` most likely tokens (k = the most any asks for)."""
 
-    chosen: torch.Tensor  # [B] float32
-    top_ids: torch.Tensor  # [B, k] int64
-    top_logprobs: torch.Tensor  # [B, k] float32
+    chosen: torch.Tensor  # [R] float32
+    top_ids: torch.Tensor  # [R, k] int64
+    top_logprobs: torch.Tensor  # [R, k] float32
 
 
 class Sampled(NamedTuple):
@@ -127,7 +137,8 @@ class Sampler:
         tokens = torch.where(drawn, sampled, greedy)
         if batch.top_logprobs is None:
             return Sampled(tokens, None)
-        return Sampled(tokens, self._scores(torch.where(drawn[:, None], warped, x), tokens, batch))
+        pick = batch.asking
+        return Sampled(tokens, self._scores(torch.where(pick(drawn)[:, None], pick(warped), pick(x)), tokens, batch))
 
     def adjusted(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """logits [B, V] -> float32 [B, V] after the per-row rules: penalties over the tokens seen,
@@ -156,12 +167,15 @@ class Sampler:
 
     @staticmethod
     def _scores(dist: torch.Tensor, tokens: torch.Tensor, batch: SamplingBatch) -> TokenScores | None:
-        """dist [B, V]: the logits each row's token was drawn from."""
+        """dist: the logits each asking row's token was drawn from, [R, V] (or [B, V], the asking
+        rows picked here); tokens [B]."""
         if batch.top_logprobs is None:
             return None
+        if dist.shape[0] == tokens.shape[0]:
+            dist = batch.asking(dist)
         logprobs = torch.log_softmax(dist, dim=-1)
         top = logprobs.topk(batch.top_logprobs, dim=-1)
-        return TokenScores(logprobs.gather(1, tokens[:, None])[:, 0], top.indices, top.values)
+        return TokenScores(logprobs.gather(1, batch.asking(tokens)[:, None])[:, 0], top.indices, top.values)
 
     def gumbel(self, keys: torch.Tensor) -> torch.Tensor:
         """Gumbel noise [B, V] from the row keys and the vocabulary ids."""
