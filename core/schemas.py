@@ -15,7 +15,17 @@ from enum import Enum
 from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, field_serializer, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    field_serializer,
+    model_serializer,
+    model_validator,
+)
 
 from wicore import defaults
 from wicore.errors import OverLimit
@@ -414,6 +424,18 @@ class CaptionResult(Strict):
     model: str
     logprobs: tuple[TokenLogprob, ...] | None = None  # with params.logprobs: one per token of `token_ids`
     choices: tuple[Choice, ...] = ()  # params.n > 1: every sample, the first one's fields repeated above
+
+    @model_serializer(mode="wrap")
+    def _asked_for_only(self, handler: SerializerFunctionWrapHandler):
+        """`logprobs` and `choices` are written only when the request asked for them: a result
+        without them costs Redis no more bytes. (No return annotation: the JSON schema stays the
+        model's own.)"""
+        data = handler(self)
+        if data.get("logprobs") is None:
+            data.pop("logprobs", None)
+        if not data.get("choices"):
+            data.pop("choices", None)
+        return data
 
 
 class ManifestImagePart(Strict):
