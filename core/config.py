@@ -41,6 +41,7 @@ from wicore.engines import ENGINES
 from wicore.engines.options import FastOptions
 from wicore.errors import ConfigError
 from wicore.redaction import redact, split_password, with_password
+from wicore.schemas import SamplingLimits
 
 CONFIG_ENV = "WICORE_CONFIG"  # path of a TOML file; `--config` wins over it
 ENGINE_NAMES = ("auto", *ENGINES)  # auto: fast on CUDA, else reference
@@ -98,6 +99,8 @@ class Settings(BaseSettings):
     max_image_bytes: int = Field(defaults.MAX_IMAGE_BYTES, ge=1)  # an image's encoded size; 32 MiB
     max_image_pixels: int = Field(defaults.MAX_IMAGE_PIXELS, ge=1)  # width x height of an image; 50 M
     max_images_per_request: int = Field(defaults.MAX_IMAGES_PER_REQUEST, ge=0, le=1024)  # images in one job; 8
+    max_n: int = Field(defaults.MAX_N, ge=1, le=128)  # samples one request may ask for (`n`); 16
+    max_logprobs: int = Field(defaults.MAX_LOGPROBS, ge=0, le=1024)  # alternatives per token (`top_logprobs`); 20
     # Full-size pixel memory a worker's concurrent image decodes hold, in its threads or its decode
     # processes together; an image that needs more decodes alone. 512 MiB: two 50 Mpx RGB at once.
     decode_budget_bytes: int = Field(defaults.DECODE_BUDGET_BYTES, ge=2**20)
@@ -163,6 +166,10 @@ class Settings(BaseSettings):
     # Admission control (producer/admission.py): past the cap, HTTP 429 with Retry-After, QueueFull from the Producer.
     max_queued_jobs: int = Field(defaults.MAX_QUEUED_JOBS, ge=0)  # queued jobs per model and lane (0: none); 100000
     max_queued_high_jobs: int = Field(defaults.MAX_QUEUED_HIGH_JOBS, ge=0)  # the high lane's own cap (0: none); 1000
+
+    @property
+    def sampling_limits(self) -> SamplingLimits:
+        return SamplingLimits(max_n=self.max_n, max_logprobs=self.max_logprobs)
 
     @property
     def s3_endpoint(self) -> str | None:

@@ -81,6 +81,14 @@ class TooManyImages(JobInputError):
     """More images in one request than the setting max_images_per_request allows."""
 
 
+class OverLimit(JobInputError):
+    """A request field over the deployment's cap (max_n, max_logprobs); `param` names the field."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(f"{param}: {message}")
+        self.param = param
+
+
 class PromptTooLong(JobInputError):
     """The prompt plus image tokens plus max_new_tokens exceed what the engine can hold."""
 

@@ -3,9 +3,16 @@ to the character on where a sequence ends (EOS, stop string, length)."""
 
 from __future__ import annotations
 
+import math
+import re
+from collections.abc import Sequence
 from pathlib import Path
 
-from wicore.schemas import FinishReason, GenerationParams
+from wicore.schemas import FinishReason, GenerationParams, TokenLogprob, TopLogprob
+
+# OpenAI's stand-in for the log-probability of a token that cannot be drawn (JSON has no -inf)
+IMPOSSIBLE_LOGPROB = -9999.0
+BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # a byte-fallback token: one byte of UTF-8
 
 
 def stop_token_ids(model_dir: str | Path, tokenizer) -> frozenset[int]:
@@ -53,3 +60,24 @@ def finish_sequence(
 def first_stop(text: str, stops: tuple[str, ...]) -> int | None:
     hits = [i for i in (text.find(s) for s in stops) if i >= 0]
     return min(hits) if hits else None
+
+
+def token_logprobs(
+    tokenizer, ids: Sequence[int], scores: Sequence[tuple[float, Sequence[tuple[int, float]]]]
+) -> list[TokenLogprob]:
+    """OpenAI's per-token entries: `scores[i]` is token `ids[i]`'s log-probability and its
+    (id, log-probability) alternatives, best first."""
+    entries = []
+    for token, (logprob, top) in zip(ids, scores, strict=True):
+        alternatives = tuple(_candidate(tokenizer, i, lp) for i, lp in top)
+        entries.append(TokenLogprob(**_candidate(tokenizer, token, logprob).model_dump(), top_logprobs=alternatives))
+    return entries
+
+
+def _candidate(tokenizer, token: int, logprob: float) -> TopLogprob:
+    piece = tokenizer.convert_ids_to_tokens(token)
+    text = tokenizer.decode([token])
+    byte = BYTE_TOKEN.fullmatch(piece) if isinstance(piece, str) else None
+    raw = (int(byte.group(1), 16),) if byte else tuple(text.encode("utf-8"))
+    finite = logprob if math.isfinite(logprob) else IMPOSSIBLE_LOGPROB
+    return TopLogprob(token=text, logprob=max(finite, IMPOSSIBLE_LOGPROB), bytes=raw)

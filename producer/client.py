@@ -273,6 +273,7 @@ class Producer:
         if len(images) > self.config.max_images_per_request:
             limit = self.config.max_images_per_request
             raise TooManyImages(f"{len(images)} images in one request; at most {limit} (max_images_per_request)")
+        self.config.sampling.check(submission.params)
         refs, blobs = [], {}
         for image in images:
             ref, data = prepare_image(image, by_path=self.config.by_path, limit=self.config.max_image_bytes)

@@ -8,7 +8,7 @@ from typing import Any, NamedTuple
 
 from wicore import defaults
 from wicore.redaction import masked_url
-from wicore.schemas import CaptionJob, ChatMessage, GenerationParams, Lane
+from wicore.schemas import CaptionJob, ChatMessage, GenerationParams, Lane, SamplingLimits
 
 ImageInput = str | Path | bytes  # an image reference (prepare_image reads it) or the image's bytes
 
@@ -64,6 +64,7 @@ class ProducerConfig:
     job_timeout_s: int = 3_600
     max_image_bytes: int = defaults.MAX_IMAGE_BYTES
     max_images_per_request: int = defaults.MAX_IMAGES_PER_REQUEST
+    sampling: SamplingLimits = field(default_factory=SamplingLimits)  # max_n, max_logprobs
     notify: bool = True  # workers push each ended job to this producer's list (`wait` reads it)
     # Admission control (admission.py): queued jobs per lane of the model past which `QueueFull` is raised; 0: none.
     max_queued_jobs: int = 0  # the normal and low lanes, each

@@ -270,3 +270,27 @@ def test_an_unknown_preset_is_refused_before_anything_runs(tmp_path):
         "error: unknown preset 'gemma3-70b'; choose one of gemma3-4b, gemma3-12b, gemma3-27b\n",
     )
     assert not any(tmp_path.iterdir()), "nothing made, nothing run"
+
+
+def test_bench_with_sampling_parameters_runs_both_sides_on_the_same_images(tmp_path, tiny_model_dir, capsys):
+    """`--sampling JSON`: the product without and with the parameters on every job, one run."""
+    from wicore.bench.caption_sampling import run_sampling_bench
+    from wicore.bench.report import print_sampling_report, write_sampling_report
+    from wicore.cli.bench import sampling_params
+
+    sampling = sampling_params(
+        '{"repetition_penalty": 1.1, "presence_penalty": 0.5, "logprobs": true, "top_logprobs": 2}'
+    )
+    bench = CaptionBench(
+        workdir=tmp_path, images=6, new_tokens=4, batch_size=4, engine="fast", warmup_images=2, device="cpu",
+        model_dir=tiny_model_dir, hf_peers=False, decode_processes=0,
+    )  # fmt: skip
+    report = run_sampling_bench(bench, sampling, ceilings=Ceilings(1e12, 1e11, 1e10))
+    variant = report["sampling"]
+    assert report["error_count"] == variant["error_count"] == 0 and variant["images_per_s_ratio"] > 0
+    assert variant["params"] == sampling and report["command"].endswith(
+        """--sampling '{"logprobs": true, "presence_penalty": 0.5, "repetition_penalty": 1.1, "top_logprobs": 2}'"""
+    )
+    print_sampling_report(report)
+    assert "images/s ratio" in capsys.readouterr().out
+    assert write_sampling_report(report, tmp_path / "results")[0].name.startswith("caption-gemma3-4b-sampling-")

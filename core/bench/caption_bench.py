@@ -56,6 +56,7 @@ class CaptionBench:
     decode_processes: int | None = None  # the worker's `--decode-processes`; None: its default
     sample_stacks: bool = False  # the worker's loop thread sampled (`stack_sampler`): `host_stacks` in the JSON
     variant: str = "one-image"  # what a prompt holds (`caption_variants.VARIANTS`)
+    sampling: dict = field(default_factory=dict)  # GenerationParams fields on every job (penalties, logprobs, n)
 
 
 def device_name(device: str) -> str:
@@ -115,7 +116,7 @@ def run_product(
     from wicore.schemas import GenerationParams
     from wicore.worker.status import published_stats
 
-    params = GenerationParams(max_new_tokens=bench.new_tokens, ignore_eos=True)
+    params = GenerationParams(max_new_tokens=bench.new_tokens, ignore_eos=True, **bench.sampling)
     with EmbeddedRedis() as server, busy_sampler(bench.device) as busy:
         command = worker_command(bench, server.url, model_dir, timed[0].parent, gpus)
         stacks = log.with_name("worker-stacks.json")
@@ -398,6 +399,11 @@ def bench_command(bench: CaptionBench, dtype: str | None = None) -> str:
     words += [] if bench.decode_processes is None else [f"--decode-processes {bench.decode_processes}"]
     words += ["--sample-stacks"] if bench.sample_stacks else []
     return " ".join(words + engine_option_words(bench.engine_options))
+
+
+def sampling_words(sampling: dict) -> list[str]:
+    """`--sampling` as the command line gives it (shell-quoted JSON)."""
+    return [f"--sampling '{json.dumps(sampling, sort_keys=True)}'"] if sampling else []
 
 
 def startup_report(stats: dict) -> dict:

@@ -43,6 +43,12 @@ def write_fp8_report(report: dict, folder: Path) -> list[Path]:
     return write_with_plot(report, folder / f"caption-{run_name(report)}-fp8-{gpu_slug(report['gpu'])}", plot_fp8)
 
 
+def write_sampling_report(report: dict, folder: Path) -> list[Path]:
+    """caption-<preset>-sampling-<gpu>.json and .png (the run without the parameters plotted)."""
+    stem = folder / f"caption-{preset_of(report)}-sampling-{gpu_slug(report['gpu'])}"
+    return write_with_plot(report, stem, plot_caption)
+
+
 def write_scaling_report(report: dict, folder: Path) -> list[Path]:
     """caption-<preset>-<gpu>-x<N>.json and .png (caption-<preset>-fp8-<gpu>-x<N> with FP8 GEMMs)."""
     dtype = "fp8-" if report.get("gemm_dtype") == "fp8" else ""
@@ -160,6 +166,22 @@ def print_caption_report(report: dict) -> None:
     ]
     for name, value in rows:
         table.add_row(name, value)
+    Console().print(table)
+
+
+def print_sampling_report(report: dict) -> None:
+    print_caption_report(report)
+    variant = report["sampling"]
+    table = Table("metric", "plain", "with the parameters", title=f"the same images, the same run: {variant['params']}")
+    rows = [
+        ("images/s", f"{report['images_per_s']:.2f}", f"{variant['images_per_s']:.2f}"),
+        ("output tokens/s", f"{report['output_tokens_per_s']:.0f}", f"{variant['output_tokens_per_s']:.0f}"),
+        ("job latency p50", f"{report['latency_p50_s']:.2f} s", f"{variant['latency_p50_s']:.2f} s"),
+        ("images/s ratio", "", f"{variant['images_per_s_ratio']:.3f}"),
+        ("errors", str(report["error_count"]), str(variant["error_count"])),
+    ]
+    for row in rows:
+        table.add_row(*row)
     Console().print(table)
 
 

@@ -255,6 +255,13 @@ def caption(
         "and unbounded, in the same run (no HF peer): images/s and Redis' memory peak of each, "
         "caption-window-<preset>-<gpu>.json.",
     ),
+    sampling: str = typer.Option(
+        None,
+        help='Generation parameters as JSON, e.g. \'{"repetition_penalty": 1.1, "frequency_penalty": 0.5, '
+        '"logprobs": true, "top_logprobs": 5}\': a second product run on the same images in the same run with '
+        "them on every job, beside the usual one: caption-<preset>-sampling-<gpu>.json (its `sampling` key).",
+        show_default=False,
+    ),
     workdir: Path = typer.Option(Path("/tmp/wicore-bench"), help="Scratch folder (model config, images, logs)."),
     out: Path = typer.Option(Path("bench/results"), help="Folder for the JSON and the PNG."),
     as_json: bool = typer.Option(False, "--json", help="End with one JSON line."),
@@ -262,7 +269,7 @@ def caption(
     """Bulk captioning on the GPU: the whole product vs HF generate, with the roofline; with
     --gpus N, the whole product on N GPUs vs on one; with --dtype fp8, bf16 vs FP8 GEMMs; with
     --variant, two images a prompt or text only; with --compare-window, the flow-control window at its
-    default vs unbounded."""
+    default vs unbounded; with --sampling, without vs with those generation parameters on every job."""
     require(PLOTS)
     from wicore.bench.caption_bench import CaptionBench
     from wicore.bench.caption_fp8 import fp8_variant
@@ -294,7 +301,11 @@ def caption(
         gpus=gpus,
         variant=variant,
     )
-    if compare_window:
+    if sampling is not None:
+        if gpus or dtype == "fp8":
+            raise ConfigError("--sampling runs on its own: without --gpus and --dtype fp8")
+        report = caption_sampling(bench, sampling_params(sampling), out)
+    elif compare_window:
         report = caption_window(bench, out)
     elif gpus:
         report = caption_scaling(fp8_variant(bench) if dtype == "fp8" else bench, out)
@@ -332,6 +343,35 @@ def caption_vs_hf(bench, out: Path) -> dict:
     for path in write_caption_report(report, out):
         console.print(f"wrote {path}")
     print_caption_report(report)
+    return report
+
+
+def sampling_params(text: str) -> dict:
+    """`--sampling`'s JSON, checked as generation parameters (a bad one is a ConfigError naming it)."""
+    from pydantic import ValidationError
+
+    from wicore.errors import ConfigError
+    from wicore.schemas import GenerationParams
+
+    try:
+        given = json.loads(text)
+        GenerationParams.model_validate(given)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"--sampling: not JSON ({exc})") from None
+    except ValidationError as exc:
+        raise ConfigError.from_validation(exc, GenerationParams, "--sampling field") from None
+    if not isinstance(given, dict) or not given:
+        raise ConfigError("--sampling: give a JSON object of generation parameters")
+    return given
+
+
+def caption_sampling(bench, sampling: dict, out: Path) -> dict:
+    from wicore.bench.caption_sampling import run_sampling_bench
+    from wicore.bench.report import print_sampling_report, write_sampling_report
+
+    report = run_sampling_bench(bench, sampling)
+    console.print("\n".join(f"wrote {path}" for path in write_sampling_report(report, out)))
+    print_sampling_report(report)
     return report
 
 

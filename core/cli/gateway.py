@@ -100,6 +100,7 @@ def gateway_config(settings: Settings):
         max_queued_jobs=settings.max_queued_jobs,
         max_queued_high_jobs=settings.max_queued_high_jobs,
         release_blobs=True,  # blobs leave Redis with their last job, not a day later
+        sampling=settings.sampling_limits,
     )
     return GatewayConfig(
         redis_url=settings.redis_url or "",

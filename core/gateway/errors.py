@@ -147,7 +147,7 @@ def install_error_handlers(app: FastAPI) -> None:
         if isinstance(exc, FileStoreUnavailable):
             log.warning("%s", exc)
             return error_response(503, f"{exc}; retry shortly", headers=RETRY_DOWN)
-        return error_response(wicore_error_status(exc), str(exc))
+        return error_response(wicore_error_status(exc), str(exc), getattr(exc, "param", None))
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:

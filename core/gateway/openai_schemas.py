@@ -12,7 +12,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from wicore.gateway.errors import ApiError
 from wicore.gateway.images import image_from_url
 from wicore.producer import Submission
-from wicore.schemas import CaptionResult, ChatMessage, GenerationParams, ImagePart, Lane, TextPart
+from wicore.schemas import CaptionResult, ChatMessage, GenerationParams, ImagePart, Lane, TextPart, TokenLogprob
+from wicore.schemas import Choice as Sample
 
 
 class ImageURL(BaseModel):
@@ -53,7 +54,12 @@ class ChatCompletionRequest(BaseModel):
     top_p: float | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
-    n: int = 1
+    n: int = Field(1, description="Choices, each sampled with its own seed (at most the setting max_n).")
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, description="With logprobs: alternatives per token (at most max_logprobs).")
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None  # transformers' (vLLM's extra field too)
     stream: bool = False
     stream_options: dict[str, Any] | None = None
     user: str | None = None
@@ -67,11 +73,15 @@ class AssistantMessage(BaseModel):
     content: str
 
 
+class ChoiceLogprobs(BaseModel):
+    content: list[TokenLogprob]
+
+
 class Choice(BaseModel):
     index: int = 0
     message: AssistantMessage
     finish_reason: Literal["stop", "length"]
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None
 
 
 class Usage(BaseModel):
@@ -105,8 +115,6 @@ class ModelList(BaseModel):
 def check_supported(request: ChatCompletionRequest) -> None:
     if request.stream:
         raise ApiError(400, "stream: streaming is not supported yet; send stream: false", param="stream")
-    if request.n != 1:
-        raise ApiError(400, "n: only one choice per request is supported; send n: 1", param="n")
 
 
 def generation_params(request: ChatCompletionRequest) -> GenerationParams:
@@ -118,6 +126,12 @@ def generation_params(request: ChatCompletionRequest) -> GenerationParams:
         "seed": request.seed,
         "stop": (request.stop,) if isinstance(request.stop, str) else request.stop,
         "ignore_eos": request.ignore_eos or None,
+        "n": request.n,
+        "logprobs": request.logprobs,
+        "top_logprobs": request.top_logprobs,
+        "presence_penalty": request.presence_penalty,
+        "frequency_penalty": request.frequency_penalty,
+        "repetition_penalty": request.repetition_penalty,
     }
     return GenerationParams(**{k: v for k, v in fields.items() if v is not None})
 
@@ -149,8 +163,24 @@ def _message(message: Message, index: int, images: list, roots: tuple[Path, ...]
     return ChatMessage(role=role, content=parts)
 
 
-def finish_reason(result: CaptionResult) -> Literal["stop", "length"]:
+def finish_reason(result: CaptionResult | Sample) -> Literal["stop", "length"]:
     return "length" if result.finish_reason == "length" else "stop"
+
+
+def choices(result: CaptionResult) -> list[Choice]:
+    """One choice per sample (n of them), in index order."""
+    samples = result.choices or (
+        Sample(index=0, **result.model_dump(include={"text", "finish_reason", "token_ids", "logprobs"})),
+    )
+    return [
+        Choice(
+            index=sample.index,
+            message=AssistantMessage(content=sample.text),
+            finish_reason=finish_reason(sample),
+            logprobs=None if sample.logprobs is None else ChoiceLogprobs(content=list(sample.logprobs)),
+        )
+        for sample in samples
+    ]
 
 
 def chat_completion(result: CaptionResult, model: str) -> ChatCompletion:
@@ -158,7 +188,7 @@ def chat_completion(result: CaptionResult, model: str) -> ChatCompletion:
         id=f"chatcmpl-{result.job_id}",
         created=int(time.time()),
         model=model,
-        choices=[Choice(message=AssistantMessage(content=result.text), finish_reason=finish_reason(result))],
+        choices=choices(result),
         usage=Usage(
             prompt_tokens=result.prompt_tokens,
             completion_tokens=result.output_tokens,

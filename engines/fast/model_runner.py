@@ -33,6 +33,7 @@ from wicore.engines.fast.attention_backends import PagedAttention, PrefillAttent
 from wicore.engines.fast.device_handles import PhaseClock, Readback
 from wicore.engines.fast.graph_runner import GraphRunner, ShapeGraphs
 from wicore.engines.fast.model.weights import Gemma3Parts
+from wicore.engines.fast.penalties import TokenHistory
 from wicore.engines.fast.prefill_batch import (
     ENDS,
     IDS,
@@ -90,6 +91,8 @@ class ModelRunner:
             (len(layout.groups), max_rows + 1, layout.table_width), dtype=torch.int32, device=device
         )
         self.last_token = torch.zeros(max_rows + 1, dtype=torch.int64, device=device)
+        width = layout.table_width * layout.block_size
+        self.history = TokenHistory(max_rows, width, self.text_config.vocab_size, self.device)  # penalized rows
         # Prefill/decode get a high-priority stream so their small kernels slot in between the
         # vision tower's long GEMMs on the (normal-priority) side stream.
         self.main_stream = torch.cuda.Stream(self.device, priority=-1) if self.cuda else None
@@ -385,12 +388,17 @@ class ModelRunner:
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor, indices: list[int]) -> Readback:
         params = [s.request.params for s in seqs]
-        batch = SamplingBatch.build(params, [s.seed for s in seqs], indices, self.device)
-        tokens = self.sampler(logits, batch)
+        penalties = self.history.penalties(seqs, indices)
+        asking = [i for i, s in enumerate(seqs) if s.top_logprobs is not None]
+        most = max((seqs[i].top_logprobs or 0 for i in asking), default=None)
+        batch = SamplingBatch.build(params, [s.seed for s in seqs], indices, self.device, penalties, most, asking)
+        tokens, scores = self.sampler.sample(logits, batch)
         self.last_token.index_copy_(0, _tensor([s.kv.row for s in seqs], self.device), tokens)
+        if penalties is not None:
+            self.history.record(penalties, tokens)
         for seq in seqs:
             seq.tokens.launched += 1
-        return Readback.start(seqs, tokens)
+        return Readback.start(seqs, tokens, scores)
 
 
 def _tensor(values: list[int], device) -> torch.Tensor:

@@ -43,6 +43,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from enum import Enum
+from functools import cached_property
 
 import numpy as np
 import torch
@@ -148,6 +149,8 @@ class TokenState:
 
     generated: list[int] = field(default_factory=list)  # tokens read back so far
     launched: int = 0  # tokens whose sampling has been launched on the device
+    # with params.logprobs: per token read back, its log-probability and (id, log-probability) alternatives
+    scores: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
 
 
 @dataclass(eq=False)
@@ -195,6 +198,17 @@ class Sequence:
     @property
     def max_new(self) -> int:
         return self.request.params.max_new_tokens
+
+    @cached_property
+    def penalized(self) -> bool:
+        """Some penalty changes its logits: the sampler counts the tokens it has seen."""
+        return self.request.params.penalized
+
+    @cached_property
+    def top_logprobs(self) -> int | None:
+        """Alternatives per token it asks for (0: its token's log-probability alone); None: no logprobs."""
+        params = self.request.params
+        return params.top_logprobs if params.logprobs else None
 
     @property
     def max_len(self) -> int:
