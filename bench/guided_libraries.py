@@ -138,7 +138,11 @@ def main(out: str) -> None:
     torch.set_num_threads(2)
     for name, tokenizer in tokenizers().items():
         vocab = len(tokenizer)
-        row = {"vocab": vocab, "xgrammar": xgrammar_figures(tokenizer, vocab), "llguidance": llguidance_figures(tokenizer, vocab)}
+        row = {
+            "vocab": vocab,
+            "xgrammar": xgrammar_figures(tokenizer, vocab),
+            "llguidance": llguidance_figures(tokenizer, vocab),
+        }
         results["by_tokenizer"][name] = row
         print(name, json.dumps(row, indent=1))
     Path(out).write_text(json.dumps(results, indent=2) + "\n")

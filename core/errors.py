@@ -77,6 +77,11 @@ class TooManyImages(JobInputError):
     """More images in one request than the setting max_images_per_request allows."""
 
 
+class BadGrammar(JobInputError):
+    """A `guided` spec that cannot be a grammar (a malformed JSON schema, a regex that does not
+    compile), or one this worker cannot enforce (no `guided` extra installed)."""
+
+
 class PromptTooLong(JobInputError):
     """The prompt plus image tokens plus max_new_tokens exceed what the engine can hold."""
 

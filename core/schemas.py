@@ -168,7 +168,43 @@ Temperature = Annotated[float, Field(ge=0.0, le=100.0)]  # 0 = greedy
 TopP = Annotated[float, Field(gt=0.0, le=1.0)]
 TopK = Annotated[int, Field(ge=0)]  # 0 = off
 Seed = Annotated[int, Field(ge=0, lt=2**63)]
-GENERATION_KEYS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop")  # a manifest line's too
+GENERATION_KEYS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "guided")  # a manifest line's too
+MAX_GUIDED_JSON_BYTES = 65_536  # a schema, regex or choice list larger than this is refused unread
+MAX_GUIDED_CHOICES = 1024
+
+
+def small_json(value: Any) -> Any:
+    size = len(json.dumps(value, separators=(",", ":"), ensure_ascii=False))
+    if size > MAX_GUIDED_JSON_BYTES:
+        raise ValueError(f"{size} bytes of JSON; at most {MAX_GUIDED_JSON_BYTES}")
+    return value
+
+
+class GuidedSpec(Strict):
+    """Output constrained token by token (engines/guided.py): exactly one of a JSON schema the
+    text validates against, a regular expression it matches whole, or a list of strings it is
+    one of. Part of the job's identity (its params)."""
+
+    json_schema: Annotated[dict[str, Any], BeforeValidator(shallow), AfterValidator(small_json)] | None = None
+    regex: Annotated[Text, Field(min_length=1, max_length=MAX_GUIDED_JSON_BYTES)] | None = None
+    choice: Annotated[tuple[Annotated[Text, Field(min_length=1)], ...], AfterValidator(small_json)] | None = Field(
+        None, min_length=1, max_length=MAX_GUIDED_CHOICES
+    )
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> GuidedSpec:
+        given = [name for name in ("json_schema", "regex", "choice") if getattr(self, name) is not None]
+        if len(given) != 1:
+            raise ValueError(f"give exactly one of json_schema, regex and choice (got {', '.join(given) or 'none'})")
+        return self
+
+    @property
+    def kind(self) -> str:
+        return next(name for name in ("json_schema", "regex", "choice") if getattr(self, name) is not None)
+
+    def canonical(self) -> str:
+        """Its JSON with sorted keys: equal specs, equal text (the grammar cache's key)."""
+        return json.dumps(self.model_dump(mode="json", exclude_none=True), sort_keys=True, separators=(",", ":"))
 
 
 def nonempty_stops(stop: tuple[str, ...]) -> tuple[str, ...]:
@@ -191,6 +227,13 @@ class GenerationParams(Strict):
     seed: Seed | None = None
     stop: Stops = ()
     ignore_eos: bool = False  # generate exactly max_new_tokens (benchmarks)
+    guided: GuidedSpec | None = None  # the output's grammar: a JSON schema, a regex or a choice
+
+    @model_validator(mode="after")
+    def _guided_ends(self) -> GenerationParams:
+        if self.guided is not None and self.ignore_eos:
+            raise ValueError("guided: a guided output ends where its grammar does; drop ignore_eos")
+        return self
 
     @property
     def greedy(self) -> bool:
@@ -371,6 +414,11 @@ class ManifestEntry(Strict):
     top_k: TopK | None = Field(None, description="0 = off.")
     seed: Seed | None = Field(None, description="Sampling seed: the same text every time.")
     stop: Text | Stops | None = Field(None, description="A stop string, or a list of them.")
+    guided: GuidedSpec | None = Field(
+        None,
+        description='The output\'s grammar, one of {"json_schema": {...}}, {"regex": "..."}, {"choice": [...]}: '
+        "enforced token by token (docs/guides/structured-outputs.md).",
+    )
     params: GenerationParams | None = Field(None, description="The generation parameters as one object.")
     metadata: Annotated[dict[str, Any], BeforeValidator(shallow)] = Field(
         {}, description="Anything of yours: kept with the job, not part of its id."

@@ -12,6 +12,7 @@ import logging
 from collections import defaultdict
 
 import torch
+from transformers import LogitsProcessorList
 
 from wicore.engines.base import (
     Completion,
@@ -25,6 +26,7 @@ from wicore.engines.base import (
 )
 from wicore.engines.chat_inputs import ChatInputs, check_chat_model
 from wicore.engines.checkpoint import load_hf_model, load_processor
+from wicore.engines.guided import Grammars, GuidedLogitsProcessor
 from wicore.engines.text import finish_sequence, stop_token_ids
 from wicore.errors import ConfigError, JobInputError, PromptTooLong
 from wicore.ops.image_preprocess import PreprocessSpec
@@ -44,7 +46,9 @@ class ReferenceEngine(StaticBatchEngine):
         self.tokenizer = self.inputs.tokenizer
         self.model = load_hf_model(config.model_dir, config.device, config.dtype, config.seed)
         self.eos_ids = stop_token_ids(config.model_dir, self.tokenizer)
-        self.max_len = self.model.config.get_text_config().max_position_embeddings
+        text_config = self.model.config.get_text_config()
+        self.max_len = text_config.max_position_embeddings
+        self.grammars = Grammars(self.tokenizer, text_config.vocab_size, self.eos_ids)
         self._image_size = plain_resize_size(self.processor)
 
     def image_size(self) -> tuple[int, int] | None:
@@ -58,6 +62,8 @@ class ReferenceEngine(StaticBatchEngine):
         for request in requests:
             try:
                 text = self._prompt_text(request)
+                if request.params.guided is not None:
+                    self.grammars.compiled(request.params.guided)  # a bad one fails here, alone
             except JobInputError as error:
                 done.append(failed(request.id, error, input_error=True))
                 continue
@@ -113,6 +119,7 @@ class ReferenceEngine(StaticBatchEngine):
             top_k=first.top_k if not first.greedy else None,
             eos_token_id=sorted(self.eos_ids),
             pad_token_id=self.tokenizer.pad_token_id,
+            logits_processor=self._guided(group, inputs["input_ids"].shape[1]),
         )
         new_tokens = output[:, inputs["input_ids"].shape[1] :].tolist()
         engine_s = clock.elapsed()
@@ -121,6 +128,13 @@ class ReferenceEngine(StaticBatchEngine):
             ids, text, reason = finish_sequence(self.tokenizer, tokens, request.params, self.eos_ids)
             completions.append(Completion(request.id, text, ids, reason, prompt_tokens=prompt_len, engine_s=engine_s))
         return completions
+
+    def _guided(self, group: list[EngineRequest], prompt_len: int) -> LogitsProcessorList | None:
+        """The grammar rows of a batch (None: no request in it is guided)."""
+        states = [self.grammars.state(r.params.guided) for r in group]
+        if all(state is None for state in states):
+            return None
+        return LogitsProcessorList([GuidedLogitsProcessor(states, prompt_len)])
 
 
 def plain_resize_size(processor) -> tuple[int, int] | None:

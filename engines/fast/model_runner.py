@@ -29,6 +29,7 @@ from contextlib import nullcontext
 import numpy as np
 import torch
 
+from wicore.engines import guided
 from wicore.engines.fast.attention_backends import PagedAttention, PrefillAttention, layer_specs
 from wicore.engines.fast.device_handles import PhaseClock, Readback
 from wicore.engines.fast.graph_runner import GraphRunner, ShapeGraphs
@@ -384,13 +385,19 @@ class ModelRunner:
     # -- sampling ---------------------------------------------------------------------------
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor, indices: list[int]) -> Readback:
+        """The grammars' masks are filled here, after the forward's launch: on CUDA the host
+        reads the last step's tokens and fills them while the device runs the forward."""
+        grammars = [s.grammar for s in seqs]
+        logits = guided.mask_logits(logits, guided.catch_up(grammars))
         params = [s.request.params for s in seqs]
         batch = SamplingBatch.build(params, [s.seed for s in seqs], indices, self.device)
         tokens = self.sampler(logits, batch)
         self.last_token.index_copy_(0, _tensor([s.kv.row for s in seqs], self.device), tokens)
         for seq in seqs:
             seq.tokens.launched += 1
-        return Readback.start(seqs, tokens)
+        readback = Readback.start(seqs, tokens)
+        guided.track(grammars, readback.tokens)
+        return readback
 
 
 def _tensor(values: list[int], device) -> torch.Tensor:
