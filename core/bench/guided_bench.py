@@ -1,0 +1,144 @@
+"""Structured outputs on the demo captioner: how often a JSON-schema output (`guided`) names the
+true shape, colour and background of a generated image, against the free-text caption's words
+(and a regex output in the captioner's own phrasing).
+
+The images are the demo captioner's own task (`democap.data`, seeded, as examples/make_images.py
+draws them). Each image runs three times on one engine, in one batch: free (its caption), guided by
+`SCHEMA` (enums of the captioner's words) and by `CAPTION_REGEX`. Every guided output must parse and validate; the
+fields of both are compared with the truth.
+
+python -m wicore.bench.guided_bench --images 200 --out bench/results/guided-democap-2cpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from wicore.models.corpus import COLORS, SHAPES
+
+FIELDS = ("shape", "color", "background")
+SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {"shape": {"enum": SHAPES}, "color": {"enum": COLORS}, "background": {"enum": COLORS}},
+    "required": list(FIELDS),
+    "additionalProperties": False,
+}
+_words = lambda words: "(" + "|".join(words) + ")"  # noqa: E731
+# The captioner's own phrasing as a grammar: what enforcement costs when it admits the model's form.
+CAPTION_REGEX = f"(a|an) {_words(COLORS)} {_words(SHAPES)} on (a|an) {_words(COLORS)} background"
+PROMPT = "Describe this image in detail."
+SEED = 7
+
+
+def samples(n: int, seed: int = SEED) -> list[tuple[bytes, dict[str, str]]]:
+    """n generated images (file bytes) with their true fields."""
+    from wicore.models.democap import data
+
+    return [
+        (data.image_bytes(s), {"shape": s.shape, "color": s.color, "background": s.background})
+        for s in data.sample_specs(n, seed)
+    ]
+
+
+def caption_fields(text: str) -> dict[str, str | None]:
+    """The fields a free caption names ("a red star on a purple background")."""
+    words = text.split()
+    shape = next((w for w in words if w in SHAPES), None)
+    colors = [w for w in words if w in COLORS]
+    return {
+        "shape": shape,
+        "color": colors[0] if colors else None,
+        "background": colors[1] if len(colors) > 1 else None,
+    }
+
+
+def json_fields(text: str) -> dict[str, Any] | None:
+    """The guided output's fields when it parses and validates against SCHEMA, else None."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(value, dict) or set(value) != set(FIELDS):
+        return None
+    enums = {"shape": SHAPES, "color": COLORS, "background": COLORS}
+    return value if all(value[f] in enums[f] for f in FIELDS) else None
+
+
+def score(truths: list[dict[str, str]], outputs: list[dict[str, Any] | None]) -> dict[str, Any]:
+    """Per-field and all-three match rates of `outputs` (None: did not parse) against `truths`."""
+    n = len(truths)
+    per_field = {f: sum(o is not None and o.get(f) == t[f] for t, o in zip(truths, outputs)) / n for f in FIELDS}
+    exact = sum(o is not None and all(o.get(f) == t[f] for f in FIELDS) for t, o in zip(truths, outputs)) / n
+    return {"per_field": per_field, "all_three": exact}
+
+
+def run(engine, n: int, max_new_tokens: int = 64, seed: int = SEED) -> dict[str, Any]:
+    """Both versions of every image through `engine` (one `generate` call) -> the report."""
+    from wicore.engines.base import EngineRequest
+    from wicore.models.democap.data import decode
+    from wicore.schemas import GenerationParams, GuidedSpec
+
+    drawn = samples(n, seed)
+    chat = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": PROMPT}]}]
+    free = GenerationParams(max_new_tokens=max_new_tokens)
+    guided = GenerationParams(max_new_tokens=max_new_tokens, guided=GuidedSpec(json_schema=SCHEMA))
+    regex = GenerationParams(max_new_tokens=max_new_tokens, guided=GuidedSpec(regex=CAPTION_REGEX))
+    kinds = (("free", free), ("guided", guided), ("regex", regex))
+    requests = [
+        EngineRequest(f"{kind}-{i}", chat, [decode(raw)], params)
+        for i, (raw, _) in enumerate(drawn)
+        for kind, params in kinds
+    ]
+    start = time.perf_counter()
+    done = {c.id: c for c in engine.generate(requests)}
+    seconds = time.perf_counter() - start
+    truths = [truth for _, truth in drawn]
+    guided_text = [done[f"guided-{i}"].text or "" for i in range(n)]
+    parsed = [json_fields(text) for text in guided_text]
+    return {
+        "images": n,
+        "seed": seed,
+        "engine": engine.name,
+        "schema": SCHEMA,
+        "guided_valid": sum(p is not None for p in parsed),
+        "guided_finish_reasons": _count(done[f"guided-{i}"].finish_reason for i in range(n)),
+        "guided": score(truths, parsed),
+        "free": score(truths, [caption_fields(done[f"free-{i}"].text or "") for i in range(n)]),
+        "regex_caption": score(truths, [caption_fields(done[f"regex-{i}"].text or "") for i in range(n)]),
+        "regex": CAPTION_REGEX,
+        "seconds_both": round(seconds, 2),
+        "guided_examples": guided_text[:3],
+    }
+
+
+def _count(values) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for value in values:
+        counts[str(value)] = counts.get(str(value), 0) + 1
+    return counts
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--images", type=int, default=200)
+    parser.add_argument("--engine", choices=("fast", "reference"), default="fast")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args(argv)
+    from wicore.engines import create_engine
+    from wicore.engines.base import EngineConfig
+    from wicore.models import DEMOCAP_DIR
+
+    engine = create_engine(args.engine, EngineConfig(model_dir=str(DEMOCAP_DIR), max_batch_size=32))
+    report = run(engine, args.images)
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.out is not None:
+        args.out.write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
