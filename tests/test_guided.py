@@ -1,0 +1,222 @@
+"""Guided outputs (`guided` / `response_format`): the spec's rules and its place in the job id,
+the grammar cache, both engines on the demo captioner (every JSON output parses and validates;
+a grammar that cannot end in time ends at max_new_tokens; a bad grammar fails its request
+alone), then end to end: the official `openai` client's `response_format` and native `guided`
+jobs through a real gateway and CPU worker, and a manifest through `wicore caption`."""
+
+from __future__ import annotations
+
+import base64
+import json
+import signal
+from pathlib import Path
+
+import httpx
+import jsonschema
+import pytest
+from pydantic import ValidationError
+
+from tests.helpers import start_gateway, start_worker, stop, wait_http, wait_until, wicore
+from wicore.bench import guided_bench
+from wicore.embedded import EmbeddedRedis, free_port
+from wicore.engines.base import EngineConfig, EngineRequest
+from wicore.models import DEMOCAP_DIR
+from wicore.schemas import CaptionJob, GenerationParams, GuidedSpec, ImageRef
+
+ROOT = Path(__file__).resolve().parents[1]
+IMAGES = sorted((ROOT / "examples" / "images").iterdir())
+CHOICES = ["a red star on a purple background", "a blue square on a white background"]
+
+
+def test_a_spec_is_exactly_one_of_schema_regex_and_choice():
+    assert GuidedSpec(regex="a+").kind == "regex"
+    for bad in ({}, {"regex": "a", "choice": ["a"]}, {"choice": []}, {"choice": [""]}, {"regex": ""}, {"grammar": "x"}):
+        with pytest.raises(ValidationError):
+            GuidedSpec.model_validate(bad)
+    with pytest.raises(ValidationError, match="ignore_eos"):
+        GenerationParams(guided=GuidedSpec(regex="a"), ignore_eos=True)
+
+
+def test_the_spec_is_part_of_the_job_id():
+    image = ImageRef(sha256="0" * 64)
+    ids = {
+        CaptionJob(image=image, model="m", params=GenerationParams(guided=spec)).job_id
+        for spec in (None, GuidedSpec(regex="a+"), GuidedSpec(regex="b+"), GuidedSpec(choice=("a", "b")))
+    }
+    assert len(ids) == 4
+    same = GuidedSpec(json_schema={"b": 1, "a": 2}).canonical() == GuidedSpec(json_schema={"a": 2, "b": 1}).canonical()
+    assert same
+
+
+def test_a_grammar_compiles_once_and_the_cache_is_bounded():
+    from transformers import AutoTokenizer
+
+    from wicore.engines.guided import Grammars
+    from wicore.errors import BadGrammar
+
+    grammars = Grammars(AutoTokenizer.from_pretrained(DEMOCAP_DIR), 1024, frozenset({1}), capacity=2)
+    for _ in range(3):
+        grammars.state(GuidedSpec(json_schema=guided_bench.SCHEMA))
+    assert grammars.compiles == 1
+    grammars.state(GuidedSpec(regex="a+"))
+    grammars.state(GuidedSpec(regex="b+"))
+    grammars.state(GuidedSpec(json_schema=guided_bench.SCHEMA))
+    assert grammars.compiles == 4  # evicted by the two regexes
+    with pytest.raises(BadGrammar, match="regex"):
+        grammars.state(GuidedSpec(regex="(a|b"))
+    with pytest.raises(BadGrammar, match="json_schema"):
+        grammars.state(GuidedSpec(json_schema={"type": "strng"}))
+
+
+def engine(name: str):
+    from wicore.engines import create_engine
+
+    return create_engine(name, EngineConfig(model_dir=str(DEMOCAP_DIR), max_batch_size=16))
+
+
+@pytest.mark.slow
+def test_fast_engine_json_outputs_all_validate_on_20_images():
+    report = guided_bench.run(engine("fast"), 20)
+    assert report["guided_valid"] == 20 and report["guided_finish_reasons"] == {"stop": 20}
+    assert report["regex_caption"]["all_three"] >= report["free"]["all_three"] - 0.05  # its own phrasing
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["fast", "reference"])
+def test_each_request_keeps_its_grammar_in_a_shared_batch(name):
+    from wicore.models.democap.data import decode
+
+    image = decode(IMAGES[2].read_bytes())  # red-star-on-purple
+    chat = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": guided_bench.PROMPT}]}]
+    specs = {
+        "free": None,
+        "json": GuidedSpec(json_schema=guided_bench.SCHEMA),
+        "choice": GuidedSpec(choice=tuple(CHOICES)),
+        "regex": GuidedSpec(regex=guided_bench.CAPTION_REGEX),
+        "endless": GuidedSpec(regex="[a-z]{500}"),  # cannot end within 8 tokens
+        "bad": GuidedSpec(regex="(a|b"),
+    }
+    requests = [
+        EngineRequest(key, chat, [image], GenerationParams(max_new_tokens=8 if key == "endless" else 64, guided=spec))
+        for key, spec in specs.items()
+    ]
+    done = {c.id: c for c in engine(name).generate(requests)}
+    assert done["free"].text == "a red star on a purple background"
+    jsonschema.validate(json.loads(done["json"].text), guided_bench.SCHEMA)
+    assert done["choice"].text == CHOICES[0] and done["choice"].finish_reason == "stop"
+    assert done["regex"].text == "a red star on a purple background"
+    assert done["endless"].finish_reason == "length" and len(done["endless"].token_ids) == 8
+    assert done["bad"].input_error and "BadGrammar: regex" in done["bad"].error
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """A gateway URL over one embedded Redis and a CPU worker (fast engine)."""
+    logs = tmp_path_factory.mktemp("logs")
+    with EmbeddedRedis() as redis_server:
+        metrics_port = free_port()
+        worker = start_worker(
+            "--redis-url", redis_server.url, "--engine", "fast", "--engine-option", "torch_threads=1",
+            "--batch-size", "8", "--metrics-port", str(metrics_port), log=logs / "worker.log",
+        )  # fmt: skip
+        port = free_port()
+        gateway = start_gateway("--redis-url", redis_server.url, "--port", str(port), log=logs / "gateway.log")
+        try:
+            wait_http(f"http://127.0.0.1:{metrics_port}/metrics", 120, worker)
+            url = f"http://127.0.0.1:{port}"
+            wait_http(url + "/health/live", 60, gateway)
+            wait_until(lambda: httpx.get(url + "/health/ready").status_code == 200, 60, 0.2, "a ready gateway")
+            yield url
+        finally:
+            stop(gateway)
+            stop(worker, signal.SIGKILL)
+
+
+def data_uri(raw: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(raw).decode()
+
+
+def chat_body(raw: bytes, **fields) -> dict:
+    content = [
+        {"type": "image_url", "image_url": {"url": data_uri(raw)}},
+        {"type": "text", "text": guided_bench.PROMPT},
+    ]
+    return {"model": "democap", "messages": [{"role": "user", "content": content}], "max_tokens": 64, **fields}
+
+
+RESPONSE_FORMAT = {
+    "type": "json_schema",
+    "json_schema": {"name": "shape", "schema": guided_bench.SCHEMA, "strict": True},
+}
+
+
+@pytest.mark.slow
+def test_openai_response_format_outputs_validate_on_20_images(served):
+    import openai
+
+    client = openai.OpenAI(base_url=served + "/v1", api_key="unused", timeout=120)
+    for raw, _ in guided_bench.samples(20):
+        reply = client.chat.completions.create(**chat_body(raw, response_format=RESPONSE_FORMAT))
+        assert reply.choices[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(reply.choices[0].message.content), guided_bench.SCHEMA)
+    any_object = client.chat.completions.create(
+        **chat_body(IMAGES[0].read_bytes(), response_format={"type": "json_object"})
+    )
+    choice = any_object.choices[0]  # any object: its keys are free text, which this model may not end
+    assert choice.message.content.startswith("{")
+    assert choice.finish_reason == "length" or isinstance(json.loads(choice.message.content), dict)
+
+
+@pytest.mark.slow
+def test_native_jobs_take_regex_and_choice(served):
+    raw = IMAGES[2].read_bytes()  # red-star-on-purple
+    for guided, expected in (({"regex": guided_bench.CAPTION_REGEX}, CHOICES[0]), ({"choice": CHOICES}, CHOICES[0])):
+        body = {"image": base64.b64encode(raw).decode(), "guided": guided, "params": {"max_new_tokens": 64}}
+        accepted = httpx.post(f"{served}/v1/jobs", json=body)
+        assert accepted.status_code == 202, accepted.text
+        view = httpx.get(f"{served}{accepted.json()['status_url']}", params={"wait": 60}).json()
+        assert view["result"]["text"] == expected
+
+
+BAD_CHAT = [
+    (
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strng"}}}},
+        "response_format.json_schema.schema",
+    ),
+    ({"guided": {"regex": "(a|b"}}, "guided"),
+    ({"guided": {"choice": []}}, "guided"),
+    ({"guided": {"regex": "a"}, "response_format": {"type": "json_object"}}, "guided"),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("fields", "param"), BAD_CHAT)
+def test_a_bad_grammar_is_a_400_naming_its_field(served, fields, param):
+    reply = httpx.post(f"{served}/v1/chat/completions", json=chat_body(IMAGES[0].read_bytes(), **fields))
+    assert reply.status_code == 400, reply.text
+    assert reply.json()["error"]["param"] == param
+    native = httpx.post(f"{served}/v1/jobs", json={"prompt": "x", "guided": {"regex": "(a|b"}})
+    assert native.status_code in (400, 422) and "guided" in native.text
+
+
+@pytest.mark.slow
+def test_caption_manifest_lines_take_guided(tmp_path):
+    image = IMAGES[2]
+    (tmp_path / image.name).write_bytes(image.read_bytes())
+    lines = [
+        {"image": image.name, "guided": {"choice": CHOICES}, "input": "choice"},
+        {"image": image.name, "guided": {"regex": guided_bench.CAPTION_REGEX}, "input": "regex"},
+        {"image": image.name, "guided": {"json_schema": guided_bench.SCHEMA}, "input": "json"},
+        {"image": image.name, "guided": {"regex": "(a|b"}, "input": "bad"},
+    ]
+    manifest = tmp_path / "guided.jsonl"
+    manifest.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    out = tmp_path / "out.jsonl"
+    env = {"XDG_CACHE_HOME": str(tmp_path / "cache")}
+    done = wicore("caption", str(manifest), "-o", str(out), "--max-new-tokens", "64", env=env, check=False)
+    assert done.returncode == 1, done.stderr  # the bad line failed, alone
+    by_input = {line["input"]: line for line in map(json.loads, out.read_text().splitlines())}
+    assert by_input["choice"]["text"] == CHOICES[0]
+    assert by_input["regex"]["text"] == CHOICES[0]
+    jsonschema.validate(json.loads(by_input["json"]["text"]), guided_bench.SCHEMA)
+    assert "guided: regex" in by_input["bad"]["error"]
