@@ -53,6 +53,7 @@ class CaptionBench:
     hf_peers: bool = True  # False (`--no-hf`): the product alone, for A/B runs of engine options
     decode_processes: int | None = None  # the worker's `--decode-processes`; None: its default
     sample_stacks: bool = False  # the worker's loop thread sampled (`stack_sampler`): `host_stacks` in the JSON
+    guided: dict | None = None  # a `guided` spec on every job (caption_guided.py); those end with their grammar
 
 
 def device_name(device: str) -> str:
@@ -113,6 +114,8 @@ def run_product(
     from wicore.worker.status import published_stats
 
     params = GenerationParams(max_new_tokens=bench.new_tokens, ignore_eos=True)
+    if bench.guided is not None:
+        params = GenerationParams(max_new_tokens=bench.new_tokens, guided=bench.guided)
     with EmbeddedRedis() as server, busy_sampler(bench.device) as busy:
         command = worker_command(bench, server.url, model_dir, timed[0].parent, gpus)
         stacks = log.with_name("worker-stacks.json")

@@ -166,12 +166,20 @@ def caption(
         "once), their token agreement and the demo captioner's accuracy in both: caption-<preset>-fp8-<gpu>.json. "
         "With --gpus N, both sides of the scaling run use FP8 GEMMs: caption-<preset>-fp8-<gpu>-xN.json.",
     ),
+    guided_schema: Path = typer.Option(
+        None,
+        help="A JSON schema file: the same images free and with this schema on every job (`guided`), one run, "
+        "each on a fresh worker (--dtype fp8: both with FP8 GEMMs); images/s, output tokens/s and their ratios "
+        "in caption-<preset>-guided-<gpu>.json. No HF peer.",
+        show_default=False,
+    ),
     workdir: Path = typer.Option(Path("/tmp/wicore-bench"), help="Scratch folder (model config, images, logs)."),
     out: Path = typer.Option(Path("bench/results"), help="Folder for the JSON and the PNG."),
     as_json: bool = typer.Option(False, "--json", help="End with one JSON line."),
 ) -> None:
     """Bulk captioning on the GPU: the whole product vs HF generate, with the roofline; with
-    --gpus N, the whole product on N GPUs vs on one; with --dtype fp8, bf16 vs FP8 GEMMs."""
+    --gpus N, the whole product on N GPUs vs on one; with --dtype fp8, bf16 vs FP8 GEMMs; with
+    --guided-schema, free vs constrained."""
     require(PLOTS)
     from wicore.bench.caption_bench import CaptionBench
     from wicore.bench.caption_fp8 import fp8_variant
@@ -198,12 +206,32 @@ def caption(
         sample_stacks=sample_stacks,
         gpus=gpus,
     )
-    if gpus:
+    if guided_schema is not None:
+        report = caption_guided(fp8_variant(bench) if dtype == "fp8" else bench, guided_schema, out)
+    elif gpus:
         report = caption_scaling(fp8_variant(bench) if dtype == "fp8" else bench, out)
     else:
         report = caption_fp8(bench, out) if dtype == "fp8" else caption_vs_hf(bench, out)
     if as_json:
         typer.echo(json.dumps({k: v for k, v in report.items() if not k.startswith("engine_stats")}))
+
+
+def caption_guided(bench, schema: Path, out: Path) -> dict:
+    from wicore.bench.caption_guided import load_schema, run_guided_bench
+    from wicore.bench.report import gpu_slug
+
+    report = run_guided_bench(bench, load_schema(schema))
+    out.mkdir(parents=True, exist_ok=True)
+    dtype = "fp8-" if bench.engine_options.get("gemm_dtype") == "fp8" else ""
+    path = out / f"caption-{bench.preset}-guided-{dtype}{gpu_slug(report['gpu'])}.json"
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    console.print(f"wrote {path}")
+    free, constrained = report["free"], report["constrained"]
+    console.print(
+        f"free {free['images_per_s']:.2f} images/s, constrained {constrained['images_per_s']:.2f} images/s: "
+        f"ratio {report['images_per_s_ratio']:.3f} (output tokens/s ratio {report['output_tokens_per_s_ratio']:.3f})"
+    )
+    return report
 
 
 def caption_vs_hf(bench, out: Path) -> dict:
