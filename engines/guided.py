@@ -9,8 +9,9 @@ its grammar has ended (it accepted EOS) it masks nothing more: the engine ends t
 that EOS (finish_reason stop). A grammar that never ends runs to max_new_tokens (length).
 
 `mask_logits` is the whole hook of a sampler: it fills the bitmask rows of the constrained
-sequences ([B, ceil(V / 32)] int32, on the host) and applies them in place on the logits' device
-(a kernel on CUDA, xgrammar's torch path on the CPU); free rows are left alone.
+sequences only ([R, ceil(V / 32)] int32 in a reused host buffer, `MaskRows`), copies them to the
+logits' device and applies them there in place (a kernel on CUDA, xgrammar's torch path on the
+CPU); free rows are left alone.
 """
 
 from __future__ import annotations
@@ -110,19 +111,56 @@ class GrammarState:
         self.matcher.fill_next_token_bitmask(bitmask, row)
 
 
-def mask_logits(logits: torch.Tensor, states: Sequence[GrammarState | None]) -> torch.Tensor:
+def mask_logits(
+    logits: torch.Tensor, states: Sequence[GrammarState | None], masks: MaskRows | None = None
+) -> torch.Tensor:
     """logits [B, V] with every active grammar row's disallowed tokens at -inf (in place)."""
     rows = [i for i, state in enumerate(states) if state is not None and state.active]
     if not rows:
         return logits
     import xgrammar as xgr
 
-    bitmask = xgr.allocate_token_bitmask(len(states), logits.shape[-1])  # [B, ceil(V / 32)] int32
-    for i in rows:
-        states[i].fill(bitmask, i)  # type: ignore[union-attr]
-    device_mask = bitmask.to(logits.device, non_blocking=True)
-    xgr.apply_token_bitmask_inplace(logits, device_mask, vocab_size=logits.shape[-1], indices=rows)
-    return logits
+    masks = masks if masks is not None else MaskRows(logits.device)
+    bitmask = masks.take(len(rows), logits.shape[-1])  # [R, ceil(V / 32)] int32
+    for slot, i in enumerate(rows):
+        states[i].fill(bitmask, slot)  # type: ignore[union-attr]
+    device_mask = masks.upload(bitmask)
+    if len(rows) == len(states):
+        xgr.apply_token_bitmask_inplace(logits, device_mask, vocab_size=logits.shape[-1])
+        return logits
+    index = torch.tensor(rows, device=logits.device)
+    constrained = logits.index_select(0, index)
+    xgr.apply_token_bitmask_inplace(constrained, device_mask, vocab_size=logits.shape[-1])
+    return logits.index_copy_(0, index, constrained)
+
+
+class MaskRows:
+    """The host bitmask of one step's constrained rows, reused step after step: pinned on CUDA
+    (its copy to the device is asynchronous, and the next fill waits for it to have left)."""
+
+    def __init__(self, device: torch.device | str):
+        self.device = torch.device(device)
+        self.pinned = self.device.type == "cuda"
+        self.host: torch.Tensor | None = None
+        self.copied: torch.cuda.Event | None = None
+
+    def take(self, rows: int, vocab_size: int) -> torch.Tensor:
+        """A [rows, ceil(vocab / 32)] int32 host mask, to be filled row by row."""
+        width = (vocab_size + 31) // 32
+        if self.host is None or self.host.shape[0] < rows or self.host.shape[1] != width:
+            self.host = torch.empty((rows, width), dtype=torch.int32, pin_memory=self.pinned)
+            self.copied = None
+        if self.copied is not None:
+            self.copied.synchronize()  # the last step's copy has left this buffer
+        return self.host[:rows]
+
+    def upload(self, bitmask: torch.Tensor) -> torch.Tensor:
+        if not self.pinned:
+            return bitmask.to(self.device)
+        on_device = bitmask.to(self.device, non_blocking=True)
+        self.copied = torch.cuda.Event()
+        self.copied.record()
+        return on_device
 
 
 def catch_up(states: Sequence[GrammarState | None]) -> Sequence[GrammarState | None]:
@@ -147,6 +185,7 @@ class GuidedLogitsProcessor:
 
     def __init__(self, states: list[GrammarState | None], prompt_len: int):
         self.states, self.prompt_len = states, prompt_len
+        self.masks: MaskRows | None = None
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         if input_ids.shape[1] > self.prompt_len:
@@ -154,4 +193,6 @@ class GuidedLogitsProcessor:
             for state, token in zip(self.states, last, strict=True):
                 if state is not None:
                     state.accept(token)
-        return mask_logits(scores, self.states)
+        if self.masks is None:
+            self.masks = MaskRows(scores.device)
+        return mask_logits(scores, self.states, self.masks)

@@ -220,3 +220,32 @@ def test_caption_manifest_lines_take_guided(tmp_path):
     assert by_input["regex"]["text"] == CHOICES[0]
     jsonschema.validate(json.loads(by_input["json"]["text"]), guided_bench.SCHEMA)
     assert "guided: regex" in by_input["bad"]["error"]
+
+
+def test_masks_reach_the_constrained_rows_only():
+    """A free row keeps its logits; a constrained row keeps exactly its grammar's tokens, whether
+    it is alone or one of several, and the host buffer is reused between steps."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from wicore.engines.guided import Grammars, MaskRows, mask_logits
+
+    tokenizer = AutoTokenizer.from_pretrained(DEMOCAP_DIR)
+    grammars = Grammars(tokenizer, 1024, frozenset({tokenizer.eos_token_id}))
+    allowed = set(tokenizer.encode("yes", add_special_tokens=False)[:1]) | set(
+        tokenizer.encode("no", add_special_tokens=False)[:1]
+    )
+    masks = MaskRows("cpu")
+    for states in (
+        [None, grammars.state(GuidedSpec(choice=("yes", "no"))), None],
+        [grammars.state(GuidedSpec(choice=("yes", "no")))] * 2,
+    ):
+        logits = torch.randn(len(states), 1024)
+        before = logits.clone()
+        mask_logits(logits, states, masks)
+        for row, state in enumerate(states):
+            kept = set(torch.nonzero(logits[row] > float("-inf")).flatten().tolist())
+            if state is None:
+                assert torch.equal(logits[row], before[row])
+            else:
+                assert allowed <= kept and len(kept) < 20, kept

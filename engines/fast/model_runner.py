@@ -80,6 +80,7 @@ class ModelRunner:
         paged_suffix: prefills of at most this many new tokens attend over their pages alone.
         kv_dtype: the KV cache's element type (default `dtype`; `ops.attention.KV_FP8`)."""
         self.parts, self.layout, self.sampler = parts, layout, sampler
+        self.grammar_masks = guided.MaskRows(device)  # constrained rows' token masks (engines/guided.py)
         self.device, self.dtype = torch.device(device), dtype
         self.kv_dtype = dtype if kv_dtype is None else kv_dtype
         # Cast once: looking up the cast table gives the same bits as casting looked-up float32.
@@ -388,7 +389,7 @@ class ModelRunner:
         """The grammars' masks are filled here, after the forward's launch: on CUDA the host
         reads the last step's tokens and fills them while the device runs the forward."""
         grammars = [s.grammar for s in seqs]
-        logits = guided.mask_logits(logits, guided.catch_up(grammars))
+        logits = guided.mask_logits(logits, guided.catch_up(grammars), self.grammar_masks)
         params = [s.request.params for s in seqs]
         batch = SamplingBatch.build(params, [s.seed for s in seqs], indices, self.device)
         tokens = self.sampler(logits, batch)
