@@ -111,7 +111,7 @@ def test_each_request_keeps_its_grammar_in_a_shared_batch(name):
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    """A gateway URL over one embedded Redis and a CPU worker (fast engine)."""
+    """(gateway URL, Redis URL): one embedded Redis, a gateway and a CPU worker (fast engine)."""
     logs = tmp_path_factory.mktemp("logs")
     with EmbeddedRedis() as redis_server:
         metrics_port = free_port()
@@ -126,7 +126,7 @@ def served(tmp_path_factory):
             url = f"http://127.0.0.1:{port}"
             wait_http(url + "/health/live", 60, gateway)
             wait_until(lambda: httpx.get(url + "/health/ready").status_code == 200, 60, 0.2, "a ready gateway")
-            yield url
+            yield url, redis_server.url
         finally:
             stop(gateway)
             stop(worker, signal.SIGKILL)
@@ -154,7 +154,7 @@ RESPONSE_FORMAT = {
 def test_openai_response_format_outputs_validate_on_20_images(served):
     import openai
 
-    client = openai.OpenAI(base_url=served + "/v1", api_key="unused", timeout=120)
+    client = openai.OpenAI(base_url=served[0] + "/v1", api_key="unused", timeout=120)
     for raw, _ in guided_bench.samples(20):
         reply = client.chat.completions.create(**chat_body(raw, response_format=RESPONSE_FORMAT))
         assert reply.choices[0].finish_reason == "stop"
@@ -172,9 +172,9 @@ def test_native_jobs_take_regex_and_choice(served):
     raw = IMAGES[2].read_bytes()  # red-star-on-purple
     for guided, expected in (({"regex": guided_bench.CAPTION_REGEX}, CHOICES[0]), ({"choice": CHOICES}, CHOICES[0])):
         body = {"image": base64.b64encode(raw).decode(), "guided": guided, "params": {"max_new_tokens": 64}}
-        accepted = httpx.post(f"{served}/v1/jobs", json=body)
+        accepted = httpx.post(f"{served[0]}/v1/jobs", json=body)
         assert accepted.status_code == 202, accepted.text
-        view = httpx.get(f"{served}{accepted.json()['status_url']}", params={"wait": 60}).json()
+        view = httpx.get(f"{served[0]}{accepted.json()['status_url']}", params={"wait": 60}).json()
         assert view["result"]["text"] == expected
 
 
@@ -192,11 +192,34 @@ BAD_CHAT = [
 @pytest.mark.slow
 @pytest.mark.parametrize(("fields", "param"), BAD_CHAT)
 def test_a_bad_grammar_is_a_400_naming_its_field(served, fields, param):
-    reply = httpx.post(f"{served}/v1/chat/completions", json=chat_body(IMAGES[0].read_bytes(), **fields))
+    reply = httpx.post(f"{served[0]}/v1/chat/completions", json=chat_body(IMAGES[0].read_bytes(), **fields))
     assert reply.status_code == 400, reply.text
     assert reply.json()["error"]["param"] == param
-    native = httpx.post(f"{served}/v1/jobs", json={"prompt": "x", "guided": {"regex": "(a|b"}})
+    native = httpx.post(f"{served[0]}/v1/jobs", json={"prompt": "x", "guided": {"regex": "(a|b"}})
     assert native.status_code in (400, 422) and "guided" in native.text
+
+
+@pytest.mark.slow
+def test_a_grammar_that_cannot_compile_fails_its_job_alone_in_the_worker(served):
+    """The producer checks a spec's form, not whether it compiles (it imports no grammar
+    library): the worker fails that job with the reason; its batch mates finish."""
+    from wicore.producer import Producer, Submission
+
+    image = IMAGES[2]  # red-star-on-purple
+    params = GenerationParams(max_new_tokens=64)
+    producer = Producer(served[1], model="democap")
+    ids = producer.submit_many(
+        [
+            Submission(image, guided=GuidedSpec(regex="(a|b")),
+            Submission(image, guided=GuidedSpec(choice=tuple(CHOICES)), params=params),
+            Submission(image, guided=GuidedSpec(json_schema={"type": "strng"})),
+            Submission(image, params=params),
+        ]
+    )
+    outcomes = {o.job_id: o for o in producer.wait(ids, timeout=120)}
+    bad_regex, choice, bad_schema, free = (outcomes[i] for i in ids)
+    assert bad_regex.error.startswith("BadGrammar: regex") and bad_schema.error.startswith("BadGrammar: json_schema")
+    assert choice.result.text == CHOICES[0] and free.result.text == CHOICES[0]
 
 
 @pytest.mark.slow
