@@ -195,8 +195,11 @@ def test_a_bad_grammar_is_a_400_naming_its_field(served, fields, param):
     reply = httpx.post(f"{served[0]}/v1/chat/completions", json=chat_body(IMAGES[0].read_bytes(), **fields))
     assert reply.status_code == 400, reply.text
     assert reply.json()["error"]["param"] == param
-    native = httpx.post(f"{served[0]}/v1/jobs", json={"prompt": "x", "guided": {"regex": "(a|b"}})
-    assert native.status_code in (400, 422) and "guided" in native.text
+    for guided in ({"regex": "(a|b"}, {"choice": []}, {"json_schema": {"type": "strng"}}):
+        native = httpx.post(f"{served[0]}/v1/jobs", json={"prompt": "x", "guided": guided})
+        assert native.status_code == 400 and native.json()["error"]["param"].startswith("guided"), native.text
+    under_params = httpx.post(f"{served[0]}/v1/jobs", json={"prompt": "x", "params": {"guided": {"regex": "(a|b"}}})
+    assert under_params.status_code == 400 and under_params.json()["error"]["param"] == "params", under_params.text
 
 
 @pytest.mark.slow

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from wicore.grammars import grammar_problem
 from wicore.schemas import MODEL_ID_PATTERN, CaptionResult, GenerationParams, GuidedSpec, Lane, TextPart
@@ -66,17 +66,30 @@ class JobFields(BaseModel):
             raise ValueError("give either prompt or messages, not both")
         return self
 
+    @field_validator("guided")
+    @classmethod
+    def _guided_compiles(cls, guided: GuidedSpec | None) -> GuidedSpec | None:
+        problem = None if guided is None else grammar_problem(guided)
+        if problem is not None:
+            raise ValueError(problem)
+        return guided
+
+    @field_validator("params")
+    @classmethod
+    def _params_guided_compiles(cls, params: GenerationParams) -> GenerationParams:
+        problem = None if params.guided is None else grammar_problem(params.guided)
+        if problem is not None:
+            raise ValueError(f"guided: {problem}")
+        return params
+
     @model_validator(mode="after")
     def _guided_in_params(self) -> JobFields:
-        """`guided` moves into `params` (once), and a grammar that cannot compile is refused now."""
+        """`guided` moves into `params` (given once): the job's grammar, part of its id."""
         if self.guided is not None:
             if self.params.guided is not None:
                 raise ValueError("guided: give it at the top level or under params, not both")
             given = self.params.model_dump(exclude_unset=True)
             self.params = GenerationParams.model_validate({**given, "guided": self.guided})
-        problem = None if self.params.guided is None else grammar_problem(self.params.guided)
-        if problem is not None:
-            raise ValueError(f"guided: {problem}")
         return self
 
 
