@@ -3,8 +3,8 @@
 For each tokenizer (the demo captioner's ~1k vocab, the seeded gemma3-4b preset's 262,208 ids),
 each library: the tokenizer set-up once, the compile of the test schema (first use, then a
 different schema of the same size), and the host time per generated token of a matcher: fill
-its bitmask row and accept the token (a greedy walk that takes the first allowed token, so
-both libraries walk the same kind of path to the end of the JSON).
+its bitmask row and accept the token, along the tokens of a valid output (TARGET) then EOS. For
+xgrammar also one engine step's host time for 384 guided rows (the caption bench's batch).
 
 python bench/guided_libraries.py bench/results/guided-libraries-2cpu.json
 """
@@ -48,6 +48,7 @@ def tokenizers() -> dict[str, object]:
     return {"democap": AutoTokenizer.from_pretrained(DEMOCAP_DIR), "gemma3-4b": AutoTokenizer.from_pretrained(seeded)}
 
 
+BATCH_ROWS = 384  # the caption bench's running sequences
 TARGET = '{"shape": "circle", "color": "red", "background": "blue"}'
 
 
@@ -90,7 +91,29 @@ def xgrammar_figures(tokenizer, vocab: int) -> dict:
 
     ids = tokenizer.encode(TARGET, add_special_tokens=False) + [tokenizer.eos_token_id]
     walked = walk(lambda: xgr.GrammarMatcher(compiled), lambda m: m.fill_next_token_bitmask(bitmask, 0), accept, ids)
-    return {"tokenizer_s": t1 - t0, "compile_s": t2 - t1, "compile_again_s": t3 - t2, **walked}
+    batch = batch_step_ms(xgr, compiled, vocab, ids)
+    return {"tokenizer_s": t1 - t0, "compile_s": t2 - t1, "compile_again_s": t3 - t2, **walked, **batch}
+
+
+def batch_step_ms(xgr, compiled, vocab: int, ids: list[int], rows: int = BATCH_ROWS) -> dict:
+    """Host milliseconds per engine step of `rows` guided sequences: their bitmask rows filled
+    by xgrammar's BatchGrammarMatcher (what engines/guided.py does), then each accepts a token."""
+    matchers = [xgr.GrammarMatcher(compiled) for _ in range(rows)]
+    bitmask = xgr.allocate_token_bitmask(rows, vocab)
+    filler = xgr.BatchGrammarMatcher()
+    fill_s = accept_s = 0.0
+    for token in ids:
+        start = time.perf_counter()
+        filler.batch_fill_next_token_bitmask(matchers, bitmask)
+        middle = time.perf_counter()
+        for matcher in matchers:
+            matcher.accept_token(token)
+        fill_s, accept_s = fill_s + middle - start, accept_s + time.perf_counter() - middle
+    return {
+        "batch_rows": rows,
+        "batch_fill_ms_per_step": fill_s * 1e3 / len(ids),
+        "batch_accept_ms_per_step": accept_s * 1e3 / len(ids),
+    }
 
 
 def llguidance_figures(tokenizer, vocab: int) -> dict:

@@ -107,9 +107,6 @@ class GrammarState:
             self.accept(tokens[index])
         self.pending.clear()
 
-    def fill(self, bitmask: torch.Tensor, row: int) -> None:
-        self.matcher.fill_next_token_bitmask(bitmask, row)
-
 
 def mask_logits(
     logits: torch.Tensor, states: Sequence[GrammarState | None], masks: MaskRows | None = None
@@ -122,8 +119,7 @@ def mask_logits(
 
     masks = masks if masks is not None else MaskRows(logits.device)
     bitmask = masks.take(len(rows), logits.shape[-1])  # [R, ceil(V / 32)] int32
-    for slot, i in enumerate(rows):
-        states[i].fill(bitmask, slot)  # type: ignore[union-attr]
+    masks.fill(bitmask, [states[i].matcher for i in rows])  # type: ignore[union-attr]
     device_mask = masks.upload(bitmask)
     if len(rows) == len(states):
         xgr.apply_token_bitmask_inplace(logits, device_mask, vocab_size=logits.shape[-1])
@@ -143,6 +139,7 @@ class MaskRows:
         self.pinned = self.device.type == "cuda"
         self.host: torch.Tensor | None = None
         self.copied: torch.cuda.Event | None = None
+        self.filler: Any = None  # xgrammar's BatchGrammarMatcher, made on first use
 
     def take(self, rows: int, vocab_size: int) -> torch.Tensor:
         """A [rows, ceil(vocab / 32)] int32 host mask, to be filled row by row."""
@@ -153,6 +150,14 @@ class MaskRows:
         if self.copied is not None:
             self.copied.synchronize()  # the last step's copy has left this buffer
         return self.host[:rows]
+
+    def fill(self, bitmask: torch.Tensor, matchers: list[Any]) -> None:
+        """Row r of `bitmask` from matchers[r], on xgrammar's threads (its C++ holds no GIL)."""
+        if self.filler is None:
+            import xgrammar as xgr
+
+            self.filler = xgr.BatchGrammarMatcher()
+        self.filler.batch_fill_next_token_bitmask(matchers, bitmask)
 
     def upload(self, bitmask: torch.Tensor) -> torch.Tensor:
         if not self.pinned:
