@@ -1,10 +1,11 @@
 """Structured outputs on the demo captioner: how often a JSON-schema output (`guided`) names the
 true shape, colour and background of a generated image, against the free-text caption's words
-(and a regex output in the captioner's own phrasing).
+(and a regex and a choice output in the captioner's own phrasing).
 
 The images are the demo captioner's own task (`democap.data`, seeded, as examples/make_images.py
 draws them). Each image runs three times on one engine, in one batch: free (its caption), guided by
-`SCHEMA` (enums of the captioner's words) and by `CAPTION_REGEX`. Every guided output must parse and validate; the
+`SCHEMA` (enums of the captioner's words), by `CAPTION_REGEX` and by `CAPTIONS` (a choice of every
+caption the task has). Every JSON output must parse and validate; the
 fields of both are compared with the truth.
 
 python -m wicore.bench.guided_bench --images 200 --out bench/results/guided-democap-2cpu.json
@@ -30,6 +31,14 @@ SCHEMA: dict[str, Any] = {
 _words = lambda words: "(" + "|".join(words) + ")"  # noqa: E731
 # The captioner's own phrasing as a grammar: what enforcement costs when it admits the model's form.
 CAPTION_REGEX = f"(a|an) {_words(COLORS)} {_words(SHAPES)} on (a|an) {_words(COLORS)} background"
+
+
+def all_captions() -> tuple[str, ...]:
+    from wicore.models.democap.data import caption
+
+    return tuple(caption(c, s, b) for c in COLORS for s in SHAPES for b in COLORS if b != c)
+
+
 PROMPT = "Describe this image in detail."
 SEED = 7
 
@@ -87,7 +96,8 @@ def run(engine, n: int, max_new_tokens: int = 64, seed: int = SEED) -> dict[str,
     free = GenerationParams(max_new_tokens=max_new_tokens)
     guided = GenerationParams(max_new_tokens=max_new_tokens, guided=GuidedSpec(json_schema=SCHEMA))
     regex = GenerationParams(max_new_tokens=max_new_tokens, guided=GuidedSpec(regex=CAPTION_REGEX))
-    kinds = (("free", free), ("guided", guided), ("regex", regex))
+    choice = GenerationParams(max_new_tokens=max_new_tokens, guided=GuidedSpec(choice=all_captions()))
+    kinds = (("free", free), ("guided", guided), ("regex", regex), ("choice", choice))
     requests = [
         EngineRequest(f"{kind}-{i}", chat, [decode(raw)], params)
         for i, (raw, _) in enumerate(drawn)
@@ -109,6 +119,8 @@ def run(engine, n: int, max_new_tokens: int = 64, seed: int = SEED) -> dict[str,
         "guided": score(truths, parsed),
         "free": score(truths, [caption_fields(done[f"free-{i}"].text or "") for i in range(n)]),
         "regex_caption": score(truths, [caption_fields(done[f"regex-{i}"].text or "") for i in range(n)]),
+        "choice_caption": score(truths, [caption_fields(done[f"choice-{i}"].text or "") for i in range(n)]),
+        "choice_valid": sum(done[f"choice-{i}"].text in all_captions() for i in range(n)),
         "regex": CAPTION_REGEX,
         "seconds_both": round(seconds, 2),
         "guided_examples": guided_text[:3],
