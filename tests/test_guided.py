@@ -111,6 +111,48 @@ def test_each_request_keeps_its_grammar_in_a_shared_batch(name):
     assert done["bad"].input_error and "BadGrammar: regex" in done["bad"].error
 
 
+@pytest.mark.slow
+def test_both_engines_give_the_same_guided_tokens():
+    """Greedy and guided, the fast engine (continuous batching, masks in its sampler) and the
+    reference (HF generate's logits processor) agree token for token on the six examples."""
+    from wicore.models.democap.data import decode
+
+    chat = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": guided_bench.PROMPT}]}]
+    specs = (GuidedSpec(json_schema=guided_bench.SCHEMA), GuidedSpec(regex=guided_bench.CAPTION_REGEX), None)
+    requests = [
+        EngineRequest(f"{i}-{j}", chat, [decode(path.read_bytes())], GenerationParams(max_new_tokens=64, guided=spec))
+        for i, path in enumerate(IMAGES)
+        for j, spec in enumerate(specs)
+    ]
+    fast, reference = (engine(name).generate(requests) for name in ("fast", "reference"))
+    assert [c.token_ids for c in fast] == [c.token_ids for c in reference]
+    assert all(c.finish_reason == "stop" for c in fast)
+
+
+@pytest.mark.gpu
+def test_masks_on_the_gpu_equal_the_cpus():
+    """The pinned buffer, its asynchronous copy and xgrammar's Triton kernel against its CPU path."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from wicore.engines.guided import Grammars, MaskRows, mask_logits
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    tokenizer = AutoTokenizer.from_pretrained(DEMOCAP_DIR)
+    grammars = Grammars(tokenizer, 1024, frozenset({tokenizer.eos_token_id}))
+    gpu_masks = MaskRows("cuda")
+    for step in range(3):  # the buffer reused
+        states = [
+            grammars.state(GuidedSpec(json_schema=guided_bench.SCHEMA)),
+            None,
+            grammars.state(GuidedSpec(choice=tuple(CHOICES))),
+        ]
+        logits = torch.randn(3, 1024, generator=torch.Generator().manual_seed(step))
+        on_gpu = mask_logits(logits.cuda(), states, gpu_masks).cpu()
+        assert torch.equal(on_gpu, mask_logits(logits.clone(), states, MaskRows("cpu")))
+
+
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     """(gateway URL, Redis URL): one embedded Redis, a gateway and a CPU worker (fast engine)."""
