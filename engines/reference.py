@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
+from typing import Any
 
 import torch
-from transformers import LogitsProcessorList
+from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from wicore.engines.base import (
     Completion,
@@ -30,6 +31,7 @@ from wicore.engines.guided import Grammars, GuidedLogitsProcessor
 from wicore.engines.text import finish_sequence, stop_token_ids
 from wicore.errors import ConfigError, JobInputError, PromptTooLong
 from wicore.ops.image_preprocess import PreprocessSpec
+from wicore.schemas import GenerationParams
 
 log = logging.getLogger(__name__)
 
@@ -113,13 +115,9 @@ class ReferenceEngine(StaticBatchEngine):
             **inputs,
             max_new_tokens=longest,
             min_new_tokens=longest if first.ignore_eos else None,
-            do_sample=not first.greedy,
-            temperature=first.temperature if not first.greedy else None,
-            top_p=first.top_p if not first.greedy else None,
-            top_k=first.top_k if not first.greedy else None,
+            **self._sampling(first, group, inputs["input_ids"].shape[1]),
             eos_token_id=sorted(self.eos_ids),
             pad_token_id=self.tokenizer.pad_token_id,
-            logits_processor=self._guided(group, inputs["input_ids"].shape[1]),
         )
         new_tokens = output[:, inputs["input_ids"].shape[1] :].tolist()
         engine_s = clock.elapsed()
@@ -129,12 +127,36 @@ class ReferenceEngine(StaticBatchEngine):
             completions.append(Completion(request.id, text, ids, reason, prompt_tokens=prompt_len, engine_s=engine_s))
         return completions
 
+    def _sampling(self, params: GenerationParams, group: list[EngineRequest], prompt_len: int) -> dict[str, Any]:
+        """`generate`'s sampling arguments for a group sharing `params`' rule. With a guided row the
+        grammar's processor comes first and the warpers (temperature, top-k, top-p: HF's order)
+        after it, so no warper leaves a row without a token its grammar allows."""
+        guided = self._guided(group, prompt_len)
+        if params.greedy:
+            return {"do_sample": False, "temperature": None, "top_p": None, "top_k": None, "logits_processor": guided}
+        if guided is None:
+            return {"do_sample": True, "temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k}
+        guided.extend(sampling_warpers(params))
+        return {"do_sample": True, "temperature": 1.0, "top_p": 1.0, "top_k": 0, "logits_processor": guided}
+
     def _guided(self, group: list[EngineRequest], prompt_len: int) -> LogitsProcessorList | None:
         """The grammar rows of a batch (None: no request in it is guided)."""
         states = [self.grammars.state(r.params.guided) for r in group]
         if all(state is None for state in states):
             return None
         return LogitsProcessorList([GuidedLogitsProcessor(states, prompt_len)])
+
+
+def sampling_warpers(params: GenerationParams) -> list:
+    """The warpers `generate` makes for these settings, in its order."""
+    warpers: list = []
+    if params.temperature != 1.0:
+        warpers.append(TemperatureLogitsWarper(params.temperature))
+    if params.top_k:
+        warpers.append(TopKLogitsWarper(params.top_k))
+    if params.top_p < 1.0:
+        warpers.append(TopPLogitsWarper(params.top_p))
+    return warpers
 
 
 def plain_resize_size(processor) -> tuple[int, int] | None:

@@ -129,6 +129,25 @@ def test_both_engines_give_the_same_guided_tokens():
     assert all(c.finish_reason == "stop" for c in fast)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["fast", "reference"])
+def test_sampled_guided_outputs_validate_under_top_k_and_top_p(name):
+    """The grammar's mask comes before top-k / top-p: they choose among its tokens only."""
+    from wicore.models.democap.data import decode
+
+    chat = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": guided_bench.PROMPT}]}]
+    spec = GuidedSpec(json_schema=guided_bench.SCHEMA)
+    requests = [
+        EngineRequest(str(seed), chat, [decode(IMAGES[0].read_bytes())], GenerationParams(
+            max_new_tokens=64, temperature=1.5, top_k=3, top_p=0.9, seed=seed, guided=spec
+        ))
+        for seed in range(4)
+    ]  # fmt: skip
+    for completion in engine(name).generate(requests):
+        assert completion.ok, completion.error
+        jsonschema.validate(json.loads(completion.text), guided_bench.SCHEMA)
+
+
 @pytest.mark.gpu
 def test_masks_on_the_gpu_equal_the_cpus():
     """The pinned buffer, its asynchronous copy and xgrammar's Triton kernel against its CPU path."""
