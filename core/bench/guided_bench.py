@@ -9,6 +9,7 @@ caption the task has). Every JSON output must parse and validate; the
 fields of both are compared with the truth.
 
 python -m wicore.bench.guided_bench --images 200 --out bench/results/guided-democap-2cpu.json
+python -m wicore.bench.guided_bench --images 200 --via-gateway --out bench/results/guided-democap-gateway-2cpu.json
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -127,6 +130,91 @@ def run(engine, n: int, max_new_tokens: int = 64, seed: int = SEED) -> dict[str,
     }
 
 
+def run_via_gateway(n: int, max_new_tokens: int = 64, seed: int = SEED, clients: int = 32) -> dict[str, Any]:
+    """The same comparison as `run`, end to end: every image asked free and with OpenAI's
+    `response_format` through the official `openai` client, against a `wicore serve` gateway and
+    one CPU worker (fast engine) on an embedded Redis, `clients` requests in flight."""
+    import base64
+    from concurrent.futures import ThreadPoolExecutor
+
+    import openai
+
+    drawn = samples(n, seed)
+    response_format = {"type": "json_schema", "json_schema": {"name": "picture", "schema": SCHEMA, "strict": True}}
+
+    def ask(client, raw: bytes, constrained: bool):
+        url = "data:image/png;base64," + base64.b64encode(raw).decode()
+        content = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": PROMPT}]
+        extra = {"response_format": response_format} if constrained else {}
+        reply = client.chat.completions.create(
+            model="democap", messages=[{"role": "user", "content": content}], max_tokens=max_new_tokens, **extra
+        )
+        return reply.choices[0]
+
+    with served_gateway(clients) as base_url:
+        client = openai.OpenAI(base_url=base_url + "/v1", api_key="unused", timeout=600)
+        start = time.perf_counter()
+        with ThreadPoolExecutor(clients) as pool:
+            free = list(pool.map(lambda item: ask(client, item[0], False), drawn))
+            constrained = list(pool.map(lambda item: ask(client, item[0], True), drawn))
+        seconds = time.perf_counter() - start
+    truths = [truth for _, truth in drawn]
+    parsed = [json_fields(choice.message.content) for choice in constrained]
+    return {
+        "images": n,
+        "seed": seed,
+        "via": "openai client -> wicore serve -> Redis -> wicore worker (fast engine, CPU)",
+        "schema": SCHEMA,
+        "guided_valid": sum(p is not None for p in parsed),
+        "guided_finish_reasons": _count(choice.finish_reason for choice in constrained),
+        "guided": score(truths, parsed),
+        "free": score(truths, [caption_fields(choice.message.content) for choice in free]),
+        "seconds_both": round(seconds, 2),
+    }
+
+
+@contextmanager
+def served_gateway(batch_size: int) -> Iterator[str]:
+    """A gateway URL over an embedded Redis and one CPU worker; both stopped after."""
+    import subprocess
+    import sys
+    import urllib.request
+
+    from wicore.embedded import EmbeddedRedis, free_port
+
+    command = [sys.executable, "-m", "wicore.cli.main"]
+    with EmbeddedRedis() as redis_server:
+        port = free_port()
+        worker_args = ["worker", "--redis-url", redis_server.url, "--engine", "fast", "--batch-size", str(batch_size)]
+        processes = [
+            subprocess.Popen([*command, *worker_args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL),
+            subprocess.Popen(
+                [*command, "serve", "--redis-url", redis_server.url, "--port", str(port)],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            ),
+        ]
+        try:
+            url = f"http://127.0.0.1:{port}"
+            deadline = time.monotonic() + 180
+            while not _ready(url + "/health/ready", urllib.request):
+                if time.monotonic() > deadline or any(p.poll() is not None for p in processes):
+                    raise RuntimeError("the gateway or its worker did not start within 180 s")
+                time.sleep(0.5)
+            yield url
+        finally:
+            for process in processes:
+                process.terminate()
+                process.wait(timeout=60)
+
+
+def _ready(url: str, request) -> bool:
+    try:
+        return request.urlopen(url, timeout=2).status == 200
+    except OSError:
+        return False
+
+
 def _count(values) -> dict[str, int]:
     counts: dict[str, int] = {}
     for value in values:
@@ -138,18 +226,25 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--images", type=int, default=200)
     parser.add_argument("--engine", choices=("fast", "reference"), default="fast")
+    parser.add_argument("--via-gateway", action="store_true", help="end to end: openai client, gateway, worker")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
+    if args.via_gateway:
+        _write(run_via_gateway(args.images), args.out)
+        return
     from wicore.engines import create_engine
     from wicore.engines.base import EngineConfig
     from wicore.models import DEMOCAP_DIR
 
     engine = create_engine(args.engine, EngineConfig(model_dir=str(DEMOCAP_DIR), max_batch_size=32))
-    report = run(engine, args.images)
+    _write(run(engine, args.images), args.out)
+
+
+def _write(report: dict[str, Any], out: Path | None) -> None:
     text = json.dumps(report, indent=2)
     print(text)
-    if args.out is not None:
-        args.out.write_text(text + "\n")
+    if out is not None:
+        out.write_text(text + "\n")
 
 
 if __name__ == "__main__":
