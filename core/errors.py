@@ -89,6 +89,11 @@ class OverLimit(JobInputError):
         self.param = param
 
 
+class BadGrammar(JobInputError):
+    """A `guided` spec that cannot be a grammar (a malformed JSON schema, a regex that does not
+    compile), or one this worker cannot enforce (no `guided` extra installed)."""
+
+
 class PromptTooLong(JobInputError):
     """The prompt plus image tokens plus max_new_tokens exceed what the engine can hold."""
 

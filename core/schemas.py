@@ -199,7 +199,44 @@ GENERATION_KEYS = (  # a manifest line's too
     "presence_penalty",
     "frequency_penalty",
     "repetition_penalty",
+    "guided",
 )
+MAX_GUIDED_JSON_BYTES = 65_536  # a schema, regex or choice list larger than this is refused unread
+MAX_GUIDED_CHOICES = 1024
+
+
+def small_json(value: Any) -> Any:
+    size = len(json.dumps(value, separators=(",", ":"), ensure_ascii=False))
+    if size > MAX_GUIDED_JSON_BYTES:
+        raise ValueError(f"{size} bytes of JSON; at most {MAX_GUIDED_JSON_BYTES}")
+    return value
+
+
+class GuidedSpec(Strict):
+    """Output constrained token by token (engines/guided.py): exactly one of a JSON schema the
+    text validates against, a regular expression it matches whole, or a list of strings it is
+    one of. Part of the job's identity (its params)."""
+
+    json_schema: Annotated[dict[str, Any], BeforeValidator(shallow), AfterValidator(small_json)] | None = None
+    regex: Annotated[Text, Field(min_length=1, max_length=MAX_GUIDED_JSON_BYTES)] | None = None
+    choice: Annotated[tuple[Annotated[Text, Field(min_length=1)], ...], AfterValidator(small_json)] | None = Field(
+        None, min_length=1, max_length=MAX_GUIDED_CHOICES
+    )
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> GuidedSpec:
+        given = [name for name in ("json_schema", "regex", "choice") if getattr(self, name) is not None]
+        if len(given) != 1:
+            raise ValueError(f"give exactly one of json_schema, regex and choice (got {', '.join(given) or 'none'})")
+        return self
+
+    @property
+    def kind(self) -> str:
+        return next(name for name in ("json_schema", "regex", "choice") if getattr(self, name) is not None)
+
+    def canonical(self) -> str:
+        """Its JSON with sorted keys: equal specs, equal text (the grammar cache's key)."""
+        return json.dumps(self.model_dump(mode="json", exclude_none=True), sort_keys=True, separators=(",", ":"))
 
 
 def nonempty_stops(stop: tuple[str, ...]) -> tuple[str, ...]:
@@ -222,6 +259,7 @@ class GenerationParams(Strict):
     seed: Seed | None = None
     stop: Stops = ()
     ignore_eos: bool = False  # generate exactly max_new_tokens (benchmarks)
+    guided: GuidedSpec | None = None  # the output's grammar: a JSON schema, a regex or a choice
     n: Samples = 1  # samples of the one prompt; sample i > 0 draws with seed `sample_seed(seed, i)`
     logprobs: bool = False  # each generated token's log-probability
     top_logprobs: TopLogprobs = 0  # and this many most likely alternatives at each position (needs logprobs)
@@ -235,6 +273,12 @@ class GenerationParams(Strict):
     def _top_logprobs_need_logprobs(self) -> GenerationParams:
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
+        return self
+
+    @model_validator(mode="after")
+    def _guided_ends(self) -> GenerationParams:
+        if self.guided is not None and self.ignore_eos:
+            raise ValueError("guided: a guided output ends where its grammar does; drop ignore_eos")
         return self
 
     @property
@@ -504,6 +548,11 @@ class ManifestEntry(Strict):
     frequency_penalty: Penalty | None = Field(None, description="OpenAI's, -2..2: per time a token was generated.")
     repetition_penalty: RepetitionPenalty | None = Field(
         None, description="transformers', > 0 (1 = off): divides the logits of prompt and output tokens."
+    )
+    guided: GuidedSpec | None = Field(
+        None,
+        description='The output\'s grammar, one of {"json_schema": {...}}, {"regex": "..."}, {"choice": [...]}: '
+        "enforced token by token (docs/guides/structured-outputs.md).",
     )
     params: GenerationParams | None = Field(None, description="The generation parameters as one object.")
     metadata: Annotated[dict[str, Any], BeforeValidator(shallow)] = Field(

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
+from typing import Any
 
 import torch
-from transformers import LogitsProcessor, LogitsProcessorList
+from transformers import LogitsProcessor, LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from wicore.engines.base import (
     Completion,
@@ -26,6 +27,7 @@ from wicore.engines.base import (
 )
 from wicore.engines.chat_inputs import ChatInputs, check_chat_model
 from wicore.engines.checkpoint import load_hf_model, load_processor
+from wicore.engines.guided import Grammars, GuidedLogitsProcessor
 from wicore.engines.text import finish_sequence, stop_token_ids, token_logprobs
 from wicore.errors import ConfigError, JobInputError, PromptTooLong
 from wicore.ops.image_preprocess import PreprocessSpec
@@ -46,7 +48,9 @@ class ReferenceEngine(StaticBatchEngine):
         self.tokenizer = self.inputs.tokenizer
         self.model = load_hf_model(config.model_dir, config.device, config.dtype, config.seed)
         self.eos_ids = stop_token_ids(config.model_dir, self.tokenizer)
-        self.max_len = self.model.config.get_text_config().max_position_embeddings
+        text_config = self.model.config.get_text_config()
+        self.max_len = text_config.max_position_embeddings
+        self.grammars = Grammars(self.tokenizer, text_config.vocab_size, self.eos_ids)
         self._image_size = plain_resize_size(self.processor)
 
     def image_size(self) -> tuple[int, int] | None:
@@ -60,6 +64,8 @@ class ReferenceEngine(StaticBatchEngine):
         for request in requests:
             try:
                 text = self._prompt_text(request)
+                if request.params.guided is not None:
+                    self.grammars.compiled(request.params.guided)  # a bad one fails here, alone
             except JobInputError as error:
                 done.append(failed(request.id, error, input_error=True))
                 continue
@@ -110,12 +116,7 @@ class ReferenceEngine(StaticBatchEngine):
             **inputs,
             max_new_tokens=longest,
             min_new_tokens=longest if first.ignore_eos else None,
-            do_sample=not first.greedy,
-            temperature=first.temperature if not first.greedy else None,
-            top_p=first.top_p if not first.greedy else None,
-            top_k=first.top_k if not first.greedy else None,
-            repetition_penalty=first.repetition_penalty if first.repetition_penalty != 1.0 else None,
-            logits_processor=output_penalties(first, width),
+            **self._sampling(first, group, width),
             eos_token_id=sorted(self.eos_ids),
             pad_token_id=self.tokenizer.pad_token_id,
             output_scores=first.logprobs,
@@ -141,6 +142,42 @@ class ReferenceEngine(StaticBatchEngine):
             pairs = [] if best is None else list(zip(best.indices.tolist(), best.values.tolist(), strict=True))
             entries.append((logprobs[token].item(), pairs))
         return token_logprobs(self.tokenizer, ids, entries)
+
+    def _sampling(self, params: GenerationParams, group: list[EngineRequest], prompt_len: int) -> dict[str, Any]:
+        """`generate`'s sampling arguments for a group sharing `params`' rule. With a guided row the
+        grammar's processor comes first and the warpers (temperature, top-k, top-p: HF's order)
+        after it, so no warper leaves a row without a token its grammar allows."""
+        repetition = {"repetition_penalty": params.repetition_penalty if params.repetition_penalty != 1.0 else None}
+        guided = self._guided(group, prompt_len)
+        processors = LogitsProcessorList([*(output_penalties(params, prompt_len) or []), *(guided or [])]) or None
+        if params.greedy:
+            off = {"temperature": None, "top_p": None, "top_k": None}
+            return {"do_sample": False, **off, **repetition, "logits_processor": processors}
+        if guided is None:
+            warped = {"temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k}
+            return {"do_sample": True, **warped, **repetition, "logits_processor": processors}
+        processors.extend(sampling_warpers(params))
+        off = {"temperature": 1.0, "top_p": 1.0, "top_k": 0}
+        return {"do_sample": True, **off, **repetition, "logits_processor": processors}
+
+    def _guided(self, group: list[EngineRequest], prompt_len: int) -> LogitsProcessorList | None:
+        """The grammar rows of a batch (None: no request in it is guided)."""
+        states = [self.grammars.state(r.params.guided) for r in group]
+        if all(state is None for state in states):
+            return None
+        return LogitsProcessorList([GuidedLogitsProcessor(states, prompt_len)])
+
+
+def sampling_warpers(params: GenerationParams) -> list:
+    """The warpers `generate` makes for these settings, in its order."""
+    warpers: list = []
+    if params.temperature != 1.0:
+        warpers.append(TemperatureLogitsWarper(params.temperature))
+    if params.top_k:
+        warpers.append(TopKLogitsWarper(params.top_k))
+    if params.top_p < 1.0:
+        warpers.append(TopPLogitsWarper(params.top_p))
+    return warpers
 
 
 def plain_resize_size(processor) -> tuple[int, int] | None:

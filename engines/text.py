@@ -3,6 +3,7 @@ to the character on where a sequence ends (EOS, stop string, length)."""
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from collections.abc import Sequence
@@ -46,12 +47,12 @@ def finish_sequence(
         if not params.ignore_eos and token in eos_ids:
             reason = "stop"
             break
-    text = tokenizer.decode(tokens, skip_special_tokens=True)
+    text = visible_text(tokenizer, tokens)
     cut = first_stop(text, params.stop)
     if cut is None:
         return tokens, text, reason
     for n in range(1, len(tokens) + 1):
-        if first_stop(tokenizer.decode(tokens[:n], skip_special_tokens=True), params.stop) is not None:
+        if first_stop(visible_text(tokenizer, tokens[:n]), params.stop) is not None:
             tokens = tokens[:n]
             break
     return tokens, text[:cut], "stop_string"
@@ -81,3 +82,18 @@ def _candidate(tokenizer, token: int, logprob: float) -> TopLogprob:
     raw = (int(byte.group(1), 16),) if byte else tuple(text.encode("utf-8"))
     finite = logprob if math.isfinite(logprob) else IMPOSSIBLE_LOGPROB
     return TopLogprob(token=text, logprob=max(finite, IMPOSSIBLE_LOGPROB), bytes=raw)
+
+
+def visible_text(tokenizer, ids: list[int]) -> str:
+    """The text of `ids` without control tokens (EOS, turn and image markers). Byte-fallback
+    tokens stay: a tokenizer that registers them as special tokens would otherwise lose the
+    punctuation a grammar spells with them."""
+    hidden = hidden_ids(tokenizer)
+    return tokenizer.decode([i for i in ids if i not in hidden], skip_special_tokens=False)
+
+
+@functools.lru_cache(maxsize=8)
+def hidden_ids(tokenizer) -> frozenset[int]:
+    added = getattr(tokenizer, "added_tokens_decoder", {})
+    special = {i for i, token in added.items() if token.special and not BYTE_TOKEN.fullmatch(token.content)}
+    return frozenset(special | set(tokenizer.all_special_ids))

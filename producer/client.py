@@ -284,12 +284,12 @@ class Producer:
             images=tuple(refs),
             prompt=submission.prompt,
             messages=submission.messages,
-            params=submission.params,
+            params=submission.generation,
             model=self.model,
             priority=submission.priority,
             deadline=submission.deadline,
             metadata=submission.metadata,
-            nonce=uuid.uuid4().hex if submission.params.unseeded_sampling else None,
+            nonce=uuid.uuid4().hex if submission.generation.unseeded_sampling else None,
         )
         return Prepared(job, blobs, submission.label)
 

@@ -57,6 +57,7 @@ class CaptionBench:
     sample_stacks: bool = False  # the worker's loop thread sampled (`stack_sampler`): `host_stacks` in the JSON
     variant: str = "one-image"  # what a prompt holds (`caption_variants.VARIANTS`)
     sampling: dict = field(default_factory=dict)  # GenerationParams fields on every job (penalties, logprobs, n)
+    guided: dict | None = None  # a `guided` spec on every job (caption_guided.py); those end with their grammar
 
 
 def device_name(device: str) -> str:
@@ -117,6 +118,8 @@ def run_product(
     from wicore.worker.status import published_stats
 
     params = GenerationParams(max_new_tokens=bench.new_tokens, ignore_eos=True, **bench.sampling)
+    if bench.guided is not None:
+        params = GenerationParams(max_new_tokens=bench.new_tokens, guided=bench.guided, **bench.sampling)
     with EmbeddedRedis() as server, busy_sampler(bench.device) as busy:
         command = worker_command(bench, server.url, model_dir, timed[0].parent, gpus)
         stacks = log.with_name("worker-stacks.json")

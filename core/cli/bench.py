@@ -262,6 +262,13 @@ def caption(
         "them on every job, beside the usual one: caption-<preset>-sampling-<gpu>.json (its `sampling` key).",
         show_default=False,
     ),
+    guided_schema: Path = typer.Option(
+        None,
+        help="A JSON schema file: the same images free and with this schema on every job (`guided`), one run, "
+        "each on a fresh worker (--dtype fp8: both with FP8 GEMMs); images/s, output tokens/s and their ratios "
+        "in caption-<preset>-guided-<gpu>.json. No HF peer.",
+        show_default=False,
+    ),
     workdir: Path = typer.Option(Path("/tmp/wicore-bench"), help="Scratch folder (model config, images, logs)."),
     out: Path = typer.Option(Path("bench/results"), help="Folder for the JSON and the PNG."),
     as_json: bool = typer.Option(False, "--json", help="End with one JSON line."),
@@ -269,7 +276,8 @@ def caption(
     """Bulk captioning on the GPU: the whole product vs HF generate, with the roofline; with
     --gpus N, the whole product on N GPUs vs on one; with --dtype fp8, bf16 vs FP8 GEMMs; with
     --variant, two images a prompt or text only; with --compare-window, the flow-control window at its
-    default vs unbounded; with --sampling, without vs with those generation parameters on every job."""
+    default vs unbounded; with --sampling, without vs with those generation parameters on every job; with
+    --guided-schema, free vs constrained."""
     require(PLOTS)
     from wicore.bench.caption_bench import CaptionBench
     from wicore.bench.caption_fp8 import fp8_variant
@@ -301,7 +309,9 @@ def caption(
         gpus=gpus,
         variant=variant,
     )
-    if sampling is not None:
+    if guided_schema is not None:
+        report = caption_guided(fp8_variant(bench) if dtype == "fp8" else bench, guided_schema, out)
+    elif sampling is not None:
         if gpus or dtype == "fp8":
             raise ConfigError("--sampling runs on its own: without --gpus and --dtype fp8")
         report = caption_sampling(bench, sampling_params(sampling), out)
@@ -332,6 +342,24 @@ def caption_window(bench, out: Path) -> dict:
     print_flow(report)
     gpu = device_name(bench.device).replace(" ", "-")
     console.print(f"wrote {write_flow_report(report, out, f'caption-window-{bench.preset}-{gpu}')}")
+    return report
+
+
+def caption_guided(bench, schema: Path, out: Path) -> dict:
+    from wicore.bench.caption_guided import load_schema, run_guided_bench
+    from wicore.bench.report import gpu_slug
+
+    report = run_guided_bench(bench, load_schema(schema))
+    out.mkdir(parents=True, exist_ok=True)
+    dtype = "fp8-" if bench.engine_options.get("gemm_dtype") == "fp8" else ""
+    path = out / f"caption-{bench.preset}-guided-{dtype}{gpu_slug(report['gpu'])}.json"
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    console.print(f"wrote {path}")
+    free, constrained = report["free"], report["constrained"]
+    console.print(
+        f"free {free['images_per_s']:.2f} images/s, constrained {constrained['images_per_s']:.2f} images/s: "
+        f"ratio {report['images_per_s_ratio']:.3f} (output tokens/s ratio {report['output_tokens_per_s_ratio']:.3f})"
+    )
     return report
 
 

@@ -7,12 +7,13 @@ import time
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from wicore.gateway.errors import ApiError
 from wicore.gateway.images import image_from_url
+from wicore.grammars import grammar_problem
 from wicore.producer import Submission
-from wicore.schemas import CaptionResult, ChatMessage, GenerationParams, ImagePart, Lane, TextPart, TokenLogprob
+from wicore.schemas import CaptionResult, ChatMessage, GenerationParams, GuidedSpec, ImagePart, Lane, TextPart, TokenLogprob
 from wicore.schemas import Choice as Sample
 
 
@@ -38,6 +39,35 @@ class Message(BaseModel):
     role: Literal["system", "developer", "user", "assistant"]  # developer: OpenAI's newer name for system
     content: str | list[ContentPart]
     name: str | None = None
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    name: str = Field(max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema", description="Default: any JSON object.")
+    strict: bool | None = Field(None, description="Enforced token by token either way.")
+
+
+class TextFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]
+
+
+class JsonObjectFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["json_object"]
+
+
+class JsonSchemaResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["json_schema"]
+    json_schema: JsonSchemaFormat
+
+
+ResponseFormat = Annotated[TextFormat | JsonObjectFormat | JsonSchemaResponseFormat, Field(discriminator="type")]
+ANY_OBJECT: dict[str, Any] = {"type": "object"}
 
 
 class ChatCompletionRequest(BaseModel):
@@ -66,6 +96,10 @@ class ChatCompletionRequest(BaseModel):
     top_k: int | None = None
     ignore_eos: bool = False
     priority: Lane = Lane.NORMAL
+    response_format: ResponseFormat | None = None
+    guided: dict[str, Any] | None = Field(
+        None, description='wicore\'s grammar, as on native jobs: {"json_schema"}, {"regex"} or {"choice"}.'
+    )
 
 
 class AssistantMessage(BaseModel):
@@ -132,8 +166,39 @@ def generation_params(request: ChatCompletionRequest) -> GenerationParams:
         "presence_penalty": request.presence_penalty,
         "frequency_penalty": request.frequency_penalty,
         "repetition_penalty": request.repetition_penalty,
+        "guided": guided_spec(request),
     }
     return GenerationParams(**{k: v for k, v in fields.items() if v is not None})
+
+
+def guided_spec(request: ChatCompletionRequest) -> GuidedSpec | None:
+    """`response_format` (OpenAI's) or `guided` (wicore's) as the job's grammar; a 400 naming
+    the field when it is malformed or both are given."""
+    fmt = request.response_format
+    constrained = fmt is not None and not isinstance(fmt, TextFormat)
+    if constrained and request.guided is not None:
+        raise ApiError(400, "guided: give response_format or guided, not both", param="guided")
+    if request.guided is not None:
+        return _spec(request.guided, "guided")
+    if isinstance(fmt, JsonSchemaResponseFormat):
+        schema = fmt.json_schema.schema_
+        return _spec({"json_schema": ANY_OBJECT if schema is None else schema}, "response_format.json_schema.schema")
+    if isinstance(fmt, JsonObjectFormat):
+        return _spec({"json_schema": ANY_OBJECT}, "response_format")
+    return None
+
+
+def _spec(value: dict[str, Any], param: str) -> GuidedSpec:
+    try:
+        spec = GuidedSpec.model_validate(value)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(part) for part in first["loc"])
+        raise ApiError(400, f"{param}: {where + ': ' if where else ''}{first['msg']}", param=param) from None
+    problem = grammar_problem(spec)
+    if problem is not None:
+        raise ApiError(400, f"{param}: {problem}", param=param)
+    return spec
 
 
 def chat_submission(request: ChatCompletionRequest, roots: tuple[Path, ...]) -> Submission:

@@ -29,6 +29,7 @@ from contextlib import nullcontext
 import numpy as np
 import torch
 
+from wicore.engines import guided
 from wicore.engines.fast.attention_backends import PagedAttention, PrefillAttention, layer_specs
 from wicore.engines.fast.device_handles import PhaseClock, Readback
 from wicore.engines.fast.graph_runner import GraphRunner, ShapeGraphs
@@ -80,6 +81,7 @@ class ModelRunner:
         paged_suffix: prefills of at most this many new tokens attend over their pages alone.
         kv_dtype: the KV cache's element type (default `dtype`; `ops.attention.KV_FP8`)."""
         self.parts, self.layout, self.sampler = parts, layout, sampler
+        self.grammar_masks = guided.MaskRows(device)  # constrained rows' token masks (engines/guided.py)
         self.device, self.dtype = torch.device(device), dtype
         self.kv_dtype = dtype if kv_dtype is None else kv_dtype
         # Cast once: looking up the cast table gives the same bits as casting looked-up float32.
@@ -387,6 +389,10 @@ class ModelRunner:
     # -- sampling ---------------------------------------------------------------------------
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor, indices: list[int]) -> Readback:
+        """The grammars' masks are filled here, after the forward's launch: on CUDA the host
+        reads the last step's tokens and fills them while the device runs the forward."""
+        grammars = [s.grammar for s in seqs]
+        logits = guided.mask_logits(logits, guided.catch_up(grammars), self.grammar_masks)
         params = [s.request.params for s in seqs]
         penalties = self.history.penalties(seqs, indices)
         asking = [i for i, s in enumerate(seqs) if s.top_logprobs is not None]
@@ -398,7 +404,9 @@ class ModelRunner:
             self.history.record(penalties, tokens)
         for seq in seqs:
             seq.tokens.launched += 1
-        return Readback.start(seqs, tokens, scores)
+        readback = Readback.start(seqs, tokens, scores)
+        guided.track(grammars, readback.tokens)
+        return readback
 
 
 def _tensor(values: list[int], device) -> torch.Tensor:

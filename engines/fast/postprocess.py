@@ -22,7 +22,7 @@ from wicore.engines.fast.image_stage import ImageStage
 from wicore.engines.fast.sequence import SeqStatus, Sequence
 from wicore.engines.fast.step_plan import Launched, StepPlan
 from wicore.engines.fast.step_planner import StepPlanner
-from wicore.engines.text import finish_sequence, first_stop, token_logprobs
+from wicore.engines.text import finish_sequence, first_stop, token_logprobs, visible_text
 from wicore.schemas import Lane
 
 IDLE_WAIT_S = 0.02  # longest wait inside a step that launched nothing
@@ -92,7 +92,7 @@ class Postprocess:
         if len(generated) >= seq.max_new or (not params.ignore_eos and token in self.eos_ids):
             return True
         if params.stop:
-            text = self.tokenizer.decode(generated, skip_special_tokens=True)
+            text = visible_text(self.tokenizer, generated)
             return first_stop(text, params.stop) is not None
         return False
 

@@ -50,6 +50,7 @@ import torch
 
 from wicore.engines.base import EngineRequest
 from wicore.engines.fast.prompt_inputs import Prompt
+from wicore.engines.guided import GrammarState
 from wicore.engines.kvcache.gpu_tier import CachedBlock, Restore
 from wicore.engines.kvcache.prefix_keys import PromptKeys
 from wicore.engines.pending import Pending
@@ -163,6 +164,7 @@ class Sequence:
     cache: CacheState = field(default_factory=CacheState)
     tokens: TokenState = field(default_factory=TokenState)
     abort_requested: bool = False  # stop once its prefill is launched (module docstring)
+    grammar: GrammarState | None = None  # its `guided` output's matcher (engines/guided.py)
     added_at: float = field(default_factory=time.perf_counter)
     # perf_counter when it entered each status, launched its vision batch, read its first token
     timeline: dict[str, float] = field(default_factory=dict)
