@@ -13,7 +13,16 @@ from wicore.gateway.errors import ApiError
 from wicore.gateway.images import image_from_url
 from wicore.grammars import grammar_problem
 from wicore.producer import Submission
-from wicore.schemas import CaptionResult, ChatMessage, GenerationParams, GuidedSpec, ImagePart, Lane, TextPart, TokenLogprob
+from wicore.schemas import (
+    CaptionResult,
+    ChatMessage,
+    GenerationParams,
+    GuidedSpec,
+    ImagePart,
+    Lane,
+    TextPart,
+    TokenLogprob,
+)
 from wicore.schemas import Choice as Sample
 
 
