@@ -191,6 +191,9 @@ class GenerationParams(Strict):
     seed: Seed | None = None
     stop: Stops = ()
     ignore_eos: bool = False  # generate exactly max_new_tokens (benchmarks)
+    # The worker publishes the text as it is generated (a token stream per job, `keys.tokens`);
+    # unset, a job's JSON and Redis costs are as without it.
+    stream: bool = False
 
     @property
     def greedy(self) -> bool:

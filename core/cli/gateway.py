@@ -103,6 +103,8 @@ def gateway_config(settings: Settings):
         api_keys=frozenset(key.get_secret_value() for key in settings.api_keys),
         max_request_bytes=settings.max_request_bytes,
         request_timeout_s=settings.request_timeout_s,
+        stream_idle_timeout_s=settings.stream_idle_timeout_s,
+        stream_cancel_on_disconnect=settings.stream_cancel_on_disconnect,
         producer=producer,
         files=FilesConfig(store=settings.files_store, folder=settings.files_dir, max_bytes=settings.max_file_bytes),
         batch_window_s=settings.batch_window_s,

@@ -1,0 +1,101 @@
+"""Streamed text (`IncrementalText`, `Engine.stream_deltas`): deltas decoded step by step add up
+to the whole text's decode, multi-byte characters split over several tokens included, with
+tokenizers built here (byte-level BPE, and SentencePiece-style byte fallback) and the demo
+captioner's."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from wicore.engines.base import IncrementalText, stop_hold_back
+from wicore.schemas import GenerationParams
+
+CORPUS = ["a red circle on a blue background", "héllo wörld", "漢字 and kana かな", "party 🎉 time ☃", "naïve café"]
+SAMPLES = ["héllo 漢字 🎉🎉 ok", "a red circle ☃ on a blue café", "  two  spaces\nand a newline かな"]
+
+
+def byte_level_tokenizer():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    raw = Tokenizer(models.BPE())
+    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    raw.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    raw.train_from_iterator(CORPUS, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=raw)
+
+
+def byte_fallback_tokenizer():
+    """Gemma's layout: "▁" for spaces, `<0xNN>` tokens (ordinary vocabulary) for unknown bytes."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, **{f"<0x{b:02X}>": 1 + b for b in range(256)}}
+    for word in ("a", "▁red", "▁circle", "▁on", "▁blue", "▁ok", "▁", "h", "llo", "e", "▁and"):
+        vocab.setdefault(word, len(vocab))
+    raw = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
+    raw.normalizer = normalizers.Replace(" ", "▁")
+    raw.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+    return PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="<unk>")
+
+
+def streamed(tokenizer, ids: list[int], rng: random.Random, hold_back: int = 0) -> list[str]:
+    """The deltas of `ids` arriving a few at a time (a fast-engine step lands 1 to 3 at once),
+    then, as the gateway sends it, the whole text's rest. What was sent before the end is always
+    a prefix of the whole text."""
+    text, pieces, n = IncrementalText(tokenizer, hold_back), [], 0
+    whole = tokenizer.decode(ids, skip_special_tokens=True)
+    while n < len(ids):
+        n = min(len(ids), n + rng.randint(1, 3))
+        if (delta := text.update(ids[:n])) is not None:
+            assert delta.at == sum(map(len, pieces))
+            pieces.append(delta.text)
+    sent = "".join(pieces)
+    assert whole.startswith(sent), (sent, whole)
+    return pieces + ([whole[len(sent) :]] if len(whole) > len(sent) else [])
+
+
+@pytest.mark.parametrize("make", [byte_level_tokenizer, byte_fallback_tokenizer])
+def test_deltas_add_up_to_the_whole_decode_multi_byte_characters_too(make):
+    tokenizer, rng = make(), random.Random(7)
+    for sample in SAMPLES:
+        ids = tokenizer.encode(sample, add_special_tokens=False)
+        whole = tokenizer.decode(ids, skip_special_tokens=True)
+        assert any(ord(c) > 127 for c in whole) and len(ids) > len(sample.split())
+        for _ in range(20):
+            pieces = streamed(tokenizer, ids, rng)
+            assert "".join(pieces) == whole and len(pieces) > 2
+            assert all("\ufffd" not in piece for piece in pieces), "a character is never sent half-decoded"
+
+
+@pytest.mark.parametrize("make", [byte_level_tokenizer, byte_fallback_tokenizer])
+def test_random_ids_never_send_what_the_whole_text_lacks(make):
+    """Whatever ids come (invalid byte runs too), what was sent is a prefix of the whole decode:
+    the final text's rest completes it."""
+    tokenizer, rng = make(), random.Random(11)
+    for _ in range(200):
+        ids = [rng.randrange(len(tokenizer)) for _ in range(rng.randint(1, 24))]
+        assert "".join(streamed(tokenizer, ids, rng)) == tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def test_the_demo_captioners_captions_stream_word_by_word():
+    from transformers import AutoTokenizer
+
+    from wicore.models import DEMOCAP_DIR
+
+    tokenizer = AutoTokenizer.from_pretrained(DEMOCAP_DIR)
+    ids = tokenizer.encode("a red circle on a blue background", add_special_tokens=False) + [tokenizer.eos_token_id]
+    pieces = streamed(tokenizer, ids, random.Random(3))
+    assert "".join(pieces) == "a red circle on a blue background" and len(pieces) >= 3
+
+
+def test_a_stop_string_holds_back_its_length_less_one():
+    tokenizer = byte_level_tokenizer()
+    params = GenerationParams(stop=("blue", "ok"))
+    assert stop_hold_back(params) == 3 and stop_hold_back(GenerationParams()) == 0
+    ids = tokenizer.encode("a red circle on a blue", add_special_tokens=False)
+    pieces = streamed(tokenizer, ids, random.Random(1), hold_back=stop_hold_back(params))
+    assert "".join(pieces[:-1]) == "a red circle on a blue"[:-3] and pieces[-1] == "lue"
