@@ -99,3 +99,28 @@ def test_a_stop_string_holds_back_its_length_less_one():
     ids = tokenizer.encode("a red circle on a blue", add_special_tokens=False)
     pieces = streamed(tokenizer, ids, random.Random(1), hold_back=stop_hold_back(params))
     assert "".join(pieces[:-1]) == "a red circle on a blue"[:-3] and pieces[-1] == "lue"
+
+
+def test_the_fast_engine_streams_deltas_that_add_up_to_each_completions_text(fast_engine):
+    """Random weights sample any token (byte pieces, special ones): every streaming request's
+    deltas are a prefix of its text, the completion's rest ends it; a request that does not
+    stream has no deltas."""
+    from tests.fast_requests import request
+
+    requests = [request(f"s{i}", variant=i, max_new_tokens=40, temperature=1.0, seed=i, stream=True) for i in range(3)]
+    requests.append(request("plain", variant=3, max_new_tokens=40, ignore_eos=True))
+    fast_engine.add(requests)
+    sent: dict[str, str] = {}
+    steps_with_text: dict[str, int] = {}
+    done = {}
+    while fast_engine.num_unfinished():
+        done.update((c.id, c) for c in fast_engine.step())
+        for delta in fast_engine.stream_deltas():
+            assert delta.at == len(sent.get(delta.id, ""))
+            sent[delta.id] = sent.get(delta.id, "") + delta.text
+            steps_with_text[delta.id] = steps_with_text.get(delta.id, 0) + 1
+    assert "plain" not in sent and not fast_engine.stream_texts
+    for rid in ("s0", "s1", "s2"):
+        text = done[rid].text
+        assert text.startswith(sent.get(rid, "")), (sent.get(rid), text)
+    assert max(steps_with_text.values()) >= 3

@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationInfo, field_validator
 from pydantic.json_schema import SkipJsonSchema
 
 from wicore.gateway.errors import ApiError
@@ -86,7 +86,7 @@ def refuse_unsupported(value: Any, info: ValidationInfo) -> Any:
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    include_usage: bool = False  # a last chunk, of no choices, carries the usage
+    include_usage: StrictBool = False  # a last chunk, of no choices, carries the usage
 
 
 class ChatCompletionRequest(UnsupportedFields):

@@ -61,15 +61,16 @@ class TextFollower:
         self.cursor = NO_ENTRY
         self.sent = 0
 
-    async def read(self, redis: AsyncRedis) -> str:
-        """The new characters of the entries added since the last read."""
-        pieces = []
+    async def read(self, redis: AsyncRedis) -> list[str]:
+        """The new characters of each entry added since the last read (a reader that comes
+        late gets the pieces as they were generated)."""
+        pieces: list[str] = []
         while True:
             start = "-" if self.cursor == NO_ENTRY else f"({self.cursor}"
             entries = await redis.xrange(self.key, min=start, count=READ_COUNT)
-            pieces += [self._take(entry_id, fields) for entry_id, fields in entries]
+            pieces += filter(None, (self._take(entry_id, fields) for entry_id, fields in entries))
             if len(entries) < READ_COUNT:
-                return "".join(pieces)
+                return pieces
 
     def rest(self, text: str) -> str:
         """The end of the job's whole text that the deltas did not carry."""
@@ -131,9 +132,10 @@ async def job_text(
         client_gone(request) as gone,
     ):
         while True:
-            if piece := await follower.read(gateway.quick):
+            if pieces := await follower.read(gateway.quick):
                 limits.flowed()
-                yield piece
+                for piece in pieces:
+                    yield piece
             if outcome.done:
                 break
             outcome = await _next_wake(gateway, job_id, outcome, (ended, arrived, gone), limits)
