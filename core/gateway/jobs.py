@@ -11,9 +11,11 @@ from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import UploadFile
 from starlette.responses import StreamingResponse
 
+from wicore.gateway import examples as ex
 from wicore.gateway.auth import require_key
 from wicore.gateway.disconnect import ClientGone
 from wicore.gateway.errors import ApiError, error_body
+from wicore.gateway.examples import examples
 from wicore.gateway.limits import JSON_TYPES, JSONL_TYPES, MULTIPART, form_body, json_body, json_field, media_type
 from wicore.gateway.openai_streams import event_stream
 from wicore.gateway.schemas import BatchReply, CancelReply, JobAccepted, JobFields, JobRequest, JobView
@@ -54,12 +56,30 @@ MULTIPART_SCHEMA = {
     },
 }
 JOB_BODY = body_doc(
-    ("application/json", {"schema": {"$ref": "#/components/schemas/JobRequest"}}),
+    (
+        "application/json",
+        {
+            "schema": {"$ref": "#/components/schemas/JobRequest"},
+            "examples": examples(image_and_prompt=ex.JOB, streamed=ex.JOB_STREAM),
+        },
+    ),
     (MULTIPART, {"schema": MULTIPART_SCHEMA}),
 )
 BATCH_BODY = body_doc(
-    ("application/json", {"schema": {"type": "array", "items": {"$ref": "#/components/schemas/JobRequest"}}}),
-    ("application/jsonl", {"schema": {"$ref": "#/components/schemas/OpenAIBatchLine"}}),
+    (
+        "application/json",
+        {
+            "schema": {"type": "array", "items": {"$ref": "#/components/schemas/JobRequest"}},
+            "examples": examples(two_jobs=ex.JOB_BATCH),
+        },
+    ),
+    (
+        "application/jsonl",
+        {
+            "schema": {"$ref": "#/components/schemas/OpenAIBatchLine"},
+            "examples": examples(openai_batch_lines=ex.jsonl(ex.BATCH_LINE)),
+        },
+    ),
 )
 
 

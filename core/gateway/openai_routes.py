@@ -5,13 +5,17 @@ against them unchanged: `OpenAI(base_url="http://host:8000/v1", api_key=...)`.""
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Depends, Request
+from typing import Annotated
+
+from fastapi import APIRouter, Body, Depends, Request
 from starlette.concurrency import run_in_threadpool
 from starlette.responses import StreamingResponse
 
 from wicore import errors
+from wicore.gateway import examples as ex
 from wicore.gateway.auth import require_key
 from wicore.gateway.errors import ApiError
+from wicore.gateway.examples import examples
 from wicore.gateway.openai_schemas import (
     ChatCompletion,
     ChatCompletionRequest,
@@ -43,10 +47,17 @@ def input_error_names() -> tuple[str, ...]:
 
 
 INPUT_ERRORS = input_error_names()
+CHAT_BODY = Annotated[
+    ChatCompletionRequest, Body(openapi_examples=examples(image_and_prompt=ex.CHAT, streamed=ex.CHAT_STREAM))
+]
+COMPLETION_BODY = Annotated[
+    CompletionRequest,
+    Body(openapi_examples=examples(text_prompt=ex.COMPLETION, streamed={**ex.COMPLETION, "stream": True})),
+]
 
 
 @router.post("/chat/completions", response_model=ChatCompletion, responses=STREAM_RESPONSE_DOC)
-async def chat_completions(request: Request, body: ChatCompletionRequest) -> ChatCompletion | StreamingResponse:
+async def chat_completions(request: Request, body: CHAT_BODY) -> ChatCompletion | StreamingResponse:
     """Images + chat -> the assistant's reply, through the queue (the same job as POST /v1/jobs);
     with `stream: true`, its text as server-sent events while it is generated."""
     gateway = request.app.state.gateway
@@ -58,7 +69,7 @@ async def chat_completions(request: Request, body: ChatCompletionRequest) -> Cha
 
 
 @router.post("/completions", response_model=TextCompletion, responses=STREAM_RESPONSE_DOC)
-async def completions(request: Request, body: CompletionRequest) -> TextCompletion | StreamingResponse:
+async def completions(request: Request, body: COMPLETION_BODY) -> TextCompletion | StreamingResponse:
     """A text prompt -> its continuation (OpenAI's legacy completions; one prompt, no images);
     with `stream: true`, as server-sent events."""
     submission = completion_submission(body)
