@@ -169,3 +169,33 @@ def test_a_malformed_or_unsupported_field_is_a_400_naming_it(served, route, fiel
     reply = httpx.post(f"{served[0]}/v1/{route}", json={**base, **fields})
     assert reply.status_code == 400, reply.text
     assert reply.json()["error"]["param"].split(".")[0] == param, reply.json()
+
+
+@pytest.fixture(scope="module")
+def reference_served(tmp_path_factory):
+    """A gateway with one reference-engine worker (it streams at the end of its batch)."""
+    logs = tmp_path_factory.mktemp("reference-logs")
+    with EmbeddedRedis() as redis_server:
+        metrics_port, port = free_port(), free_port()
+        worker = start_worker("--redis-url", redis_server.url, "--engine", "reference", "--metrics-port",
+                              str(metrics_port), log=logs / "worker.log")  # fmt: skip
+        gateway = start_gateway("--redis-url", redis_server.url, "--port", str(port), log=logs / "gateway.log")
+        try:
+            wait_http(f"http://127.0.0.1:{metrics_port}/metrics", 120, worker)
+            url = f"http://127.0.0.1:{port}"
+            wait_http(url + "/health/live", 60, gateway)
+            wait_until(lambda: httpx.get(url + "/health/ready").status_code == 200, 60, 0.2, "a ready gateway")
+            yield url
+        finally:
+            stop(gateway)
+            stop(worker, signal.SIGKILL)
+
+
+def test_the_reference_engine_streams_its_text_whole_at_the_end(reference_served):
+    import openai
+
+    client = openai.OpenAI(base_url=reference_served + "/v1", api_key="unused", timeout=120)
+    image = IMAGES[4]
+    chunks = list(client.chat.completions.create(**chat(image, max_tokens=24, stream=True)))
+    texts = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
+    assert texts == [caption_of(image)] and chunks[-1].choices[0].finish_reason == "stop"
