@@ -20,6 +20,7 @@ import time
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -54,7 +55,7 @@ class StreamBench:
 
 # tiny: the mechanism on CPU (its numbers are not the GPU's); one torch thread, as two OpenMP
 # threads on a busy 2-core machine slow each step.
-PRESETS = {
+PRESETS: dict[str, dict[str, Any]] = {
     "gemma3-4b": {},
     "tiny": {"device": "cpu", "requests": 48, "concurrency": 8, "new_tokens": 32, "batch_size": 16, "warmup": 8,
              "engine_options": {"torch_threads": 1}},

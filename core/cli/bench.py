@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import typer
 
@@ -139,7 +140,12 @@ def stream(
     if preset not in PRESETS:
         raise ConfigError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
     bench = StreamBench(workdir=workdir, preset=preset, **PRESETS[preset])
-    given = {"requests": requests, "concurrency": concurrency, "new_tokens": new_tokens, "batch_size": batch_size}
+    given: dict[str, Any] = {
+        "requests": requests,
+        "concurrency": concurrency,
+        "new_tokens": new_tokens,
+        "batch_size": batch_size,
+    }
     bench = replace(bench, **{k: v for k, v in given.items() if v is not None})
     if engine_option:
         bench = replace(bench, engine_options={**bench.engine_options, **engine_options(engine_option)})

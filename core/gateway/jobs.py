@@ -4,6 +4,7 @@ with `?wait=`), cancel it."""
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from typing import Any
 
 from fastapi import APIRouter, Depends, Path, Query, Request
 from redis.exceptions import RedisError
@@ -148,7 +149,7 @@ def job_view(outcome: Outcome) -> JobView:
     return JobView(job_id=outcome.job_id, status=outcome.status, result=outcome.result, error=outcome.error)
 
 
-STREAM_DOC = {
+STREAM_DOC: dict[int | str, dict[str, Any]] = {
     200: {
         "description": 'Server-sent events: `event: text` (data `{"text"}`) as the text is generated, '
         "then `event: end` (data: the job, as GET /v1/jobs/{id} answers it)",

@@ -78,9 +78,10 @@ class UnsupportedFields(BaseModel):
 
 
 def refuse_unsupported(value: Any, info: ValidationInfo) -> Any:
-    if value is None or value is False or (info.field_name == "modalities" and value == ["text"]):
+    name = info.field_name or ""
+    if value is None or value is False or (name == "modalities" and value == ["text"]):
         return value
-    raise ValueError(f"{UNSUPPORTED[info.field_name]} are not supported by wicore; send the request without it")
+    raise ValueError(f"{UNSUPPORTED.get(name, name)} are not supported by wicore; send the request without it")
 
 
 class StreamOptions(BaseModel):

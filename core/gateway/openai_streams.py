@@ -105,7 +105,7 @@ def event_stream(events: AsyncIterator[str]) -> StreamingResponse:
     return StreamingResponse(events, media_type=EVENT_STREAM, headers=SSE_HEADERS)
 
 
-STREAM_RESPONSE_DOC = {
+STREAM_RESPONSE_DOC: dict[int | str, dict[str, Any]] = {
     200: {
         "description": "With `stream: true`: server-sent events, each `data: {chunk}`, then `data: [DONE]`",
         "content": {EVENT_STREAM: {"schema": {"type": "string"}}},

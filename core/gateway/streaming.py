@@ -67,7 +67,7 @@ class TextFollower:
         pieces: list[str] = []
         while True:
             start = "-" if self.cursor == NO_ENTRY else f"({self.cursor}"
-            entries = await redis.xrange(self.key, min=start, count=READ_COUNT)
+            entries: list = await redis.xrange(self.key, min=start, count=READ_COUNT) or []
             pieces += filter(None, (self._take(entry_id, fields) for entry_id, fields in entries))
             if len(entries) < READ_COUNT:
                 return pieces
