@@ -216,7 +216,11 @@ CASES = [
     ("GET", "/v1/jobs/wc-unknown", {"params": {"wait": "soon"}}, 400, "wait"),
     ("DELETE", "/v1/jobs/wc-unknown", {}, 404, "no job wc-unknown"),
     ("DELETE", "/v1/jobs/a.b", {}, 400, "job_id"),
-    ("POST", "/v1/chat/completions", {"json": chat(stream=True)}, 400, "stream"),
+    ("POST", "/v1/chat/completions", {"json": chat(stream="often")}, 400, "stream"),
+    ("POST", "/v1/chat/completions", {"json": chat(stream_options={"include_usage": True})}, 400, "stream_options"),
+    ("POST", "/v1/chat/completions", {"json": chat(tools=[{"type": "function"}])}, 400, "tools: tool calls"),
+    ("POST", "/v1/completions", {"json": {"model": MODEL, "prompt": ["a", "b"]}}, 400, "prompt: send one prompt"),
+    ("GET", "/v1/models/no-such-model", {}, 404, "not served by any live worker"),
     ("POST", "/v1/chat/completions", {"json": chat(n=3)}, 400, "n: only one choice"),
     (
         "POST",
