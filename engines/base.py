@@ -103,13 +103,14 @@ class TextDelta:
 
 
 class IncrementalText:
-    """vLLM's incremental detokenizer, over the generated ids only: each `update` decodes the ids
-        from `prefix_offset` (a few ids of context, so a tokenizer that drops a leading space or
-        joins byte-fallback pieces decodes them as in the whole text) and keeps the new characters,
-        unless they end in U+FFFD (a multi-byte character whose bytes have not all arrived); a trailing
-    run of byte-fallback tokens waits for the token after it (`_settled`). The
-        last `hold_back` characters wait (a stop string may be starting there: the final text is cut
-        before it). What it sends is always a prefix of the whole text's decode."""
+    """vLLM's incremental detokenizer, over a request's generated ids. Each `update` decodes the
+    ids from `prefix_offset` (the ids of the previous update: a tokenizer that drops a word's
+    leading space when it starts a text decodes it as in the whole text) and keeps the characters
+    past the decode of that prefix, unless they end in U+FFFD (a multi-byte character whose bytes
+    have not all come). A trailing run of byte-fallback or special tokens waits for the token
+    after it (`_settled`), and the last `hold_back` characters wait (a stop string may be starting
+    there; the final text is cut before it). What it hands out is always a prefix of the whole
+    text's decode: the request's final text, past it, is the rest."""
 
     def __init__(self, tokenizer, hold_back: int = 0):
         self.tokenizer = tokenizer
@@ -120,15 +121,13 @@ class IncrementalText:
         self.text = ""  # decoded so far
         self.sent = 0  # characters of `text` handed out
 
-    def update(self, ids: list[int]) -> TextDelta | None:
-        """The characters decoded since the last call that may be sent now (None: none)."""
+    def update(self, ids: list[int]) -> str:
+        """The characters decoded since the last call that may be sent now ("" for none); `ids`
+        are all the ids generated so far."""
         self._decode(ids)
-        end = len(self.text) - self.hold_back
-        if end <= self.sent:
-            return None
-        delta = TextDelta("", self.sent, self.text[self.sent : end])
-        self.sent = end
-        return delta
+        end = max(self.sent, len(self.text) - self.hold_back)
+        new, self.sent = self.text[self.sent : end], end
+        return new
 
     def _decode(self, ids: list[int]) -> None:
         ids = ids[: self._settled(ids)]
@@ -269,9 +268,9 @@ class Engine(abc.ABC):
             text = texts.get(request_id)
             if text is None:
                 text = texts[request_id] = IncrementalText(self.tokenizer, stop_hold_back(params))
-            delta = text.update(ids)
-            if delta is not None:
-                deltas.append(TextDelta(request_id, delta.at, delta.text))
+            at = text.sent
+            if new := text.update(ids):
+                deltas.append(TextDelta(request_id, at, new))
         return deltas
 
     def close(self) -> None:

@@ -50,9 +50,9 @@ def streamed(tokenizer, ids: list[int], rng: random.Random, hold_back: int = 0) 
     whole = tokenizer.decode(ids, skip_special_tokens=True)
     while n < len(ids):
         n = min(len(ids), n + rng.randint(1, 3))
-        if (delta := text.update(ids[:n])) is not None:
-            assert delta.at == sum(map(len, pieces))
-            pieces.append(delta.text)
+        assert text.sent == sum(map(len, pieces))
+        if new := text.update(ids[:n]):
+            pieces.append(new)
     sent = "".join(pieces)
     assert whole.startswith(sent), (sent, whole)
     return pieces + ([whole[len(sent) :]] if len(whole) > len(sent) else [])

@@ -15,7 +15,9 @@ while text flows.
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -30,6 +32,8 @@ from wicore.gateway.errors import ApiError, error_body
 from wicore.gateway.state import WAIT_SLICE_S, Gateway, first_set
 from wicore.producer import Outcome
 from wicore.producer.client import NO_ENTRY
+
+log = logging.getLogger(__name__)
 
 READ_COUNT = 256  # token-stream entries read per XRANGE
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # proxies pass each event on at once
@@ -144,7 +148,9 @@ async def job_text(
     yield outcome
 
 
-async def _next_wake(gateway: Gateway, job_id: str, outcome: Outcome, events: tuple, limits: Limits) -> Outcome:
+async def _next_wake(
+    gateway: Gateway, job_id: str, outcome: Outcome, events: tuple[asyncio.Event, ...], limits: Limits
+) -> Outcome:
     """Wait for text, the job's end or a slice of time; the job read again unless text woke us."""
     ended, arrived, gone = events
     left = limits.left()
@@ -165,6 +171,10 @@ async def _next_wake(gateway: Gateway, job_id: str, outcome: Outcome, events: tu
 def cancel_later(gateway: Gateway, job_id: str) -> None:
     """Cancel the job from a thread, not awaited: this runs where the stream's generator is being
     closed (its client gone), which may not await any more."""
-    import asyncio
+    canceling = asyncio.get_running_loop().run_in_executor(None, gateway.producer().cancel, [job_id])
+    canceling.add_done_callback(lambda done: _log_failed_cancel(job_id, done))
 
-    asyncio.get_running_loop().run_in_executor(None, gateway.producer().cancel, [job_id])
+
+def _log_failed_cancel(job_id: str, done: asyncio.Future) -> None:
+    if not done.cancelled() and done.exception() is not None:
+        log.warning("canceling job %s after its client left failed: %s", job_id, done.exception())
