@@ -10,8 +10,10 @@ answers whole and streamed; GET /v1/models/{id}; every malformed new field is a 
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import signal
+import time
 
 import httpx
 import pytest
@@ -27,7 +29,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    """(gateway URL, Redis URL) with one fast-engine worker."""
+    """(gateway URL, Redis URL, worker process) with one fast-engine worker."""
     logs = tmp_path_factory.mktemp("logs")
     with EmbeddedRedis() as redis_server:
         metrics_port = free_port()
@@ -42,7 +44,7 @@ def served(tmp_path_factory):
             url = f"http://127.0.0.1:{port}"
             wait_http(url + "/health/live", 60, gateway)
             wait_until(lambda: httpx.get(url + "/health/ready").status_code == 200, 60, 0.2, "a ready gateway")
-            yield url, redis_server.url
+            yield url, redis_server.url, worker
         finally:
             stop(gateway)
             stop(worker, signal.SIGKILL)
@@ -94,7 +96,7 @@ def test_a_client_that_closes_its_stream_midway_leaves_its_job_canceled(client, 
 
 
 def test_the_native_stream_sends_text_events_then_the_job(served):
-    url, redis_url = served
+    url, redis_url, _ = served
     job = {"messages": native_messages(IMAGES[2]), "params": {"max_new_tokens": 24, "stream": True}}
     accepted = httpx.post(f"{url}/v1/jobs", json=job).json()
     events = read_events(f"{url}/v1/jobs/{accepted['job_id']}/stream")
@@ -107,7 +109,7 @@ def test_the_native_stream_sends_text_events_then_the_job(served):
 
 
 def test_a_job_that_does_not_stream_writes_no_token_stream_and_streams_whole(served):
-    url, redis_url = served
+    url, redis_url, _ = served
     accepted = httpx.post(f"{url}/v1/jobs", json={"messages": native_messages(IMAGES[3])}).json()
     events = read_events(f"{url}/v1/jobs/{accepted['job_id']}/stream")
     assert [name for name, _ in events] == ["text", "end"] and events[0][1]["text"] == caption_of(IMAGES[3])
@@ -199,3 +201,71 @@ def test_the_reference_engine_streams_its_text_whole_at_the_end(reference_served
     chunks = list(client.chat.completions.create(**chat(image, max_tokens=24, stream=True)))
     texts = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
     assert texts == [caption_of(image)] and chunks[-1].choices[0].finish_reason == "stop"
+
+
+@pytest.fixture(scope="module")
+def short_timeout_gateway(served, tmp_path_factory):
+    """A second gateway on the same Redis and worker: request_timeout_s 2 s, stream_idle_timeout_s 3 s."""
+    port = free_port()
+    log = tmp_path_factory.mktemp("short") / "gateway.log"
+    env = {"WICORE_REQUEST_TIMEOUT_S": "2", "WICORE_STREAM_IDLE_TIMEOUT_S": "3"}
+    gateway = start_gateway("--redis-url", served[1], "--port", str(port), env=env, log=log)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_http(url + "/health/ready", 60, gateway)
+        openai_client(url).chat.completions.create(**chat(IMAGES[0], max_tokens=4))  # a warm worker
+        yield url
+    finally:
+        stop(gateway)
+
+
+def openai_client(url: str):
+    import openai
+
+    return openai.OpenAI(base_url=url + "/v1", api_key="unused", timeout=120)
+
+
+@contextlib.contextmanager
+def frozen(worker):
+    """The worker stopped (SIGSTOP) for the block's length, then continued."""
+    worker.send_signal(signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        worker.send_signal(signal.SIGCONT)
+
+
+LONG = {"max_tokens": 1900, "extra_body": {"ignore_eos": True}}
+
+
+def test_a_stream_has_no_request_timeout_ceiling_while_text_flows(served, short_timeout_gateway):
+    """Four 0.7 s freezes of the worker mid-stream: the stream lasts past request_timeout_s (2 s),
+    never idle for stream_idle_timeout_s (3 s), and ends whole."""
+    stream = openai_client(short_timeout_gateway).chat.completions.create(**chat(IMAGES[5], stream=True, **LONG))
+    started, chunks = time.monotonic(), []
+    for chunk in stream:
+        chunks.append(chunk)
+        if len(chunks) in (5, 10, 15, 20):
+            with frozen(served[2]):
+                time.sleep(0.7)
+    assert time.monotonic() - started > 2.8 and chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_a_stream_idle_past_its_limit_ends_with_an_error_naming_it(served, short_timeout_gateway):
+    import openai
+
+    stream = openai_client(short_timeout_gateway).chat.completions.create(**chat(IMAGES[4], stream=True, **LONG))
+    with pytest.raises(openai.APIError, match="stream_idle_timeout_s") as ended:
+        for index, _ in enumerate(stream):
+            if index == 3:
+                served[2].send_signal(signal.SIGSTOP)
+    served[2].send_signal(signal.SIGCONT)
+    assert "GET /v1/jobs/" in str(ended.value)
+
+
+def test_a_whole_answer_past_request_timeout_is_a_504_naming_its_job(served, short_timeout_gateway):
+    import openai
+
+    with frozen(served[2]), pytest.raises(openai.APIStatusError) as whole:
+        openai_client(short_timeout_gateway).chat.completions.create(**chat(IMAGES[3], max_tokens=8))
+    assert whole.value.status_code == 504 and "GET /v1/jobs/" in whole.value.message

@@ -111,9 +111,11 @@ class Limits:
 
     def __init__(self, first_s: float, idle_s: float):
         self.idle_s = idle_s
+        self.waited = f"its first text within {first_s:g}s (request_timeout_s)"
         self.deadline = time.monotonic() + first_s
 
     def flowed(self) -> None:
+        self.waited = f"more text within {self.idle_s:g}s (stream_idle_timeout_s)"
         self.deadline = time.monotonic() + self.idle_s
 
     def left(self) -> float:
@@ -155,7 +157,7 @@ async def _next_wake(
     ended, arrived, gone = events
     left = limits.left()
     if left <= 0:
-        raise StreamTimeout(f"job {job_id} is still {outcome.status}: no text came within the stream's limit")
+        raise StreamTimeout(f"job {job_id} did not send {limits.waited}")
     await first_set(events, min(left, WAIT_SLICE_S))
     if gone.is_set():
         raise ClientGone()
