@@ -215,6 +215,7 @@ CASES = [
     ("GET", "/v1/jobs/wc-unknown", {"params": {"wait": 10_000}}, 400, "wait"),
     ("GET", "/v1/jobs/wc-unknown", {"params": {"wait": "soon"}}, 400, "wait"),
     ("DELETE", "/v1/jobs/wc-unknown", {}, 404, "no job wc-unknown"),
+    ("GET", "/v1/jobs/wc-unknown/stream", {}, 404, "no job wc-unknown"),
     ("DELETE", "/v1/jobs/a.b", {}, 400, "job_id"),
     ("POST", "/v1/chat/completions", {"json": chat(stream="often")}, 400, "stream"),
     ("POST", "/v1/chat/completions", {"json": chat(stream_options={"include_usage": True})}, 400, "stream_options"),
