@@ -205,10 +205,12 @@ def test_the_reference_engine_streams_its_text_whole_at_the_end(reference_served
 
 @pytest.fixture(scope="module")
 def short_timeout_gateway(served, tmp_path_factory):
-    """A second gateway on the same Redis and worker: request_timeout_s 2 s, stream_idle_timeout_s 3 s."""
+    """A second gateway on the same Redis and worker: request_timeout_s 2 s, stream_idle_timeout_s
+    3 s, and a client leaving its stream does not cancel its job."""
     port = free_port()
     log = tmp_path_factory.mktemp("short") / "gateway.log"
-    env = {"WICORE_REQUEST_TIMEOUT_S": "2", "WICORE_STREAM_IDLE_TIMEOUT_S": "3"}
+    env = {"WICORE_REQUEST_TIMEOUT_S": "2", "WICORE_STREAM_IDLE_TIMEOUT_S": "3",
+           "WICORE_STREAM_CANCEL_ON_DISCONNECT": "false"}  # fmt: skip
     gateway = start_gateway("--redis-url", served[1], "--port", str(port), env=env, log=log)
     try:
         url = f"http://127.0.0.1:{port}"
@@ -269,3 +271,12 @@ def test_a_whole_answer_past_request_timeout_is_a_504_naming_its_job(served, sho
     with frozen(served[2]), pytest.raises(openai.APIStatusError) as whole:
         openai_client(short_timeout_gateway).chat.completions.create(**chat(IMAGES[3], max_tokens=8))
     assert whole.value.status_code == 504 and "GET /v1/jobs/" in whole.value.message
+
+
+def test_with_cancel_on_disconnect_off_a_closed_stream_leaves_its_job_running(short_timeout_gateway):
+    stream = openai_client(short_timeout_gateway).chat.completions.create(**chat(IMAGES[2], stream=True, **LONG))
+    seen = [chunk for chunk, _ in zip(stream, range(4), strict=False)]
+    stream.close()
+    job = f"{short_timeout_gateway}/v1/jobs/{seen[0].id.removeprefix('chatcmpl-')}"
+    view = httpx.get(job, params={"wait": 60}).json()
+    assert view["status"] == "finished" and view["result"]["output_tokens"] == LONG["max_tokens"]
