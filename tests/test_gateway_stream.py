@@ -279,4 +279,4 @@ def test_with_cancel_on_disconnect_off_a_closed_stream_leaves_its_job_running(sh
     stream.close()
     job = f"{short_timeout_gateway}/v1/jobs/{seen[0].id.removeprefix('chatcmpl-')}"
     view = httpx.get(job, params={"wait": 60}).json()
-    assert view["status"] == "finished" and view["result"]["output_tokens"] == LONG["max_tokens"]
+    assert view["status"] == "finished" and view["result"]["output_tokens"] == LONG["max_tokens"], view
