@@ -141,6 +141,11 @@ class Settings(BaseSettings):
     api_keys: Annotated[list[SecretStr], NoDecode] = []  # bearer keys the gateway accepts; none: open
     max_request_bytes: int = Field(64 * 2**20, ge=1024)  # largest HTTP request body the gateway reads; 64 MiB
     request_timeout_s: float = Field(300.0, gt=0)  # longest a chat completion waits for its job; 5 min
+    # A streamed answer (`stream: true`, GET /v1/jobs/{id}/stream) waits request_timeout_s for its first
+    # text, then at most stream_idle_timeout_s between two pieces (no ceiling while text flows); a
+    # streamed completion whose client hangs up cancels its job unless stream_cancel_on_disconnect is off.
+    stream_idle_timeout_s: float = Field(60.0, gt=0)  # 1 min
+    stream_cancel_on_disconnect: bool = True  # on
     # A client connection's limits at `wicore serve`: its request's headers arrive within header_timeout_s
     # (else 408 and closed); a body that stalls body_timeout_s closes it; an idle keep-alive connection
     # closes after keep_alive_s; past max_connections open ones (lowered to fit the descriptor limit) a

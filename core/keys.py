@@ -37,6 +37,10 @@ STATS = PREFIX + ":stats:{worker}"
 # a worker testing whether Redis takes writes again during an outage.
 PROBE = PREFIX + ":probe:{token}"
 
+# Text deltas of a job that streams (a Redis stream per job: entries {at, text}, at most one per
+# engine step; capped length, a TTL), written by the worker, read by the gateway.
+TOKENS = PREFIX + ":tokens:{job_id}"
+
 # A field wicore adds to RQ's job hash: the execution id of the job's current run, set when a
 # worker starts it. A run's settle, requeue or cancel touches the job only while it is the current
 # run (a job canceled and submitted again, or requeued and taken by another worker, has moved on).
@@ -56,6 +60,10 @@ def blob_users(sha256: str) -> str:
 
 def submitted(job_id: str) -> str:
     return SUBMITTED.format(job_id=job_id)
+
+
+def tokens(job_id: str) -> str:
+    return TOKENS.format(job_id=job_id)
 
 
 def claims(worker: str) -> str:

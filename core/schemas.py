@@ -260,6 +260,9 @@ class GenerationParams(Strict):
     stop: Stops = ()
     ignore_eos: bool = False  # generate exactly max_new_tokens (benchmarks)
     guided: GuidedSpec | None = None  # the output's grammar: a JSON schema, a regex or a choice
+    # The worker publishes the text as it is generated (a token stream per job, `keys.tokens`);
+    # unset, a job's JSON and Redis costs are as without it.
+    stream: bool = False
     n: Samples = 1  # samples of the one prompt; sample i > 0 draws with seed `sample_seed(seed, i)`
     logprobs: bool = False  # each generated token's log-probability
     top_logprobs: TopLogprobs = 0  # and this many most likely alternatives at each position (needs logprobs)

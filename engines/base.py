@@ -10,6 +10,7 @@ steps. `abort` cancels requests between steps. Engines never import Redis or RQ.
 from __future__ import annotations
 
 import abc
+import re
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -91,6 +92,79 @@ def aborted(request_id: str, prompt_tokens: int = 0, engine_s: float = 0.0) -> C
     return Completion(request_id, error=ABORTED, input_error=True, prompt_tokens=prompt_tokens, engine_s=engine_s)
 
 
+BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")  # SentencePiece's byte-fallback pieces
+
+
+@dataclass(frozen=True)
+class TextDelta:
+    """Text a streaming request generated since the engine's last `stream_deltas`: it goes at
+    character `at` of the request's text (the text before it was sent in earlier deltas)."""
+
+    id: str
+    at: int
+    text: str
+
+
+class IncrementalText:
+    """vLLM's incremental detokenizer, over a request's generated ids. Each `update` decodes the
+    ids from `prefix_offset` (the ids of the previous update: a tokenizer that drops a word's
+    leading space when it starts a text decodes it as in the whole text) and keeps the characters
+    past the decode of that prefix, unless they end in U+FFFD (a multi-byte character whose bytes
+    have not all come). A trailing run of byte-fallback or special tokens waits for the token
+    after it (`_settled`), and the last `hold_back` characters wait (a stop string may be starting
+    there; the final text is cut before it). What it hands out is always a prefix of the whole
+    text's decode: the request's final text, past it, is the rest."""
+
+    def __init__(self, tokenizer, hold_back: int = 0):
+        self.tokenizer = tokenizer
+        self.hold_back = hold_back
+        self.special_ids = frozenset(tokenizer.all_special_ids)
+        self.prefix_offset = 0
+        self.read_offset = 0
+        self.text = ""  # decoded so far
+        self.sent = 0  # characters of `text` handed out
+
+    def update(self, ids: list[int]) -> str:
+        """The characters decoded since the last call that may be sent now ("" for none); `ids`
+        are all the ids generated so far."""
+        self._decode(ids)
+        end = max(self.sent, len(self.text) - self.hold_back)
+        new, self.sent = self.text[self.sent : end], end
+        return new
+
+    def _decode(self, ids: list[int]) -> None:
+        ids = ids[: self._settled(ids)]
+        if len(ids) <= self.read_offset:
+            return
+        before = self._decoded(ids[self.prefix_offset : self.read_offset])
+        after = self._decoded(ids[self.prefix_offset :])
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            self.text += after[len(before) :]
+            self.prefix_offset, self.read_offset = self.read_offset, len(ids)
+
+    def _settled(self, ids: list[int]) -> int:
+        """How many of `ids` decode alike whatever comes next: all but a trailing run of byte
+        tokens (`<0xNN>`, which a byte-fallback decoder turns into text as one group) and
+        special tokens (skipped, so the bytes on both sides of one join)."""
+        end = len(ids)
+        while end > self.read_offset and self._joins_next(ids[end - 1]):
+            end -= 1
+        return end
+
+    def _joins_next(self, token_id: int) -> bool:
+        if token_id in self.special_ids:
+            return True
+        return BYTE_TOKEN.fullmatch(self.tokenizer.convert_ids_to_tokens(token_id) or "") is not None
+
+    def _decoded(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True) if ids else ""
+
+
+def stop_hold_back(params: GenerationParams) -> int:
+    """Characters a streamed text keeps back: a stop string's first characters may be arriving."""
+    return max((len(stop) for stop in params.stop), default=1) - 1
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model_dir: str
@@ -108,6 +182,8 @@ class Engine(abc.ABC):
     def __init__(self, config: EngineConfig):
         self.config = config
         self.requests_seen = 0  # every request ever passed to `add` (stats; tests use it too)
+        self.tokenizer: Any = None  # a Hugging Face tokenizer, for engines that stream text as it comes
+        self.stream_texts: dict[str, IncrementalText] = {}  # by request id: what `stream_deltas` sent
 
     @property
     def model_id(self) -> str:
@@ -175,6 +251,31 @@ class Engine(abc.ABC):
         while self.num_unfinished():
             done.update((c.id, c) for c in samples.merge(self.step()))
         return [done[r.id] for r in requests]
+
+    def streaming_tokens(self) -> dict[str, tuple[list[int], GenerationParams]]:
+        """request id -> (ids generated so far, params) of each unfinished request that asked to
+        stream (`params.stream`). An engine that generates step by step overrides it; this one
+        (a static batch) has nothing before the end: its requests' text comes whole, with their
+        completions."""
+        return {}
+
+    def stream_deltas(self) -> list[TextDelta]:
+        """At most one `TextDelta` per streaming request: its text since the last call, decoded
+        by `self.tokenizer` with `IncrementalText`. The rest of a request's text (held back, or
+        never stepped) is its completion's text past what the deltas sent."""
+        live = self.streaming_tokens()
+        texts = self.stream_texts
+        for ended in texts.keys() - live.keys():
+            del texts[ended]
+        deltas = []
+        for request_id, (ids, params) in live.items():
+            text = texts.get(request_id)
+            if text is None:
+                text = texts[request_id] = IncrementalText(self.tokenizer, stop_hold_back(params))
+            at = text.sent
+            if new := text.update(ids):
+                deltas.append(TextDelta(request_id, at, new))
+        return deltas
 
     def close(self) -> None:
         """Release the device; what a cache writes behind (the shared vision cache) is written first."""

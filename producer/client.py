@@ -69,6 +69,13 @@ def result_stream(job_id: str) -> str:
     return Result.get_key(job_id)
 
 
+def job_keys(job: CaptionJob) -> tuple[str, ...]:
+    """A job's keys that a rerun starts without: its hash, result stream and, for one that
+    streams, its token stream."""
+    own = (rq_keys.JOB + job.job_id, result_stream(job.job_id))
+    return (*own, keys.tokens(job.job_id)) if job.params.stream else own
+
+
 # ARGV: this producer's session, the marks' TTL, the key prefixes of dedup marks, job hashes, blobs
 # and blob users, the blobs' TTL, the number n of job ids, the n job ids, then per blob: its sha256,
 # the number k of those jobs that use it and their k positions among the ids (1-based). Returns 1 or
@@ -316,7 +323,7 @@ class Producer:
         for job in jobs:
             by_queue[self.rules.bucket(job).queue_name].append(job)
         if jobs:
-            pipe.delete(*(key for job in jobs for key in (rq_keys.JOB + job.job_id, result_stream(job.job_id))))
+            pipe.delete(*(key for job in jobs for key in job_keys(job)))
         for queue_name, queue_jobs in by_queue.items():
             queue = Queue(queue_name, connection=self.connection, serializer=JSONSerializer)
             for job in queue_jobs:

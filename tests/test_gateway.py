@@ -179,8 +179,9 @@ def test_openai_client(gateway):
     assert reply.choices[0].message.content == caption_of(image)
     assert reply.choices[0].finish_reason == "stop" and reply.usage.completion_tokens > 0
     assert [m.id for m in client.models.list()] == [MODEL]
-    with pytest.raises(openai.BadRequestError, match="stream"):
-        client.chat.completions.create(model=MODEL, messages=body["messages"], stream=True)
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    with pytest.raises(openai.BadRequestError, match="tools: tool calls are not supported"):
+        client.chat.completions.create(model=MODEL, messages=body["messages"], tools=[tool])
     with pytest.raises(openai.NotFoundError, match="not served"):
         client.chat.completions.create(model="no-such-model", messages=body["messages"])
 

@@ -132,3 +132,29 @@ def test_cancel_polls_follow_engine_steps_not_loop_turns():
     assert pace.due() and not pace.due() and not pace.due()
     pace.stepped = True
     assert pace.due() and not pace.due()
+
+
+def test_only_streaming_jobs_write_token_streams_at_most_once_a_step(connection, fast_engine):
+    """The fast engine on the tiny model, two jobs that stream and two that do not: the ones that
+    do not write nothing beyond the budget above; each streaming job adds at most one XADD (and
+    its EXPIRE) per engine step, into a capped stream of its own."""
+    from wicore import keys
+    from wicore.schemas import GenerationParams
+
+    def job(i: int, stream: bool) -> Submission:
+        params = GenerationParams(max_new_tokens=12, ignore_eos=True, stream=stream)
+        return Submission(png_bytes(i), f"job {i}", params=params)
+
+    producer = Producer(connection, model=MODEL, config=ProducerConfig(retries=1))
+    streaming = producer.submit_many([job(0, True), job(1, True)])
+    plain = producer.submit_many([job(2, False), job(3, False)])
+    policy = BatchPolicy(max_batch_size=4, max_queue_delay_s=0.0)
+    worker = BatchingWorker(connection, fast_engine, WorkerConfig(MODEL, policy=policy, burst=True, max_jobs=4))
+    with CommandCount(connection) as run:
+        assert worker.run() == 4
+    entries = sum(connection.xlen(keys.tokens(job_id)) for job_id in streaming)
+    assert run.by_name["xadd"] == entries + 4, "a token entry each, and each job's result entry"
+    assert entries <= 2 * fast_engine.stats()["steps"]
+    for job_id in streaming:
+        assert 3 <= connection.xlen(keys.tokens(job_id)) <= 12 and connection.ttl(keys.tokens(job_id)) > 0
+    assert not any(connection.exists(keys.tokens(job_id)) for job_id in plain)

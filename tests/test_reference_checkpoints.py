@@ -203,3 +203,40 @@ def test_the_worker_exits_2_with_one_line(llava_dir, no_template_dir, redis_url)
         done = wicore("worker", *args, check=False, timeout=120)
         lines = done.stderr.strip().splitlines()
         assert done.returncode == 2 and len(lines) == 1 and says in lines[0], done.stderr
+
+
+def test_text_completions_on_a_text_only_checkpoint_whole_and_streamed(gemma3_text_dir, redis_url, tmp_path):
+    """`POST /v1/completions` through `wicore serve` and a reference worker on `Gemma3ForCausalLM`:
+    the streamed text (one chunk: the reference engine streams at the end of its batch) is the
+    whole answer's."""
+    import signal
+
+    import httpx
+    import openai
+
+    from tests.helpers import start_gateway, start_worker, stop, wait_http, wait_until
+    from wicore.embedded import free_port
+
+    model_id, port = "gemma3-text", free_port()
+    worker = start_worker("--engine", "reference", "--model", str(gemma3_text_dir), "--model-id", model_id,
+                          "--redis-url", redis_url, "--allow-random-weights", log=tmp_path / "worker.log")  # fmt: skip
+    gateway = start_gateway("--redis-url", redis_url, "--port", str(port), "--model-id", model_id,
+                            log=tmp_path / "gateway.log")  # fmt: skip
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_http(url + "/health/live", 60, gateway)
+        wait_until(lambda: httpx.get(url + "/health/ready").status_code == 200, 120, 0.2, "a ready gateway")
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", timeout=120)
+        ask = {
+            "model": model_id,
+            "prompt": "Tell me about red houses.",
+            "max_tokens": NEW_TOKENS,
+            "extra_body": {"ignore_eos": True},
+        }
+        whole = client.completions.create(**ask)
+        chunks = list(client.completions.create(**ask, stream=True))
+        assert whole.usage.completion_tokens == NEW_TOKENS and whole.choices[0].finish_reason == "length"
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+    finally:
+        stop(gateway)
+        stop(worker, signal.SIGKILL)

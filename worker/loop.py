@@ -38,6 +38,7 @@ from wicore.errors import ShutdownRequested
 from wicore.gc_pauses import PAUSES
 from wicore.scheduler.policy import Take, Wait, choose, split_expired
 from wicore.scheduler.queues import BucketQueues
+from wicore.worker import token_streams
 from wicore.worker.batch_log import BatchLog
 from wicore.worker.engine_gate import EngineGate
 from wicore.worker.job_inputs import InputLoader, deadline_message, parse_payloads
@@ -113,6 +114,7 @@ class BatchingWorker:
         self._fetch_images()
         admitted = self._admit() if not self.stopping else False
         going = self._work() or admitted or (not self.stopping and self._idle())
+        self._publish_text()
         self._flush()
         return going
 
@@ -387,6 +389,13 @@ class BatchingWorker:
         self.batch_log.ended(items)
         self.jobs_done += len(items)
         self.metrics.canceled(sum(item.canceled for item in items))
+
+    def _publish_text(self) -> None:
+        """The text streaming jobs generated this turn (at most one engine step), before any of
+        their results: one round trip, none while no job in hand streams."""
+        deltas = [(self.in_flight[d.id].claimed.id, d) for d in self.engine.stream_deltas() if d.id in self.in_flight]
+        if deltas:
+            token_streams.publish(self.connection, deltas)
 
     def _flush(self) -> None:
         """Write what ended; on an outage the items stay for the next try."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import typer
 
@@ -138,6 +139,55 @@ def burst(
         markup=False,
     )
     for path in write_results(report, out):
+        console.print(f"wrote {path}")
+    if as_json:
+        typer.echo(json.dumps(report))
+
+
+@app.command()
+@friendly_errors
+def stream(
+    preset: str = typer.Option(
+        "gemma3-4b", help="gemma3-4b (CUDA), or tiny (CPU: tests the mechanism, not the number)."
+    ),
+    requests: int = typer.Option(None, min=1, help="Chat completions per side [256; tiny 48]."),
+    concurrency: int = typer.Option(None, min=1, help="Requests in flight at once [64; tiny 8]."),
+    new_tokens: int = typer.Option(None, min=1, help="Tokens of every answer (ignore_eos) [128; tiny 32]."),
+    batch_size: int = typer.Option(None, min=1, help="Engine running sequences [256; tiny 16]."),
+    engine_option: list[str] = typer.Option(None, "--engine-option", help="KEY=VALUE engine option; repeatable."),
+    workdir: Path = typer.Option(Path("/tmp/wicore-stream-bench"), help="Scratch folder (model, images, logs)."),
+    out: Path = typer.Option(Path("bench/results"), help="Folder for stream-<preset>-<device>.json and .png."),
+    as_json: bool = typer.Option(False, "--json", help="End with one JSON line."),
+) -> None:
+    """Time to the first streamed token (p50/p99) beside the whole non-streamed answer, in one
+    run through `wicore serve` and one fast-engine worker."""
+    require(PLOTS)
+    require("fastapi")  # the gateway it starts
+    from dataclasses import replace
+
+    from wicore.bench.stream_bench import PRESETS, StreamBench, run_stream_bench, write_stream_report
+    from wicore.cli.common import engine_options
+    from wicore.errors import ConfigError
+
+    if preset not in PRESETS:
+        raise ConfigError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
+    bench = StreamBench(workdir=workdir, preset=preset, **PRESETS[preset])
+    given: dict[str, Any] = {
+        "requests": requests,
+        "concurrency": concurrency,
+        "new_tokens": new_tokens,
+        "batch_size": batch_size,
+    }
+    bench = replace(bench, **{k: v for k, v in given.items() if v is not None})
+    if engine_option:
+        bench = replace(bench, engine_options={**bench.engine_options, **engine_options(engine_option)})
+    report = run_stream_bench(bench)
+    console.print(
+        f"streamed: first token p50 {report['streamed_ttft_p50_s']} s, p99 {report['streamed_ttft_p99_s']} s; "
+        f"last token p50 {report['streamed_total_p50_s']} s\n"
+        f"whole:    answer p50 {report['whole_total_p50_s']} s, p99 {report['whole_total_p99_s']} s"
+    )
+    for path in write_stream_report(report, out):
         console.print(f"wrote {path}")
     if as_json:
         typer.echo(json.dumps(report))

@@ -109,6 +109,8 @@ def gateway_config(settings: Settings):
         api_keys=frozenset(key.get_secret_value() for key in settings.api_keys),
         max_request_bytes=settings.max_request_bytes,
         request_timeout_s=settings.request_timeout_s,
+        stream_idle_timeout_s=settings.stream_idle_timeout_s,
+        stream_cancel_on_disconnect=settings.stream_cancel_on_disconnect,
         producer=producer,
         files=FilesConfig(
             store=settings.files_store,

@@ -3,14 +3,24 @@ with `?wait=`), cancel it."""
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from typing import Any
+
 from fastapi import APIRouter, Depends, Path, Query, Request
+from redis.exceptions import RedisError
 from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import UploadFile
+from starlette.responses import StreamingResponse
 
+from wicore.gateway import examples as ex
 from wicore.gateway.auth import require_key
-from wicore.gateway.errors import ApiError
+from wicore.gateway.disconnect import ClientGone
+from wicore.gateway.errors import ApiError, error_body
+from wicore.gateway.examples import examples
 from wicore.gateway.limits import JSON_TYPES, JSONL_TYPES, MULTIPART, form_body, json_body, json_field, media_type
+from wicore.gateway.openai_streams import event_stream
 from wicore.gateway.schemas import BatchReply, CancelReply, JobAccepted, JobFields, JobRequest, JobView
+from wicore.gateway.streaming import StreamTimeout, job_text, sse
 from wicore.gateway.submissions import (
     enqueue_lines,
     enqueue_one,
@@ -47,12 +57,30 @@ MULTIPART_SCHEMA = {
     },
 }
 JOB_BODY = body_doc(
-    ("application/json", {"schema": {"$ref": "#/components/schemas/JobRequest"}}),
+    (
+        "application/json",
+        {
+            "schema": {"$ref": "#/components/schemas/JobRequest"},
+            "examples": examples(image_and_prompt=ex.JOB, streamed=ex.JOB_STREAM),
+        },
+    ),
     (MULTIPART, {"schema": MULTIPART_SCHEMA}),
 )
 BATCH_BODY = body_doc(
-    ("application/json", {"schema": {"type": "array", "items": {"$ref": "#/components/schemas/JobRequest"}}}),
-    ("application/jsonl", {"schema": {"$ref": "#/components/schemas/OpenAIBatchLine"}}),
+    (
+        "application/json",
+        {
+            "schema": {"type": "array", "items": {"$ref": "#/components/schemas/JobRequest"}},
+            "examples": examples(two_jobs=ex.JOB_BATCH),
+        },
+    ),
+    (
+        "application/jsonl",
+        {
+            "schema": {"$ref": "#/components/schemas/OpenAIBatchLine"},
+            "examples": examples(openai_batch_lines=ex.jsonl(ex.BATCH_LINE)),
+        },
+    ),
 )
 
 
@@ -119,6 +147,40 @@ async def get_job(
 
 def job_view(outcome: Outcome) -> JobView:
     return JobView(job_id=outcome.job_id, status=outcome.status, result=outcome.result, error=outcome.error)
+
+
+STREAM_DOC: dict[int | str, dict[str, Any]] = {
+    200: {
+        "description": 'Server-sent events: `event: text` (data `{"text"}`) as the text is generated, '
+        "then `event: end` (data: the job, as GET /v1/jobs/{id} answers it)",
+        "content": {"text/event-stream": {"schema": {"type": "string"}}},
+    }
+}
+
+
+@router.get("/jobs/{job_id}/stream", response_class=StreamingResponse, responses=STREAM_DOC)
+async def stream_job(request: Request, job_id: str = JOB_ID) -> StreamingResponse:
+    """The job's text while it is generated, as server-sent events (a job submitted with
+    `params.stream: true` streams step by step; any other sends its text in one event as it
+    ends), then its end. Hanging up does not cancel the job."""
+    gateway = request.app.state.gateway
+    first = await run_in_threadpool(gateway.producer().poll, job_id)
+    return event_stream(job_events(gateway, first, request))
+
+
+async def job_events(gateway, first: tuple[Outcome, str], request: Request) -> AsyncIterator[str]:
+    try:
+        async for piece in job_text(gateway, first[0].job_id, first, request):
+            if isinstance(piece, str):
+                yield sse({"text": piece}, "text")
+            else:
+                yield sse(job_view(piece).model_dump(mode="json"), "end")
+    except StreamTimeout as timeout:
+        yield sse(error_body(504, str(timeout)), "error")
+    except RedisError as error:
+        yield sse(error_body(503, f"Redis is unavailable ({type(error).__name__}); retry shortly"), "error")
+    except ClientGone:
+        pass
 
 
 @router.delete("/jobs/{job_id}", response_model=CancelReply)

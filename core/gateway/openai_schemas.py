@@ -7,7 +7,8 @@ import time
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, ValidationInfo, field_validator
+from pydantic.json_schema import SkipJsonSchema
 
 from wicore.gateway.errors import ApiError
 from wicore.gateway.images import image_from_url
@@ -79,7 +80,57 @@ ResponseFormat = Annotated[TextFormat | JsonObjectFormat | JsonSchemaResponseFor
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
 
 
-class ChatCompletionRequest(BaseModel):
+# OpenAI request fields wicore does not serve: each is a 400 that names it (rather than a
+# silently different answer).
+UNSUPPORTED = {
+    "tools": "tool calls",
+    "tool_choice": "tool calls",
+    "parallel_tool_calls": "tool calls",
+    "functions": "function calls",
+    "function_call": "function calls",
+    "audio": "audio output",
+    "modalities": "output modalities other than text",
+    "prediction": "predicted outputs",
+    "web_search_options": "web search",
+    "suffix": "suffixes (fill-in-the-middle)",
+    "echo": "echoing the prompt",
+    "best_of": "best_of",
+}
+
+
+class UnsupportedFields(BaseModel):
+    """The fields of `UNSUPPORTED`: accepted as null (or false), else a 400 naming the field."""
+
+    tools: SkipJsonSchema[Any] = None
+    tool_choice: SkipJsonSchema[Any] = None
+    parallel_tool_calls: SkipJsonSchema[Any] = None
+    functions: SkipJsonSchema[Any] = None
+    function_call: SkipJsonSchema[Any] = None
+    audio: SkipJsonSchema[Any] = None
+    modalities: SkipJsonSchema[Any] = None
+    prediction: SkipJsonSchema[Any] = None
+    web_search_options: SkipJsonSchema[Any] = None
+
+    @field_validator(*UNSUPPORTED.keys() - {"suffix", "echo", "best_of"}, check_fields=False)
+    @classmethod
+    def _unsupported(cls, value: Any, info: ValidationInfo) -> Any:
+        return refuse_unsupported(value, info)
+
+
+def refuse_unsupported(value: Any, info: ValidationInfo) -> Any:
+    name = info.field_name or ""
+    if value is None or value is False or (name == "modalities" and value == ["text"]):
+        return value
+    raise ValueError(f"{UNSUPPORTED.get(name, name)} are not supported by wicore; send the request without it")
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    include_usage: StrictBool = False  # a last chunk, of no choices, carries the usage
+
+
+class ChatCompletionRequest(UnsupportedFields):
     """OpenAI's request body; `top_k`, `ignore_eos` and `priority` are wicore's additions (send
     them through the client's `extra_body`). Unknown fields are an error, as at OpenAI."""
 
@@ -100,7 +151,7 @@ class ChatCompletionRequest(BaseModel):
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None  # transformers' (vLLM's extra field too)
     stream: bool = False
-    stream_options: dict[str, Any] | None = None
+    stream_options: StreamOptions | None = None
     user: str | None = None
     top_k: int | None = None
     ignore_eos: bool = False
@@ -108,6 +159,77 @@ class ChatCompletionRequest(BaseModel):
     response_format: ResponseFormat | None = None
     guided: dict[str, Any] | None = Field(
         None, description='wicore\'s grammar, as on native jobs: {"json_schema"}, {"regex"} or {"choice"}.'
+    )
+
+
+def check_stream_options(stream: bool, options: StreamOptions | None) -> None:
+    if options is not None and not stream:
+        raise ApiError(400, "stream_options: only allowed with stream: true", param="stream_options")
+
+
+class CompletionRequest(UnsupportedFields):
+    """OpenAI's legacy text completion: one text prompt, no images. The prompt goes to the model
+    as one user turn of its chat template (wicore's jobs are conversations). `top_k`,
+    `ignore_eos` and `priority` are wicore's additions."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+    prompt: str | list[str] = Field(description="One text prompt (a list holds exactly one).")
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0)  # default 0: greedy (OpenAI's is 1)
+    top_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    top_k: int | None = None
+    ignore_eos: bool = False
+    priority: Lane = Lane.NORMAL
+    suffix: SkipJsonSchema[Any] = None
+    echo: SkipJsonSchema[Any] = None
+    best_of: SkipJsonSchema[Any] = None
+
+    @field_validator("suffix", "echo", "best_of")
+    @classmethod
+    def _unsupported_here(cls, value: Any, info: ValidationInfo) -> Any:
+        return value if info.field_name == "best_of" and value == 1 else refuse_unsupported(value, info)
+
+
+def completion_submission(request: CompletionRequest) -> Submission:
+    check_supported(request)
+    prompts = [request.prompt] if isinstance(request.prompt, str) else request.prompt
+    if len(prompts) != 1:
+        raise ApiError(400, f"prompt: send one prompt per request (got {len(prompts)})", param="prompt")
+    return Submission(prompt=prompts[0], params=generation_params(request), priority=request.priority)
+
+
+class TextChoice(BaseModel):
+    index: int = 0
+    text: str
+    finish_reason: Literal["stop", "length"]
+    logprobs: None = None
+
+
+class TextCompletion(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[TextChoice]
+    usage: Usage
+    system_fingerprint: str | None = None
+
+
+def text_completion(result: CaptionResult, model: str) -> TextCompletion:
+    return TextCompletion(
+        id=f"cmpl-{result.job_id}",
+        created=int(time.time()),
+        model=model,
+        choices=[TextChoice(text=result.text, finish_reason=finish_reason(result))],
+        usage=usage(result),
     )
 
 
@@ -155,14 +277,16 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
-def check_supported(request: ChatCompletionRequest) -> None:
-    if request.stream:
-        raise ApiError(400, "stream: streaming is not supported yet; send stream: false", param="stream")
+def check_supported(request: ChatCompletionRequest | CompletionRequest) -> None:
+    check_stream_options(request.stream, request.stream_options)
+    if request.n != 1 and (request.stream or isinstance(request, CompletionRequest)):
+        raise ApiError(400, "n: a streamed request or a text completion has one choice; send n: 1", param="n")
 
 
-def generation_params(request: ChatCompletionRequest) -> GenerationParams:
+def generation_params(request: ChatCompletionRequest | CompletionRequest) -> GenerationParams:
+    chat_cap = request.max_completion_tokens if isinstance(request, ChatCompletionRequest) else None
     fields = {
-        "max_new_tokens": request.max_completion_tokens or request.max_tokens,
+        "max_new_tokens": chat_cap or request.max_tokens,
         "temperature": request.temperature,
         "top_p": request.top_p,
         "top_k": request.top_k,
@@ -176,6 +300,7 @@ def generation_params(request: ChatCompletionRequest) -> GenerationParams:
         "frequency_penalty": request.frequency_penalty,
         "repetition_penalty": request.repetition_penalty,
         "guided": guided_spec(request),
+        "stream": request.stream or None,
     }
     return GenerationParams(**{k: v for k, v in fields.items() if v is not None})
 
@@ -210,10 +335,13 @@ def _spec(value: dict[str, Any], param: str) -> GuidedSpec:
     return spec
 
 
-def chat_submission(request: ChatCompletionRequest, roots: tuple[Path, ...]) -> Submission:
+def chat_submission(request: ChatCompletionRequest, roots: tuple[Path, ...], *, streams: bool = False) -> Submission:
     """The request as a wicore submission: its image parts, in order, become the job's images
-    (any number, none too; the producer holds them to max_images_per_request)."""
+    (any number, none too; the producer holds them to max_images_per_request). `streams`: the
+    caller answers `stream: true` (a batch line cannot)."""
     check_supported(request)
+    if request.stream and not streams:
+        raise ApiError(400, "stream: a batch line is answered whole; send stream: false", param="stream")
     images: list[bytes | Path | str] = []
     messages = tuple(_message(m, i, images, roots) for i, m in enumerate(request.messages))
     return Submission(
@@ -263,9 +391,13 @@ def chat_completion(result: CaptionResult, model: str) -> ChatCompletion:
         created=int(time.time()),
         model=model,
         choices=choices(result),
-        usage=Usage(
-            prompt_tokens=result.prompt_tokens,
-            completion_tokens=result.output_tokens,
-            total_tokens=result.prompt_tokens + result.output_tokens,
-        ),
+        usage=usage(result),
+    )
+
+
+def usage(result: CaptionResult) -> Usage:
+    return Usage(
+        prompt_tokens=result.prompt_tokens,
+        completion_tokens=result.output_tokens,
+        total_tokens=result.prompt_tokens + result.output_tokens,
     )

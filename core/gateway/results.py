@@ -1,5 +1,5 @@
-"""The gateway's one reader of RQ result streams. Every request waiting for a job (a long-poll,
-a chat completion) registers the job's result stream here and awaits an asyncio event; a single
+"""The gateway's one reader of RQ result streams (and of streaming jobs' token streams). Every
+request waiting for a job (a long-poll, a chat completion) registers the job's result stream here and awaits an asyncio event; a single
 task reads all registered streams with one blocking XREAD on its own connection and sets the
 events of the streams that got an entry. However many requests wait, they hold no pooled Redis
 connection and no thread.
@@ -49,11 +49,15 @@ class ResultReader:
         self._reader_id: int | None = None
         self._task: asyncio.Task | None = None
 
-    @contextlib.asynccontextmanager
-    async def watching(self, job_id: str, last_seen: str) -> AsyncIterator[asyncio.Event]:
+    def watching(self, job_id: str, last_seen: str) -> contextlib.AbstractAsyncContextManager[asyncio.Event]:
         """An event set when the job's result stream gets an entry after `last_seen`; the
         waiter clears it before it reads the job again."""
-        stream = result_stream(job_id)
+        return self.watching_stream(result_stream(job_id), last_seen)
+
+    @contextlib.asynccontextmanager
+    async def watching_stream(self, stream: str, last_seen: str) -> AsyncIterator[asyncio.Event]:
+        """An event set when `stream` (a result stream, a job's token stream) gets an entry
+        after `last_seen`."""
         watch = self.watches.setdefault(stream, Watch(last_seen))
         watch.waiters += 1
         self._start()

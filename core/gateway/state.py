@@ -34,6 +34,8 @@ class GatewayConfig:
     api_keys: frozenset[str] = frozenset()
     max_request_bytes: int = 64 * 2**20
     request_timeout_s: float = 300.0
+    stream_idle_timeout_s: float = 60.0  # a streamed answer ends after this long with no new text
+    stream_cancel_on_disconnect: bool = True  # a streamed completion's client hanging up cancels its job
     producer: ProducerConfig = field(default_factory=lambda: ProducerConfig(by_path=True, notify=False))
     files: FilesConfig = field(default_factory=FilesConfig)  # where uploaded and batch output files live
     batch_window_s: float = 86_400.0  # how long a batch's "24h" completion window lasts

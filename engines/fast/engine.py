@@ -29,6 +29,7 @@ from wicore.engines.guided import Grammars
 from wicore.engines.pending import Pending
 from wicore.errors import JobInputError, PromptTooLong
 from wicore.ops.image_preprocess import PreprocessSpec
+from wicore.schemas import GenerationParams
 
 log = logging.getLogger(__name__)
 ADD_CHUNK = 64  # prompts `add` resizes and keys at a time (the reason: in `add`)
@@ -121,6 +122,11 @@ class FastEngine(Engine):
             traceback.clear_frames(failure.__traceback__)
             done += self._fail_all(failure)
         return done
+
+    def streaming_tokens(self) -> dict[str, tuple[list[int], GenerationParams]]:
+        """The admitted sequences that stream, with the tokens that have reached the host."""
+        streaming = (seq for seq in self.planner.admitted if seq.request.params.stream and not seq.ended)
+        return {seq.id: (seq.tokens.generated, seq.request.params) for seq in streaming}
 
     def describe(self) -> dict:
         return {**super().describe(), **asdict(self.resolved)}
