@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from wicore import defaults
 from wicore.engines.options import FastOptions
 from wicore.engines.samples import SampleGroups
+from wicore.engines.text import visible_text
 from wicore.errors import ConfigError
 from wicore.schemas import FinishReason, GenerationParams, Lane, TokenLogprob
 
@@ -157,7 +158,7 @@ class IncrementalText:
         return BYTE_TOKEN.fullmatch(self.tokenizer.convert_ids_to_tokens(token_id) or "") is not None
 
     def _decoded(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True) if ids else ""
+        return visible_text(self.tokenizer, ids) if ids else ""  # as the final text decodes
 
 
 def stop_hold_back(params: GenerationParams) -> int:

@@ -284,15 +284,25 @@ def check_supported(request: ChatCompletionRequest | CompletionRequest) -> None:
 
 
 def generation_params(request: ChatCompletionRequest | CompletionRequest) -> GenerationParams:
-    chat_cap = request.max_completion_tokens if isinstance(request, ChatCompletionRequest) else None
     fields = {
-        "max_new_tokens": chat_cap or request.max_tokens,
+        "max_new_tokens": request.max_tokens,
         "temperature": request.temperature,
         "top_p": request.top_p,
         "top_k": request.top_k,
         "seed": request.seed,
         "stop": (request.stop,) if isinstance(request.stop, str) else request.stop,
         "ignore_eos": request.ignore_eos or None,
+        "stream": request.stream or None,
+    }
+    if isinstance(request, ChatCompletionRequest):
+        fields |= chat_fields(request)
+    return GenerationParams(**{k: v for k, v in fields.items() if v is not None})
+
+
+def chat_fields(request: ChatCompletionRequest) -> dict[str, Any]:
+    """What only chat takes: choices, log-probabilities, penalties and a grammar."""
+    return {
+        "max_new_tokens": request.max_completion_tokens or request.max_tokens,
         "n": request.n,
         "logprobs": request.logprobs,
         "top_logprobs": request.top_logprobs,
@@ -300,9 +310,7 @@ def generation_params(request: ChatCompletionRequest | CompletionRequest) -> Gen
         "frequency_penalty": request.frequency_penalty,
         "repetition_penalty": request.repetition_penalty,
         "guided": guided_spec(request),
-        "stream": request.stream or None,
     }
-    return GenerationParams(**{k: v for k, v in fields.items() if v is not None})
 
 
 def guided_spec(request: ChatCompletionRequest) -> GuidedSpec | None:

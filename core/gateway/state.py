@@ -59,6 +59,10 @@ class Gateway:
         """The result reader of the shard that holds the job."""
         return self.readers[shard_of(job_id, len(self.readers))]
 
+    def quick_for(self, job_id: str) -> AsyncRedis:
+        """The short-command connection of the shard that holds the job (its token stream too)."""
+        return self.quick[shard_of(job_id, len(self.quick))]
+
     def producer(self, model: str | None = None) -> Producer | ShardedProducer:
         """The producer for `model` (default: the gateway's). Another model must be served by a
         live worker: a typo would otherwise queue jobs no one takes."""

@@ -131,14 +131,14 @@ async def job_text(
     outcome, last_seen = first
     follower = TextFollower(job_id)
     limits = Limits(gateway.config.request_timeout_s, gateway.config.stream_idle_timeout_s)
-    results = gateway.results
+    results = gateway.reader_for(job_id)
     async with (
         results.watching(job_id, last_seen) as ended,
         results.watching_stream(follower.key, NO_ENTRY) as arrived,
         client_gone(request) as gone,
     ):
         while True:
-            if pieces := await follower.read(gateway.quick):
+            if pieces := await follower.read(gateway.quick_for(job_id)):
                 limits.flowed()
                 for piece in pieces:
                     yield piece
