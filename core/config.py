@@ -41,6 +41,7 @@ from wicore.engines import ENGINES
 from wicore.engines.options import FastOptions
 from wicore.errors import ConfigError
 from wicore.redaction import redact, split_password, with_password
+from wicore.schemas import SamplingLimits
 
 CONFIG_ENV = "WICORE_CONFIG"  # path of a TOML file; `--config` wins over it
 ENGINE_NAMES = ("auto", *ENGINES)  # auto: fast on CUDA, else reference
@@ -98,6 +99,8 @@ class Settings(BaseSettings):
     max_image_bytes: int = Field(defaults.MAX_IMAGE_BYTES, ge=1)  # an image's encoded size; 32 MiB
     max_image_pixels: int = Field(defaults.MAX_IMAGE_PIXELS, ge=1)  # width x height of an image; 50 M
     max_images_per_request: int = Field(defaults.MAX_IMAGES_PER_REQUEST, ge=0, le=1024)  # images in one job; 8
+    max_n: int = Field(defaults.MAX_N, ge=1, le=128)  # samples one request may ask for (`n`); 16
+    max_logprobs: int = Field(defaults.MAX_LOGPROBS, ge=0, le=1024)  # alternatives per token (`top_logprobs`); 20
     # Full-size pixel memory a worker's concurrent image decodes hold, in its threads or its decode
     # processes together; an image that needs more decodes alone. 512 MiB: two 50 Mpx RGB at once.
     decode_budget_bytes: int = Field(defaults.DECODE_BUDGET_BYTES, ge=2**20)
@@ -147,10 +150,13 @@ class Settings(BaseSettings):
     keep_alive_s: float = Field(5.0, gt=0)  # 5 s
     max_connections: int = Field(2048, ge=1)  # 2048
     # OpenAI's Files and Batches at `wicore serve`: where files live (folder: under files_dir; redis: in
-    # Redis, for small files), the largest upload (an upload is a request too: max_request_bytes bounds it
-    # as well), and how long a batch's "24h" completion window really lasts (lines not done by then expire).
-    files_store: Literal["folder", "redis"] = "folder"  # folder
+    # Redis, for small files; s3: under files_s3_url, at s3_endpoint_url, with the standard AWS credentials),
+    # the largest upload (an upload is a request too: max_request_bytes bounds it as well), and how long a
+    # batch's "24h" completion window really lasts (lines not done by then expire).
+    files_store: Literal["folder", "redis", "s3"] = "folder"  # folder
     files_dir: Path = Path(os.environ.get("XDG_DATA_HOME", Path.home() / ".local/share")) / "wicore"  # batch files
+    files_s3_url: str | None = None  # the s3 store's s3://bucket/prefix; the bucket must exist
+    files_s3_timeout_s: float = Field(10.0, gt=0)  # the s3 store: connecting, and each read of an answer; 10 s
     max_file_bytes: int = Field(64 * 2**20, ge=1)  # 64 MiB
     batch_window_s: float = Field(86_400.0, gt=0)  # one day
     # Flow control of bulk runs (`wicore caption`, `wicore enqueue`): the window they keep in Redis (cli/submitting.py).
@@ -160,6 +166,10 @@ class Settings(BaseSettings):
     # Admission control (producer/admission.py): past the cap, HTTP 429 with Retry-After, QueueFull from the Producer.
     max_queued_jobs: int = Field(defaults.MAX_QUEUED_JOBS, ge=0)  # queued jobs per model and lane (0: none); 100000
     max_queued_high_jobs: int = Field(defaults.MAX_QUEUED_HIGH_JOBS, ge=0)  # the high lane's own cap (0: none); 1000
+
+    @property
+    def sampling_limits(self) -> SamplingLimits:
+        return SamplingLimits(max_n=self.max_n, max_logprobs=self.max_logprobs)
 
     @property
     def s3_endpoint(self) -> str | None:

@@ -49,6 +49,10 @@ class RedisUnavailable(WicoreError):
     """Redis cannot be reached, refuses the credentials, or refuses writes."""
 
 
+class FileStoreUnavailable(WicoreError):
+    """The gateway's file store (an S3 bucket) cannot be reached or refuses a call."""
+
+
 class JobInputError(WicoreError):
     """The job itself is bad; running it again cannot help."""
 
@@ -75,6 +79,19 @@ class ImageNotAllowed(ImageError):
 
 class TooManyImages(JobInputError):
     """More images in one request than the setting max_images_per_request allows."""
+
+
+class OverLimit(JobInputError):
+    """A request field over the deployment's cap (max_n, max_logprobs); `param` names the field."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(f"{param}: {message}")
+        self.param = param
+
+
+class BadGrammar(JobInputError):
+    """A `guided` spec that cannot be a grammar (a malformed JSON schema, a regex that does not
+    compile), or one this worker cannot enforce (no `guided` extra installed)."""
 
 
 class PromptTooLong(JobInputError):

@@ -10,11 +10,25 @@ import hashlib
 import json
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from enum import Enum
 from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, field_serializer, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    field_serializer,
+    model_serializer,
+    model_validator,
+)
+
+from wicore import defaults
+from wicore.errors import OverLimit
 
 DEFAULT_PROMPT = "Describe this image in detail."
 SHA256_HEX = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
@@ -168,7 +182,61 @@ Temperature = Annotated[float, Field(ge=0.0, le=100.0)]  # 0 = greedy
 TopP = Annotated[float, Field(gt=0.0, le=1.0)]
 TopK = Annotated[int, Field(ge=0)]  # 0 = off
 Seed = Annotated[int, Field(ge=0, lt=2**63)]
-GENERATION_KEYS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop")  # a manifest line's too
+Samples = Annotated[int, Field(ge=1, le=128)]  # the deployment's cap is the setting max_n
+TopLogprobs = Annotated[int, Field(ge=0, le=1024)]  # the deployment's cap is the setting max_logprobs
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]  # OpenAI's presence / frequency penalty
+RepetitionPenalty = Annotated[float, Field(gt=0.0, le=100.0)]  # transformers' (1 = off)
+GENERATION_KEYS = (  # a manifest line's too
+    "max_new_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "stop",
+    "n",
+    "logprobs",
+    "top_logprobs",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "guided",
+)
+MAX_GUIDED_JSON_BYTES = 65_536  # a schema, regex or choice list larger than this is refused unread
+MAX_GUIDED_CHOICES = 1024
+
+
+def small_json(value: Any) -> Any:
+    size = len(json.dumps(value, separators=(",", ":"), ensure_ascii=False))
+    if size > MAX_GUIDED_JSON_BYTES:
+        raise ValueError(f"{size} bytes of JSON; at most {MAX_GUIDED_JSON_BYTES}")
+    return value
+
+
+class GuidedSpec(Strict):
+    """Output constrained token by token (engines/guided.py): exactly one of a JSON schema the
+    text validates against, a regular expression it matches whole, or a list of strings it is
+    one of. Part of the job's identity (its params)."""
+
+    json_schema: Annotated[dict[str, Any], BeforeValidator(shallow), AfterValidator(small_json)] | None = None
+    regex: Annotated[Text, Field(min_length=1, max_length=MAX_GUIDED_JSON_BYTES)] | None = None
+    choice: Annotated[tuple[Annotated[Text, Field(min_length=1)], ...], AfterValidator(small_json)] | None = Field(
+        None, min_length=1, max_length=MAX_GUIDED_CHOICES
+    )
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> GuidedSpec:
+        given = [name for name in ("json_schema", "regex", "choice") if getattr(self, name) is not None]
+        if len(given) != 1:
+            raise ValueError(f"give exactly one of json_schema, regex and choice (got {', '.join(given) or 'none'})")
+        return self
+
+    @property
+    def kind(self) -> str:
+        return next(name for name in ("json_schema", "regex", "choice") if getattr(self, name) is not None)
+
+    def canonical(self) -> str:
+        """Its JSON with sorted keys: equal specs, equal text (the grammar cache's key)."""
+        return json.dumps(self.model_dump(mode="json", exclude_none=True), sort_keys=True, separators=(",", ":"))
 
 
 def nonempty_stops(stop: tuple[str, ...]) -> tuple[str, ...]:
@@ -191,10 +259,42 @@ class GenerationParams(Strict):
     seed: Seed | None = None
     stop: Stops = ()
     ignore_eos: bool = False  # generate exactly max_new_tokens (benchmarks)
+    guided: GuidedSpec | None = None  # the output's grammar: a JSON schema, a regex or a choice
+    n: Samples = 1  # samples of the one prompt; sample i > 0 draws with seed `sample_seed(seed, i)`
+    logprobs: bool = False  # each generated token's log-probability
+    top_logprobs: TopLogprobs = 0  # and this many most likely alternatives at each position (needs logprobs)
+    # OpenAI's: subtracted from a token's logit, once if it was generated before / per time it was
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    # transformers': a token of the prompt or the output has its logit divided by it (multiplied if negative)
+    repetition_penalty: RepetitionPenalty = 1.0
+
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self) -> GenerationParams:
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return self
+
+    @model_validator(mode="after")
+    def _guided_ends(self) -> GenerationParams:
+        if self.guided is not None and self.ignore_eos:
+            raise ValueError("guided: a guided output ends where its grammar does; drop ignore_eos")
+        return self
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        """Some penalty changes the logits."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
+    def sample(self, index: int) -> GenerationParams:
+        """The parameters of sample `index` of `n`: one sequence, its own seed (None stays None:
+        an unseeded sample draws a fresh seed in the engine)."""
+        seed = None if self.seed is None else sample_seed(self.seed, index)
+        return self.model_copy(update={"n": 1, "seed": seed})
 
     @property
     def unseeded_sampling(self) -> bool:
@@ -205,6 +305,34 @@ class GenerationParams(Strict):
         if not defaults:
             return self
         return GenerationParams.model_validate({**defaults, **self.model_dump(exclude_unset=True)})
+
+
+@dataclass(frozen=True)
+class SamplingLimits:
+    """A deployment's caps on what one request may ask of the sampler (the settings max_n and
+    max_logprobs), checked where a request enters (gateway, CLI, producer) and again by the
+    worker for jobs enqueued some other way."""
+
+    max_n: int = defaults.MAX_N
+    max_logprobs: int = defaults.MAX_LOGPROBS
+
+    def check(self, params: GenerationParams) -> None:
+        if params.n > self.max_n:
+            raise OverLimit("n", f"{params.n} samples in one request; at most {self.max_n} (max_n)")
+        if params.top_logprobs > self.max_logprobs:
+            limit = self.max_logprobs
+            raise OverLimit(
+                "top_logprobs", f"{params.top_logprobs} alternatives per token; at most {limit} (max_logprobs)"
+            )
+
+
+def sample_seed(seed: int, index: int) -> int:
+    """The seed of sample `index` of a request seeded with `seed`: sample 0 keeps it (n = 1 and
+    the first of n agree), the others get well-mixed seeds of their own."""
+    if index == 0:
+        return seed
+    digest = hashlib.sha256(f"{seed}:{index}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") >> 1  # 63 bits
 
 
 class CaptionJob(Strict):
@@ -301,17 +429,57 @@ class Timings(Strict):
 FinishReason = Literal["stop", "length", "stop_string"]
 
 
-class CaptionResult(Strict):
-    job_id: str
+class TopLogprob(Strict):
+    """One candidate token at a position (OpenAI's shape): its text, log-probability and UTF-8
+    bytes (a byte-fallback token's one byte; None where the text is not whole characters)."""
+
+    token: str
+    logprob: float
+    bytes: tuple[int, ...] | None = None
+
+
+class TokenLogprob(TopLogprob):
+    """A generated token's log-probability under the distribution it was drawn from (the logits
+    after penalties, temperature, top-k and top-p), with the `top_logprobs` most likely tokens."""
+
+    top_logprobs: tuple[TopLogprob, ...] = ()
+
+
+class Choice(Strict):
+    """One of the `n` samples of a request, in index order."""
+
+    index: int
     text: str
     finish_reason: FinishReason
+    token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprob, ...] | None = None
+
+
+class CaptionResult(Strict):
+    job_id: str
+    text: str  # the first sample's (the only one unless params.n > 1)
+    finish_reason: FinishReason
     prompt_tokens: int
-    output_tokens: int
+    output_tokens: int  # every sample's together
     token_ids: tuple[int, ...]
     timings: Timings
     worker: str
     engine: str
     model: str
+    logprobs: tuple[TokenLogprob, ...] | None = None  # with params.logprobs: one per token of `token_ids`
+    choices: tuple[Choice, ...] = ()  # params.n > 1: every sample, the first one's fields repeated above
+
+    @model_serializer(mode="wrap")
+    def _asked_for_only(self, handler: SerializerFunctionWrapHandler):
+        """`logprobs` and `choices` are written only when the request asked for them: a result
+        without them costs Redis no more bytes. (No return annotation: the JSON schema stays the
+        model's own.)"""
+        data = handler(self)
+        if data.get("logprobs") is None:
+            data.pop("logprobs", None)
+        if not data.get("choices"):
+            data.pop("choices", None)
+        return data
 
 
 class ManifestImagePart(Strict):
@@ -371,6 +539,21 @@ class ManifestEntry(Strict):
     top_k: TopK | None = Field(None, description="0 = off.")
     seed: Seed | None = Field(None, description="Sampling seed: the same text every time.")
     stop: Text | Stops | None = Field(None, description="A stop string, or a list of them.")
+    n: Samples | None = Field(None, description="Samples of this line (at most the setting max_n); 1 by default.")
+    logprobs: bool | None = Field(None, description="Each generated token's log-probability.")
+    top_logprobs: TopLogprobs | None = Field(
+        None, description="With logprobs: the most likely tokens at each position (at most max_logprobs)."
+    )
+    presence_penalty: Penalty | None = Field(None, description="OpenAI's, -2..2: once per token generated before.")
+    frequency_penalty: Penalty | None = Field(None, description="OpenAI's, -2..2: per time a token was generated.")
+    repetition_penalty: RepetitionPenalty | None = Field(
+        None, description="transformers', > 0 (1 = off): divides the logits of prompt and output tokens."
+    )
+    guided: GuidedSpec | None = Field(
+        None,
+        description='The output\'s grammar, one of {"json_schema": {...}}, {"regex": "..."}, {"choice": [...]}: '
+        "enforced token by token (docs/guides/structured-outputs.md).",
+    )
     params: GenerationParams | None = Field(None, description="The generation parameters as one object.")
     metadata: Annotated[dict[str, Any], BeforeValidator(shallow)] = Field(
         {}, description="Anything of yours: kept with the job, not part of its id."
@@ -436,6 +619,8 @@ class ResultLine(Strict):
     worker: str | None = None
     engine: str | None = None
     model: str | None = None
+    logprobs: tuple[TokenLogprob, ...] | None = Field(None, description="With logprobs: one entry per token.")
+    choices: tuple[Choice, ...] = Field((), description="With n > 1: every sample (text, finish_reason, ...).")
 
     @classmethod
     def of_result(cls, result: CaptionResult, input: str | None = None) -> ResultLine:

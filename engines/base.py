@@ -17,8 +17,9 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from wicore import defaults
 from wicore.engines.options import FastOptions
+from wicore.engines.samples import SampleGroups
 from wicore.errors import ConfigError
-from wicore.schemas import FinishReason, GenerationParams, Lane
+from wicore.schemas import FinishReason, GenerationParams, Lane, TokenLogprob
 
 if TYPE_CHECKING:
     import numpy as np
@@ -51,6 +52,8 @@ class Completion:
     out_of_memory: bool = False  # the device ran out of memory: run it again in a smaller batch
     engine_s: float = 0.0
     first_token_s: float | None = None  # in the engine -> its first token read back (None: not measured)
+    logprobs: list[TokenLogprob] | None = None  # with params.logprobs: one per token of `token_ids`
+    samples: list[Completion] = field(default_factory=list)  # params.n > 1: every sample, this one first
 
     @property
     def ok(self) -> bool:
@@ -166,10 +169,11 @@ class Engine(abc.ABC):
         return {"requests_seen": self.requests_seen, "unfinished": self.num_unfinished()}
 
     def generate(self, requests: list[EngineRequest]) -> list[Completion]:
-        """Run `requests` to the end; completions in request order."""
-        done = {c.id: c for c in self.add(requests)}
+        """Run `requests` to the end (n samples each); completions in request order."""
+        samples = SampleGroups()
+        done = {c.id: c for c in samples.merge(self.add(samples.split(requests)))}
         while self.num_unfinished():
-            done.update((c.id, c) for c in self.step())
+            done.update((c.id, c) for c in samples.merge(self.step()))
         return [done[r.id] for r in requests]
 
     def close(self) -> None:

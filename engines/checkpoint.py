@@ -58,17 +58,21 @@ def max_positions(model_dir: str | Path) -> int:
     return AutoConfig.from_pretrained(model_dir).get_text_config().max_position_embeddings
 
 
+GEMMA3_TYPES = ("gemma3", "gemma3_text")  # Gemma3ForConditionalGeneration; Gemma3ForCausalLM (the 1B: text only)
+
+
 def require_gemma3(model_dir: str | Path) -> None:
-    """The fast engine runs Gemma-3 image-text checkpoints (`Gemma3ForConditionalGeneration`);
-    any other is refused at start, pointing at the reference engine."""
+    """The fast engine runs Gemma-3 checkpoints, image-text (`Gemma3ForConditionalGeneration`)
+    or text only (`Gemma3ForCausalLM`); any other is refused at start, pointing at the
+    reference engine."""
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(model_dir)
-    if config.model_type != "gemma3":
+    if config.model_type not in GEMMA3_TYPES:
         names = ", ".join(getattr(config, "architectures", None) or [config.model_type])
         raise ConfigError(
-            f"--model {model_dir}: the fast engine runs Gemma-3 image-text checkpoints (Gemma3ForConditionalGeneration), "
-            f"not {names}; run it with --engine reference"
+            f"--model {model_dir}: the fast engine runs Gemma-3 checkpoints (Gemma3ForConditionalGeneration, "
+            f"Gemma3ForCausalLM), not {names}; run it with --engine reference"
         )
 
 

@@ -10,8 +10,16 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
+from typing import Any
 
 import torch
+from transformers import (
+    LogitsProcessor,
+    LogitsProcessorList,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
 from wicore.engines.base import (
     Completion,
@@ -25,9 +33,11 @@ from wicore.engines.base import (
 )
 from wicore.engines.chat_inputs import ChatInputs, check_chat_model
 from wicore.engines.checkpoint import load_hf_model, load_processor
-from wicore.engines.text import finish_sequence, stop_token_ids
+from wicore.engines.guided import Grammars, GuidedLogitsProcessor
+from wicore.engines.text import finish_sequence, stop_token_ids, token_logprobs
 from wicore.errors import ConfigError, JobInputError, PromptTooLong
 from wicore.ops.image_preprocess import PreprocessSpec
+from wicore.schemas import GenerationParams, TokenLogprob
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +54,9 @@ class ReferenceEngine(StaticBatchEngine):
         self.tokenizer = self.inputs.tokenizer
         self.model = load_hf_model(config.model_dir, config.device, config.dtype, config.seed)
         self.eos_ids = stop_token_ids(config.model_dir, self.tokenizer)
-        self.max_len = self.model.config.get_text_config().max_position_embeddings
+        text_config = self.model.config.get_text_config()
+        self.max_len = text_config.max_position_embeddings
+        self.grammars = Grammars(self.tokenizer, text_config.vocab_size, self.eos_ids)
         self._image_size = plain_resize_size(self.processor)
 
     def image_size(self) -> tuple[int, int] | None:
@@ -58,6 +70,8 @@ class ReferenceEngine(StaticBatchEngine):
         for request in requests:
             try:
                 text = self._prompt_text(request)
+                if request.params.guided is not None:
+                    self.grammars.compiled(request.params.guided)  # a bad one fails here, alone
             except JobInputError as error:
                 done.append(failed(request.id, error, input_error=True))
                 continue
@@ -103,24 +117,73 @@ class ReferenceEngine(StaticBatchEngine):
         first = params[0]
         if first.seed is not None:
             torch.manual_seed(first.seed)
+        width = inputs["input_ids"].shape[1]
         output = self.model.generate(
             **inputs,
             max_new_tokens=longest,
             min_new_tokens=longest if first.ignore_eos else None,
-            do_sample=not first.greedy,
-            temperature=first.temperature if not first.greedy else None,
-            top_p=first.top_p if not first.greedy else None,
-            top_k=first.top_k if not first.greedy else None,
+            **self._sampling(first, group, width),
             eos_token_id=sorted(self.eos_ids),
             pad_token_id=self.tokenizer.pad_token_id,
+            output_scores=first.logprobs,
+            return_dict_in_generate=True,
         )
-        new_tokens = output[:, inputs["input_ids"].shape[1] :].tolist()
+        new_tokens = output.sequences[:, width:].tolist()
         engine_s = clock.elapsed()
         completions = []
-        for request, prompt_len, tokens in zip(group, prompt_lens, new_tokens):
+        for row, (request, prompt_len, tokens) in enumerate(zip(group, prompt_lens, new_tokens)):
             ids, text, reason = finish_sequence(self.tokenizer, tokens, request.params, self.eos_ids)
-            completions.append(Completion(request.id, text, ids, reason, prompt_tokens=prompt_len, engine_s=engine_s))
+            completion = Completion(request.id, text, ids, reason, prompt_tokens=prompt_len, engine_s=engine_s)
+            if request.params.logprobs:
+                completion.logprobs = self._logprobs(output.scores, row, ids, request.params.top_logprobs)
+            completions.append(completion)
         return completions
+
+    def _logprobs(self, scores: tuple[torch.Tensor, ...], row: int, ids: list[int], top: int) -> list[TokenLogprob]:
+        """Per token of `ids`: log_softmax of `generate`'s processed scores (each [B, V] step)."""
+        entries = []
+        for step, token in enumerate(ids):
+            logprobs = torch.log_softmax(scores[step][row].float(), dim=-1)
+            best = logprobs.topk(top) if top else None
+            pairs = [] if best is None else list(zip(best.indices.tolist(), best.values.tolist(), strict=True))
+            entries.append((logprobs[token].item(), pairs))
+        return token_logprobs(self.tokenizer, ids, entries)
+
+    def _sampling(self, params: GenerationParams, group: list[EngineRequest], prompt_len: int) -> dict[str, Any]:
+        """`generate`'s sampling arguments for a group sharing `params`' rule. With a guided row the
+        grammar's processor comes first and the warpers (temperature, top-k, top-p: HF's order)
+        after it, so no warper leaves a row without a token its grammar allows."""
+        repetition = {"repetition_penalty": params.repetition_penalty if params.repetition_penalty != 1.0 else None}
+        guided = self._guided(group, prompt_len)
+        processors = LogitsProcessorList([*(output_penalties(params, prompt_len) or []), *(guided or [])]) or None
+        if params.greedy:
+            off = {"temperature": None, "top_p": None, "top_k": None}
+            return {"do_sample": False, **off, **repetition, "logits_processor": processors}
+        if guided is None:
+            warped = {"temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k}
+            return {"do_sample": True, **warped, **repetition, "logits_processor": processors}
+        processors.extend(sampling_warpers(params))
+        off = {"temperature": 1.0, "top_p": 1.0, "top_k": 0}
+        return {"do_sample": True, **off, **repetition, "logits_processor": processors}
+
+    def _guided(self, group: list[EngineRequest], prompt_len: int) -> LogitsProcessorList | None:
+        """The grammar rows of a batch (None: no request in it is guided)."""
+        states = [self.grammars.state(r.params.guided) for r in group]
+        if all(state is None for state in states):
+            return None
+        return LogitsProcessorList([GuidedLogitsProcessor(states, prompt_len)])
+
+
+def sampling_warpers(params: GenerationParams) -> list:
+    """The warpers `generate` makes for these settings, in its order."""
+    warpers: list = []
+    if params.temperature != 1.0:
+        warpers.append(TemperatureLogitsWarper(params.temperature))
+    if params.top_k:
+        warpers.append(TopKLogitsWarper(params.top_k))
+    if params.top_p < 1.0:
+        warpers.append(TopPLogitsWarper(params.top_p))
+    return warpers
 
 
 def plain_resize_size(processor) -> tuple[int, int] | None:
@@ -135,12 +198,36 @@ def plain_resize_size(processor) -> tuple[int, int] | None:
 
 
 def sampling_key(request: EngineRequest) -> tuple:
-    """Requests that can share one `generate` call: same sampling rule (max_new_tokens differs
-    freely: each output is cut to its own length afterwards). A seeded sampled request runs
-    alone: `generate` draws every row from one generator, so batch mates would change its sample."""
+    """Requests that can share one `generate` call: same sampling rule and penalties, logprobs
+    or not (max_new_tokens differs freely: each output is cut to its own length afterwards). A
+    seeded sampled request runs alone: `generate` draws every row from one generator, so batch
+    mates would change its sample."""
     params = request.params
+    penalties = (params.repetition_penalty, params.presence_penalty, params.frequency_penalty)
+    shared = (params.ignore_eos, *penalties, params.logprobs, params.top_logprobs)
     if params.greedy:
-        return ("greedy", params.ignore_eos)
+        return ("greedy", *shared)
     if params.seed is not None:
         return ("seeded", request.id)
-    return ("sample", params.temperature, params.top_p, params.top_k, params.ignore_eos)
+    return ("sample", params.temperature, params.top_p, params.top_k, *shared)
+
+
+class OutputPenalties(LogitsProcessor):
+    """OpenAI's presence and frequency penalties over the generated tokens (those past the
+    prompt's `width` columns of the left-padded batch), for `generate`."""
+
+    def __init__(self, presence: float, frequency: float, width: int):
+        self.presence, self.frequency, self.width = presence, frequency, width
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.Tensor:
+        output = input_ids[:, self.width :]
+        counts = torch.zeros_like(scores).scatter_add_(
+            1, output, torch.ones(output.shape, dtype=scores.dtype, device=scores.device)
+        )
+        return scores - self.frequency * counts - self.presence * (counts > 0).to(scores.dtype)
+
+
+def output_penalties(params: GenerationParams, width: int) -> LogitsProcessorList | None:
+    if not (params.presence_penalty or params.frequency_penalty):
+        return None
+    return LogitsProcessorList([OutputPenalties(params.presence_penalty, params.frequency_penalty, width)])

@@ -43,9 +43,10 @@ def _std(name: str, config) -> float | None:
     leaf = name.rsplit(".", 2)
     if name.endswith(".bias") or "norm" in leaf[-2]:
         return None
+    text = config.get_text_config()
     if name.endswith("mm_input_projection_weight"):
-        return config.text_config.hidden_size**-0.5
-    return config.text_config.initializer_range
+        return text.hidden_size**-0.5
+    return text.initializer_range
 
 
 def _constant(name: str) -> float:

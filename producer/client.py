@@ -273,6 +273,7 @@ class Producer:
         if len(images) > self.config.max_images_per_request:
             limit = self.config.max_images_per_request
             raise TooManyImages(f"{len(images)} images in one request; at most {limit} (max_images_per_request)")
+        self.config.sampling.check(submission.params)
         refs, blobs = [], {}
         for image in images:
             ref, data = prepare_image(image, by_path=self.config.by_path, limit=self.config.max_image_bytes)
@@ -283,12 +284,12 @@ class Producer:
             images=tuple(refs),
             prompt=submission.prompt,
             messages=submission.messages,
-            params=submission.params,
+            params=submission.generation,
             model=self.model,
             priority=submission.priority,
             deadline=submission.deadline,
             metadata=submission.metadata,
-            nonce=uuid.uuid4().hex if submission.params.unseeded_sampling else None,
+            nonce=uuid.uuid4().hex if submission.generation.unseeded_sampling else None,
         )
         return Prepared(job, blobs, submission.label)
 

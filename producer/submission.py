@@ -7,8 +7,9 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from wicore import defaults
+from wicore.errors import BadGrammar
 from wicore.redaction import masked_url
-from wicore.schemas import CaptionJob, ChatMessage, GenerationParams, Lane
+from wicore.schemas import CaptionJob, ChatMessage, GenerationParams, GuidedSpec, Lane, SamplingLimits
 
 ImageInput = str | Path | bytes  # an image reference (prepare_image reads it) or the image's bytes
 
@@ -29,6 +30,16 @@ class Submission:
     metadata: dict[str, Any] = field(default_factory=dict)
     name: str | None = None  # for people (the job's description in rq-dashboard); default: the first image
     images: tuple[ImageInput, ...] = ()
+    guided: GuidedSpec | None = None  # the output's grammar: shorthand for params.guided
+
+    @property
+    def generation(self) -> GenerationParams:
+        """`params` with `guided` in them (given in one place or the other, not both)."""
+        if self.guided is None:
+            return self.params
+        if self.params.guided is not None:
+            raise BadGrammar("guided: give it on the submission or in its params, not both")
+        return GenerationParams.model_validate({**self.params.model_dump(exclude_unset=True), "guided": self.guided})
 
     @property
     def all_images(self) -> tuple[ImageInput, ...]:
@@ -64,6 +75,7 @@ class ProducerConfig:
     job_timeout_s: int = 3_600
     max_image_bytes: int = defaults.MAX_IMAGE_BYTES
     max_images_per_request: int = defaults.MAX_IMAGES_PER_REQUEST
+    sampling: SamplingLimits = field(default_factory=SamplingLimits)  # max_n, max_logprobs
     notify: bool = True  # workers push each ended job to this producer's list (`wait` reads it)
     # Admission control (admission.py): queued jobs per lane of the model past which `QueueFull` is raised; 0: none.
     max_queued_jobs: int = 0  # the normal and low lanes, each

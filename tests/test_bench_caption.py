@@ -111,6 +111,40 @@ def test_bench_without_the_hf_peer_on_the_fast_engine_with_decode_processes(tmp_
     assert write_caption_report(report, tmp_path / "results")[1].stat().st_size > 0
 
 
+@pytest.mark.parametrize(("variant", "per_prompt"), [("two-images", 2), ("text-only", 0)])
+def test_the_variants_run_beside_hf_generate(tmp_path, tiny_model_dir, capsys, variant, per_prompt):
+    """Two images a prompt and text only, on the fast engine and HF generate, the same prompts on
+    both sides: prompts/s and images/s (or output tokens/s), token parity by prompt."""
+    from wicore.bench.report import print_caption_report
+
+    bench = CaptionBench(
+        workdir=tmp_path, images=8, new_tokens=4, batch_size=4, engine="fast", hf_batches=(2,), hf_images=4,
+        hf_repeats=1, hf_single_images=2, warmup_images=2, device="cpu", model_dir=tiny_model_dir, variant=variant,
+    )  # fmt: skip
+    report = run_caption_bench(bench, ceilings=Ceilings(1e12, 1e11, 1e10))
+    assert report["error_count"] == 0 and report["variant"] == variant and report["images_per_prompt"] == per_prompt
+    assert report["prompts_per_s"] > 0 and report["output_tokens_per_s"] == pytest.approx(4 * report["prompts_per_s"])
+    assert report["images_per_s"] == pytest.approx(per_prompt * report["prompts_per_s"])
+    assert report["engine_stats"]["images"] == (2 + 8 if per_prompt else 0), "the warm-up's and the timed images"
+    assert report["roofline_images_per_s"] is None, "the roofline counts one image a prompt"
+    assert set(report["hf_prompts_per_s"]) == {"1", "2"} and report["hf_best_output_tokens_per_s"] > 0
+    assert report["speedup_vs_hf_best"] == report["prompts_per_s"] / report["hf_best_prompts_per_s"]
+    parity = report["parity_vs_hf_batch1"]
+    assert parity["compared"] == 2 and parity["share"] == 1.0, "the fast engine's tokens are HF's, prompt by prompt"
+    assert "--dtype" not in report["command"] and f"--variant {variant} " in report["command"]
+    print_caption_report(report)
+    assert f"{variant} ({per_prompt})" in capsys.readouterr().out
+    json_path, png = write_caption_report(report, tmp_path / "results")
+    assert json_path.name == f"caption-gemma3-4b-{variant}-cpu.json" and png.stat().st_size > 0
+
+
+def test_a_variant_is_named_and_runs_on_one_gpu():
+    for args, says in ((("--variant", "three-images"), "choose one of one-image, two-images, text-only"),
+                       (("--variant", "text-only", "--gpus", "2"), "runs on one GPU")):  # fmt: skip
+        done = wicore("bench", "caption", *args, check=False)
+        assert done.returncode == 2 and says in done.stderr, done.stderr
+
+
 def test_the_seconds_the_gpu_idled_in_get_their_own_tables(tmp_path):
     """Past the start's window, each second under 0.95 busy gets the loop thread's samples taken in
     it, by place; the busy seconds and the start get none."""
@@ -236,3 +270,27 @@ def test_an_unknown_preset_is_refused_before_anything_runs(tmp_path):
         "error: unknown preset 'gemma3-70b'; choose one of gemma3-4b, gemma3-12b, gemma3-27b\n",
     )
     assert not any(tmp_path.iterdir()), "nothing made, nothing run"
+
+
+def test_bench_with_sampling_parameters_runs_both_sides_on_the_same_images(tmp_path, tiny_model_dir, capsys):
+    """`--sampling JSON`: the product without and with the parameters on every job, one run."""
+    from wicore.bench.caption_sampling import run_sampling_bench
+    from wicore.bench.report import print_sampling_report, write_sampling_report
+    from wicore.cli.bench import sampling_params
+
+    sampling = sampling_params(
+        '{"repetition_penalty": 1.1, "presence_penalty": 0.5, "logprobs": true, "top_logprobs": 2}'
+    )
+    bench = CaptionBench(
+        workdir=tmp_path, images=6, new_tokens=4, batch_size=4, engine="fast", warmup_images=2, device="cpu",
+        model_dir=tiny_model_dir, hf_peers=False, decode_processes=0,
+    )  # fmt: skip
+    report = run_sampling_bench(bench, sampling, ceilings=Ceilings(1e12, 1e11, 1e10))
+    variant = report["sampling"]
+    assert report["error_count"] == variant["error_count"] == 0 and variant["images_per_s_ratio"] > 0
+    assert variant["params"] == sampling and report["command"].endswith(
+        """--sampling '{"logprobs": true, "presence_penalty": 0.5, "repetition_penalty": 1.1, "top_logprobs": 2}'"""
+    )
+    print_sampling_report(report)
+    assert "images/s ratio" in capsys.readouterr().out
+    assert write_sampling_report(report, tmp_path / "results")[0].name.startswith("caption-gemma3-4b-sampling-")

@@ -100,6 +100,21 @@ def test_config_errors_are_one_line_without_pydantic_noise(tmp_path, env):
     fails("status", "--config", str(tmp_path / "bad.toml"), code=USAGE, says="cannot read config file", env=env)
 
 
+@pytest.mark.parametrize(
+    ("variable", "value", "says"),
+    [
+        ("WICORE_MAX_IMAGES_PER_REQUEST", "-1", "max_images_per_request: Input should be greater than or equal to 0"),
+        ("WICORE_URL_TIMEOUT_S", "0", "url_timeout_s: Input should be greater than 0"),
+        ("WICORE_URL_CONNECT_TIMEOUT_S", "soon", "url_connect_timeout_s: Input should be a valid number"),
+        ("WICORE_URL_MAX_REDIRECTS", "50", "url_max_redirects: Input should be less than or equal to 20"),
+        ("WICORE_GENERATION_CONFIG", "sometimes", "generation_config: Input should be 'auto' or 'none'"),
+        ("WICORE_ALLOW_PRIVATE_URLS", "perhaps", "allow_private_urls: Input should be a valid boolean"),
+    ],
+)
+def test_the_request_settings_bad_values_are_one_line(variable, value, says, env):
+    fails("status", code=USAGE, says=says, env={**env, variable: value})
+
+
 def test_usage_errors_are_one_line(env):
     fails("caption", "--no-such-flag", code=USAGE, says="No such option: --no-such-flag", env=env)
     fails("result", code=USAGE, says="Missing argument", env=env)

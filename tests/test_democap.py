@@ -221,6 +221,12 @@ def test_training_writes_a_gemma3_checkpoint_the_reference_engine_runs(tmp_path)
     assert same, "the same command wrote different weights"
     record = json.loads((out / "training.json").read_text())
     assert record["history"][-1]["step"] == 3 and 0.0 <= record["valid_exact_match"] <= 1.0
+    assert set(record["valid_exact_match_by_layout"]) == {"image-first", "text-first", "image-only"}
+    caption_only = tmp_path / "caption-only"  # the caption stage alone, on the first run's tower
+    main(["--out", str(caption_only), "--tower-from", str(out), "--steps", "3", "--batch-size", "4",
+          "--valid-images", "8", "--eval-every", "3", "--pool", "16", *small])  # fmt: skip
+    towers = [tower_of(path) for path in (out, caption_only)]
+    assert towers[0].keys() == towers[1].keys() and all(torch.equal(towers[0][k], towers[1][k]) for k in towers[0])
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == ["Gemma3ForConditionalGeneration"]
     engine = ReferenceEngine(EngineConfig(str(out), max_batch_size=2))
@@ -230,6 +236,12 @@ def test_training_writes_a_gemma3_checkpoint_the_reference_engine_runs(tmp_path)
     )
     engine.close()
     assert done[0].ok and isinstance(done[0].text, str)
+
+
+def tower_of(checkpoint) -> dict:
+    from safetensors.torch import load_file
+
+    return {k: v for k, v in load_file(checkpoint / "model.safetensors").items() if "vision_tower" in k}
 
 
 def test_mimetic_init_sets_the_attention_products():

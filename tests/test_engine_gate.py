@@ -34,6 +34,19 @@ def test_abort_stops_requests_waiting_in_the_gate_and_in_the_engine():
     assert ended == ["r1", "r3"]
 
 
+def test_a_request_for_n_samples_leaves_the_gate_as_one_completion_and_aborts_whole():
+    gate = EngineGate(NullEngine(EngineConfig(model_dir="", max_batch_size=2)))
+    three = EngineRequest("three", [], [], GenerationParams(max_new_tokens=1, n=3, seed=4))
+    assert gate.add([three, request("one")]) == []  # two samples in the engine; a sample and "one" wait
+    ended = []
+    while gate.busy():
+        ended += gate.step()
+    assert [c.id for c in ended] == ["three", "one"] and len(ended[0].samples) == 3 and ended[1].samples == []
+    gate.add([EngineRequest("again", [], [], GenerationParams(max_new_tokens=1, n=3))])
+    [stopped] = gate.abort(["again"])  # samples in the engine and in the gate alike
+    assert stopped.id == "again" and stopped.error == ABORTED and not gate.busy()
+
+
 def test_requests_waiting_in_the_gate_go_to_the_engine_by_lane_then_arrival():
     engine = NullEngine(EngineConfig(model_dir="", max_batch_size=1))
     gate = EngineGate(engine)

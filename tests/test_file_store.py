@@ -1,17 +1,30 @@
-"""The batch file stores (a folder, Redis) on a real redis-server: appends, reads in pieces,
-lines from any offset across piece boundaries, truncation back to a committed size."""
+"""The batch file stores (a folder, Redis, an S3 bucket) on a real redis-server and a real
+S3-compatible server on loopback (moto's server mode): appends, reads in pieces, lines from any
+offset across piece boundaries, truncation back to a committed size; a missing bucket, a bad URL
+and an endpoint that went away, each said in one line."""
 
 from __future__ import annotations
 
 import pytest
 
-from wicore.gateway.file_store import CHUNK, FolderStore, RedisStore, lines_from
+from tests.url_servers import BUCKET, s3_server
+from wicore.errors import ConfigError, FileStoreUnavailable
+from wicore.gateway.file_store import CHUNK, FolderStore, RedisStore, S3Store, lines_from
 
 
-@pytest.fixture(params=["folder", "redis"])
+@pytest.fixture(scope="module")
+def s3_endpoint():
+    with s3_server() as endpoint:
+        yield endpoint
+
+
+@pytest.fixture(params=["folder", "redis", "s3"])
 def store(request, tmp_path, redis_conn):
     if request.param == "folder":
         return FolderStore(tmp_path / "files", max_bytes=2**30)
+    if request.param == "s3":
+        endpoint = request.getfixturevalue("s3_endpoint")
+        return S3Store(f"s3://{BUCKET}/{tmp_path.name}/files", endpoint, max_bytes=2**30)
     return RedisStore(redis_conn, max_bytes=2**30)
 
 
@@ -39,3 +52,64 @@ def test_truncate_cuts_back_to_a_committed_size(store):
     assert store.size("file-b") == 8
     store.delete("file-b")
     assert store.size("file-b") == 0 and list(store.chunks("file-b")) == []
+
+
+def test_a_cut_inside_an_object_keeps_its_head(store):
+    store.append("file-c", b"one\ntwo\nthree\n")
+    store.truncate("file-c", 4)
+    store.append("file-c", b"four\n")
+    assert b"".join(store.chunks("file-c")) == b"one\nfour\n"
+    assert b"".join(store.chunks("file-c", 6)) == b"ur\n"
+
+
+def test_s3_files_are_objects_under_the_prefix(s3_endpoint):
+    import s3fs
+
+    store = S3Store(f"s3://{BUCKET}/under/here/", s3_endpoint, max_bytes=2**30)
+    store.append("file-d", b"a\n")
+    store.append("file-d", b"b\n")
+    fs = s3fs.S3FileSystem(endpoint_url=s3_endpoint, skip_instance_cache=True, use_listings_cache=False)
+    assert fs.ls(f"{BUCKET}/under/here/file-d") == [
+        f"{BUCKET}/under/here/file-d/0000000000000000",
+        f"{BUCKET}/under/here/file-d/0000000000000002",
+    ]
+    store.delete("file-d")
+    assert not fs.exists(f"{BUCKET}/under/here/file-d/0000000000000000")
+
+
+@pytest.mark.parametrize(
+    "url, said",
+    [
+        ("s3://no-such-bucket/files", "no bucket 'no-such-bucket'"),
+        ("http://example.com/files", "is not an s3://bucket/prefix URL"),
+        ("", "files_store s3 needs files_s3_url"),
+    ],
+)
+def test_a_bucket_that_cannot_be_used_is_a_config_error(s3_endpoint, url, said):
+    with pytest.raises(ConfigError, match=said) as caught:
+        S3Store(url, s3_endpoint, max_bytes=2**30)
+    assert "\n" not in str(caught.value) and "testing" not in str(caught.value)
+
+
+def test_an_endpoint_gone_is_the_store_unavailable_until_it_is_back(s3_endpoint):
+    from moto.server import ThreadedMotoServer
+
+    from tests.url_servers import free_port
+
+    port = free_port()
+    with pytest.raises(ConfigError, match="cannot reach the bucket"):
+        S3Store(f"s3://{BUCKET}/files", f"http://127.0.0.1:{port}", max_bytes=2**30)
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()  # moto's buckets live in this process: the fixture's are here too
+    store = S3Store(f"s3://{BUCKET}/gone", f"http://127.0.0.1:{port}", max_bytes=2**30)
+    store.append("file-e", b"kept\n")
+    server.stop()
+    with pytest.raises(FileStoreUnavailable, match=f"s3://{BUCKET}/gone/: EndpointConnectionError"):
+        store.append("file-e", b"lost\n")
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    try:
+        assert store.append("file-e", b"more\n") == 10
+        assert b"".join(store.chunks("file-e")) == b"kept\nmore\n"
+    finally:
+        server.stop()

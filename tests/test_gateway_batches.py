@@ -1,12 +1,16 @@
 """OpenAI's Batch API on `wicore serve`, end to end with the official `openai` client: a real
 uvicorn on loopback, a real redis-server and a CPU worker on the bundled demo captioner (its
 caption of an example image is the file's name). Good lines answered under their custom_id, bad
-ones in the error file, cancel and expiry mid-way, a gateway and a worker killed mid-batch."""
+ones in the error file, cancel and expiry mid-way, a gateway and a worker killed mid-batch; the
+files in a folder, in Redis or in an S3 bucket (moto's server mode on loopback), the bucket
+missing at startup and the S3 endpoint gone mid-batch."""
 
 from __future__ import annotations
 
 import json
+import os
 import signal
+import subprocess
 import time
 from collections import Counter
 from pathlib import Path
@@ -14,8 +18,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.helpers import start_gateway, start_worker, stop, wait_http, wait_until
+from tests.helpers import WICORE, start_gateway, start_worker, stop, wait_http, wait_until
 from tests.test_gateway import IMAGES, MODEL, caption_of
+from tests.url_servers import BUCKET, S3_ENV, s3_server
 from wicore.embedded import EmbeddedRedis, free_port
 
 pytestmark = pytest.mark.slow
@@ -107,6 +112,19 @@ def gateway(redis_server, worker, tmp_path_factory):
     stop(process)
 
 
+def s3_store_env(endpoint: str, url: str = f"s3://{BUCKET}/batch-files") -> dict:
+    return {**S3_ENV, "WICORE_FILES_STORE": "s3", "WICORE_FILES_S3_URL": url, "WICORE_S3_ENDPOINT_URL": endpoint}
+
+
+@pytest.fixture(scope="module")
+def s3_gateway(redis_server, worker, tmp_path_factory):
+    """A gateway whose files live in an S3 bucket, beside the folder one on the same Redis."""
+    with s3_server() as endpoint:
+        process, url = gateway_process(redis_server.url, tmp_path_factory.mktemp("s3"), env=s3_store_env(endpoint))
+        yield url
+        stop(process)
+
+
 def client_of(url: str):
     import openai
 
@@ -153,12 +171,15 @@ def no_line_twice(*files: list[dict]) -> list[str]:
     return ids
 
 
-def test_every_good_line_answered_and_every_bad_line_in_the_error_file(gateway, redis_server):
+@pytest.mark.parametrize("store", ["folder", "s3"])
+def test_every_good_line_answered_and_every_bad_line_in_the_error_file(request, redis_server, store):
     from redis import Redis
 
-    client = client_of(gateway)
+    client = client_of(request.getfixturevalue("gateway" if store == "folder" else "s3_gateway"))
     bad = bad_lines()
     good = good_lines(300)
+    for line in good:
+        line["body"]["seed"] += 50_000 if store == "s3" else 0  # jobs of their own, not the folder run's
     mixed = [json.dumps(line) for line in good[:150]] + list(bad.values()) + [""]
     data = ("\n".join(mixed + [json.dumps(line) for line in good[150:]]) + "\n").encode()
     batch = submit(client, data, metadata={"run": "ci"})
@@ -309,6 +330,123 @@ def test_gateway_and_worker_killed_mid_batch_lose_nothing(redis_server, tmp_path
     check_answers(output)
     assert sorted(no_line_twice(output)) == sorted(line["custom_id"] for line in good)
     assert batch.error_file_id is None
+
+
+def test_a_missing_bucket_stops_the_gateway_with_one_line_and_exit_2(redis_server, tmp_path):
+    with s3_server() as endpoint:
+        env = s3_store_env(endpoint, "s3://no-such-bucket/files")
+        ended = subprocess.run(
+            [WICORE, "serve", "--redis-url", redis_server.url, "--port", str(free_port())],
+            env={**os.environ, **env}, capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+    said = (ended.stdout + ended.stderr).strip()
+    assert ended.returncode == 2 and len(said.splitlines()) == 1, said
+    assert "no bucket 'no-such-bucket'" in said and "testing" not in said
+
+
+@pytest.mark.parametrize("store", ["folder", "s3"])
+def test_an_upload_over_the_store_limit_is_a_413_and_leaves_nothing_behind(redis_server, tmp_path, store):
+    """Over max_file_bytes after one piece was already stored: that piece goes too."""
+    import openai
+    import s3fs
+
+    limit = 3 * 2**19  # 1.5 MiB: the first 1 MiB piece is stored, the second goes over
+    with s3_server() as endpoint:
+        env = s3_store_env(endpoint, f"s3://{BUCKET}/capped") if store == "s3" else {}
+        env["WICORE_MAX_FILE_BYTES"] = str(limit)
+        process, url = gateway_process(redis_server.url, tmp_path, env=env)
+        try:
+            client = client_of(url)
+            with pytest.raises(openai.APIStatusError, match="max_file_bytes") as refused:
+                client.files.create(file=("big.jsonl", b"x" * (2 * limit)), purpose="batch")
+            assert refused.value.status_code == 413 and refused.value.body["param"] == "file"
+            kept = client.files.create(file=("ok.jsonl", b"y" * limit), purpose="batch")
+            assert client.files.content(kept.id).content == b"y" * limit
+        finally:
+            stop(process)
+        if store == "s3":
+            fs = s3fs.S3FileSystem(endpoint_url=endpoint, skip_instance_cache=True, use_listings_cache=False)
+            left = fs.find(f"{BUCKET}/capped/")
+        else:
+            left = [str(path) for path in (tmp_path / "files").iterdir()]
+    assert len(left) == (2 if store == "s3" else 1) and all(kept.id in path for path in left), left
+
+
+@pytest.mark.faults
+def test_s3_hung_mid_batch_the_batch_waits_and_the_other_routes_answer(redis_server, worker, tmp_path):
+    """The S3 server stops answering while a batch runs (SIGSTOP): the batch stays in progress,
+    the file routes answer 503 within the store's timeout, chat completions, batch status and
+    health answer 200; after SIGCONT the batch ends with every line once."""
+    port = free_port()
+    endpoint = f"http://127.0.0.1:{port}"
+    s3 = moto_process(port, tmp_path / "moto.log")
+    try:
+        env = {**s3_store_env(endpoint), "WICORE_FILES_S3_TIMEOUT_S": "1"}
+        process, url = gateway_process(redis_server.url, tmp_path, env=env)
+        try:
+            client = client_of(url)
+            good = good_lines(300, max_tokens=48)
+            for line in good:
+                line["body"]["seed"] += 60_000
+            batch = submit(client, jsonl(good))
+            wait_until(lambda: client.batches.retrieve(batch.id).request_counts.completed >= 20, 120, 0.05, "done")
+            s3.send_signal(signal.SIGSTOP)
+            wait_until(lambda: b"file store" in (tmp_path / "gateway.log").read_bytes(), 60, 0.2, "the runner waiting")
+            check_routes_while_the_store_hangs(client, url, batch, good)
+            s3.send_signal(signal.SIGCONT)
+            batch = wait_ended(client, batch.id, timeout=300)
+            output = lines_of(client, batch.output_file_id)
+        finally:
+            stop(process)
+    finally:
+        s3.send_signal(signal.SIGCONT)
+        stop(s3)
+    assert batch.status == "completed" and batch.request_counts.completed == 300, batch
+    check_answers(output)
+    assert sorted(no_line_twice(output)) == sorted(line["custom_id"] for line in good)
+
+
+def check_routes_while_the_store_hangs(client, url: str, batch, good: list[dict]) -> None:
+    assert client.batches.retrieve(batch.id).status == "in_progress"
+    content = httpx.get(f"{url}/v1/files/{batch.input_file_id}/content", timeout=60)
+    assert content.status_code == 503 and "file store" in content.json()["error"]["message"], content.text
+    assert content.headers["retry-after"] and "testing" not in content.text
+    assert httpx.delete(f"{url}/v1/files/{batch.input_file_id}", timeout=60).status_code == 503
+    assert client.files.retrieve(batch.input_file_id).id == batch.input_file_id  # still listed
+    upload = httpx.post(
+        f"{url}/v1/files", files={"file": ("r.jsonl", jsonl(good[:2]))}, data={"purpose": "batch"}, timeout=60
+    )
+    assert upload.status_code == 503, upload.text
+    assert httpx.get(url + "/health/live").status_code == 200
+    answer = client.chat.completions.create(model=MODEL, messages=good[0]["body"]["messages"], max_tokens=8)
+    assert answer.choices[0].message.content
+
+
+def moto_process(port: int, log: Path):
+    """moto's S3 server (`moto_server`) in a process of its own, with BUCKET made."""
+    import sys
+
+    import s3fs
+
+    sink = open(log, "wb")  # noqa: SIM115 (closed with the process)
+    server = subprocess.Popen(
+        [str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
+        env={**os.environ, **S3_ENV}, stdout=sink, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    key, secret = S3_ENV["AWS_ACCESS_KEY_ID"], S3_ENV["AWS_SECRET_ACCESS_KEY"]
+    fs = s3fs.S3FileSystem(endpoint_url=f"http://127.0.0.1:{port}", key=key, secret=secret, skip_instance_cache=True)
+    wait_until(lambda: made(fs, BUCKET), 30, 0.2, "moto_server")
+    return server
+
+
+def made(fs, bucket: str) -> bool:
+    from botocore.exceptions import BotoCoreError
+
+    try:
+        fs.makedirs(bucket, exist_ok=True)
+    except (OSError, BotoCoreError):  # not listening yet
+        return False
+    return True
 
 
 def test_existing_batch_route_stays(gateway):

@@ -217,7 +217,7 @@ CASES = [
     ("DELETE", "/v1/jobs/wc-unknown", {}, 404, "no job wc-unknown"),
     ("DELETE", "/v1/jobs/a.b", {}, 400, "job_id"),
     ("POST", "/v1/chat/completions", {"json": chat(stream=True)}, 400, "stream"),
-    ("POST", "/v1/chat/completions", {"json": chat(n=3)}, 400, "n: only one choice"),
+    ("POST", "/v1/chat/completions", {"json": chat(n=17)}, 400, "n: 17 samples in one request; at most 16 (max_n)"),
     (
         "POST",
         "/v1/chat/completions",
@@ -275,7 +275,10 @@ CASES = [
     ("POST", "/v1/chat/completions", {"json": chat(temperature=-0.5)}, 400, "temperature"),
     ("POST", "/v1/chat/completions", {"json": chat(top_p=0)}, 400, "top_p"),
     ("POST", "/v1/chat/completions", {"json": chat(tools=[{"type": "function"}])}, 400, "tools"),
-    ("POST", "/v1/chat/completions", {"json": chat(logprobs=True)}, 400, "logprobs"),
+    ("POST", "/v1/chat/completions", {"json": chat(logprobs=True, top_logprobs=21)}, 400, "top_logprobs: 21"),
+    ("POST", "/v1/chat/completions", {"json": chat(top_logprobs=2)}, 400, "top_logprobs needs logprobs"),
+    ("POST", "/v1/chat/completions", {"json": chat(presence_penalty=2.5)}, 400, "presence_penalty"),
+    ("POST", "/v1/chat/completions", {"json": chat(repetition_penalty=0)}, 400, "repetition_penalty"),
     (
         "POST",
         "/v1/chat/completions",

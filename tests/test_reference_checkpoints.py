@@ -1,7 +1,8 @@
 """Checkpoints the fast engine does not run: the reference engine serves them exactly as the
 standard Hugging Face call does (`processor.apply_chat_template(..., tokenize=True)` then greedy
 `generate`: equal tokens), or refuses them at start with one line (exit 2). The fast engine
-refuses every non-Gemma-3 checkpoint at start (exit 2), never as a bug (exit 70).
+refuses every non-Gemma-3 checkpoint at start (exit 2), never as a bug (exit 70); Gemma-3 text-only
+checkpoints run on it (tests/test_fast_text_only.py).
 
 Tiny checkpoints built here from configs: a LLaVA (Llama text, CLIP vision) whose chat template
 writes no <bos> and whose tokenizer adds it, a Gemma-3 text-only `Gemma3ForCausalLM`, and a
@@ -186,17 +187,16 @@ def test_gemma3_text_only_checkpoint_on_the_reference_engine(gemma3_text_dir):
     assert refused.input_error and "reads text only" in refused.error
 
 
-def test_refusals_at_start(gemma3_text_dir, llava_dir, no_template_dir):
+def test_refusals_at_start(llava_dir, no_template_dir):
     with pytest.raises(ConfigError, match="no chat template"):
         ReferenceEngine(EngineConfig(str(no_template_dir)))
-    for model_dir in (gemma3_text_dir, llava_dir):
-        with pytest.raises(ConfigError, match="the fast engine runs Gemma-3 image-text checkpoints"):
-            FastEngine(EngineConfig(str(model_dir)))
+    with pytest.raises(ConfigError, match="the fast engine runs Gemma-3 checkpoints"):
+        FastEngine(EngineConfig(str(llava_dir)))
 
 
-def test_the_worker_exits_2_with_one_line(gemma3_text_dir, no_template_dir, redis_url):
+def test_the_worker_exits_2_with_one_line(llava_dir, no_template_dir, redis_url):
     for engine, model_dir, says in (
-        ("fast", gemma3_text_dir, "Gemma3ForCausalLM; run it with --engine reference"),
+        ("fast", llava_dir, "LlavaForConditionalGeneration; run it with --engine reference"),
         ("reference", no_template_dir, "no chat template"),
     ):
         args = ("--engine", engine, "--model", str(model_dir), "--redis-url", redis_url, "--burst")

@@ -6,6 +6,9 @@ nobody's input error and nothing to retry through Redis: the gate halves the num
 the engine may hold and gives the failed requests to it again, first, in the smaller batch.
 Only a request that runs out of memory alone fails (transient: another worker may have room).
 After `regrow_after` steps without an OOM the limit doubles again, up to the engine's batch size.
+
+A request for n > 1 samples enters the gate as n requests and leaves it as one completion
+(`engines.samples`).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from collections import deque
 from collections.abc import Iterable
 
 from wicore.engines.base import Completion, Engine, EngineRequest, aborted, failed
+from wicore.engines.samples import SampleGroups
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +33,7 @@ class EngineGate:
         self.held: dict[str, EngineRequest] = {}  # in the engine, kept to run again after an OOM
         self._clean_steps = 0
         self.last_step_ok = True  # the last engine call did not raise (the worker's readiness probe)
+        self.samples = SampleGroups()
 
     def free_slots(self) -> int:
         room = min(self.engine.free_slots(), self.limit - len(self.held))
@@ -40,25 +45,25 @@ class EngineGate:
     def add(self, requests: list[EngineRequest]) -> list[Completion]:
         """Queue requests for the engine, by lane (`EngineRequest.priority`) then arrival;
         returns the ones that ended at once (rejected)."""
-        self.waiting = deque(sorted([*self.waiting, *requests], key=lambda r: r.priority.rank))
-        return self._feed()
+        self.waiting = deque(sorted([*self.waiting, *self.samples.split(requests)], key=lambda r: r.priority.rank))
+        return self.samples.merge(self._feed())
 
     def step(self) -> list[Completion]:
         """One engine step (when it holds anything), then refill it from the waiting requests."""
         holds = self.held or self.engine.num_unfinished()  # the engine may hold what a failed add left
         done = self._settle(self._run(self.engine.step, list(self.held.values()))) if holds else []
-        return done + self._feed()
+        return self.samples.merge(done + self._feed())
 
     def abort(self, request_ids: Iterable[str]) -> list[Completion]:
         """`Engine.abort` for the requests in the gate's hands too: those still waiting stop now;
         the engine's stop now or in a later step, as the engine decides."""
-        wanted = set(request_ids)
+        wanted = self.samples.expand(request_ids)
         stopped = [aborted(r.id) for r in self.waiting if r.id in wanted]
         self.waiting = deque(r for r in self.waiting if r.id not in wanted)
         for completion in self.engine.abort(wanted):
             self.held.pop(completion.id, None)
             stopped.append(completion)
-        return stopped
+        return self.samples.merge(stopped)
 
     def _feed(self) -> list[Completion]:
         room = min(self.engine.free_slots(), self.limit - len(self.held))

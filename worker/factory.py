@@ -138,6 +138,7 @@ def build_worker(
         urls=url_policy(settings),
         generation_defaults=generation_defaults(settings, Path(engine.config.model_dir)),
         max_images_per_request=settings.max_images_per_request,
+        sampling=settings.sampling_limits,
     )
     attach_shared_caches(settings, connection, engine, model_id)
     log_config(settings, engine, inputs)

@@ -20,14 +20,14 @@ from redis import Redis
 
 from wicore import defaults, keys
 from wicore.engines.base import EngineRequest
-from wicore.errors import DeadlineExceeded, ImageNotAllowed, InvalidJob, TooManyImages
+from wicore.errors import DeadlineExceeded, ImageNotAllowed, InvalidJob, OverLimit, TooManyImages
 from wicore.ops.image_decode import ImageLimits
 from wicore.ops.image_fetch import UrlPolicy
 from wicore.ops.image_load import ImageSource, LoadRules, input_error_message, load_image
 from wicore.ops.image_preprocess import PreprocessSpec
 from wicore.ops.pixel_pool import PixelPool, PixelResult
 from wicore.priority_pool import PriorityPool
-from wicore.schemas import CaptionJob, ImageRef
+from wicore.schemas import CaptionJob, ImageRef, SamplingLimits
 from wicore.worker.rq_bridge import Claimed
 
 
@@ -45,6 +45,7 @@ class InputConfig:
     # The checkpoint's generation_config.json defaults for the parameters a request leaves unset.
     generation_defaults: dict[str, Any] = field(default_factory=dict)
     max_images_per_request: int = defaults.MAX_IMAGES_PER_REQUEST  # a job with more fails alone
+    sampling: SamplingLimits = field(default_factory=SamplingLimits)  # a job over max_n / max_logprobs fails alone
 
 
 @dataclass
@@ -88,6 +89,10 @@ class InputLoader:
         if len(job.images) > self.config.max_images_per_request:
             limit = self.config.max_images_per_request
             error = TooManyImages(f"{len(job.images)} images in one job; at most {limit} (max_images_per_request)")
+            return _done(Loaded(error=input_error_message(error)))
+        try:
+            self.config.sampling.check(job.params)
+        except OverLimit as error:
             return _done(Loaded(error=input_error_message(error)))
         if not job.images:  # text only: nothing to load
             return _done(_text_only(request_id, job, self.config.generation_defaults))

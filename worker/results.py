@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 from wicore.engines.base import Completion
-from wicore.schemas import CaptionResult, Timings
+from wicore.schemas import CaptionResult, Choice, Timings
 
 
 def job_timings(completion: Completion, submitted: float, started: float, preprocess_s: float) -> Timings:
@@ -25,15 +25,29 @@ def job_timings(completion: Completion, submitted: float, started: float, prepro
 def caption_result(
     job_id: str, completion: Completion, timings: Timings, *, worker: str, engine: str, model: str
 ) -> CaptionResult:
+    samples = completion.samples or [completion]
     return CaptionResult(
         job_id=job_id,
         text=completion.text or "",
         finish_reason=completion.finish_reason or "length",
         prompt_tokens=completion.prompt_tokens,
-        output_tokens=len(completion.token_ids),
+        output_tokens=sum(len(s.token_ids) for s in samples),
         token_ids=tuple(completion.token_ids),
         timings=timings,
         worker=worker,
         engine=engine,
         model=model,
+        logprobs=None if completion.logprobs is None else tuple(completion.logprobs),
+        choices=tuple(choice(i, s) for i, s in enumerate(completion.samples)),
+    )
+
+
+def choice(index: int, sample: Completion) -> Choice:
+    """Sample `index` of a request's n (n > 1)."""
+    return Choice(
+        index=index,
+        text=sample.text or "",
+        finish_reason=sample.finish_reason or "length",
+        token_ids=tuple(sample.token_ids),
+        logprobs=None if sample.logprobs is None else tuple(sample.logprobs),
     )

@@ -2,7 +2,8 @@
 whole product (embedded Redis, producer, scheduler, worker, engine) against HF `generate` on the
 same model, images and token counts, in the same run (HF after the worker has exited, at each
 of its batch sizes that fits); with the roofline from the config, the ceilings measured at the
-start of the run and the worker's time to ready."""
+start of the run and the worker's time to ready. `--variant` sends two images a prompt, or text
+only (`caption_variants`), to both sides."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from wicore.bench.bench_images import make_images
+from wicore.bench.caption_variants import BenchPrompt, bench_prompts, images_per_prompt, peer_chat, submission
 from wicore.bench.gpu_busy import GpuBusySampler
 from wicore.bench.roofline import Ceilings, image_work, measure_ceilings, roofline_images_per_s
 from wicore.schemas import DEFAULT_PROMPT
@@ -53,6 +55,9 @@ class CaptionBench:
     hf_peers: bool = True  # False (`--no-hf`): the product alone, for A/B runs of engine options
     decode_processes: int | None = None  # the worker's `--decode-processes`; None: its default
     sample_stacks: bool = False  # the worker's loop thread sampled (`stack_sampler`): `host_stacks` in the JSON
+    variant: str = "one-image"  # what a prompt holds (`caption_variants.VARIANTS`)
+    sampling: dict = field(default_factory=dict)  # GenerationParams fields on every job (penalties, logprobs, n)
+    guided: dict | None = None  # a `guided` spec on every job (caption_guided.py); those end with their grammar
 
 
 def device_name(device: str) -> str:
@@ -108,11 +113,13 @@ def run_product(
     from redis import Redis
 
     from wicore.embedded import EmbeddedRedis
-    from wicore.producer import Producer, ProducerConfig, Submission
+    from wicore.producer import Producer, ProducerConfig
     from wicore.schemas import GenerationParams
     from wicore.worker.status import published_stats
 
-    params = GenerationParams(max_new_tokens=bench.new_tokens, ignore_eos=True)
+    params = GenerationParams(max_new_tokens=bench.new_tokens, ignore_eos=True, **bench.sampling)
+    if bench.guided is not None:
+        params = GenerationParams(max_new_tokens=bench.new_tokens, guided=bench.guided, **bench.sampling)
     with EmbeddedRedis() as server, busy_sampler(bench.device) as busy:
         command = worker_command(bench, server.url, model_dir, timed[0].parent, gpus)
         stacks = log.with_name("worker-stacks.json")
@@ -124,10 +131,11 @@ def run_product(
             names = wait_for_workers(connection, worker, log, max(1, gpus))
             load_s = time.perf_counter() - started
             producer = Producer(server.url, model=bench.preset, config=ProducerConfig(by_path=True))
-            warm_ids = producer.submit_many(Submission(p, bench.prompt, params=params) for p in warm)
+            warm_ids = producer.submit_many(submission(p, params) for p in prompts_of(bench, warm, "warm-"))
             list(producer.wait(warm_ids, timeout=900))
             start, start_wall = time.perf_counter(), time.time()
-            ids = producer.submit_many(Submission(p, bench.prompt, params=params) for p in timed)
+            prompts = prompts_of(bench, timed)
+            ids = producer.submit_many(submission(p, params) for p in prompts)
             outcomes = {o.job_id: o for o in producer.wait(ids, timeout=1800)}
             seconds = time.perf_counter() - start
             busy_window = (start_wall, start_wall + seconds)
@@ -137,12 +145,14 @@ def run_product(
         stats = {name: published_stats(connection, name) for name in names}  # at stop
     errors = [o.error for o in outcomes.values() if o.error]
     results = [o.result for o in outcomes.values() if o.result]
-    tokens = {str(p): list(outcomes[i].result.token_ids) for p, i in zip(timed, ids) if outcomes[i].result}
+    tokens = {p.key: list(outcomes[i].result.token_ids) for p, i in zip(prompts, ids) if outcomes[i].result}
     latencies = [r.timings.total_s for r in results]
     return {
         "images": len(timed),
+        "prompts": len(prompts),
         "seconds": seconds,
-        "images_per_s": len(results) / seconds,
+        "prompts_per_s": len(results) / seconds,
+        "images_per_s": len(results) * images_per_prompt(bench.variant) / seconds,
         "output_tokens_per_s": sum(r.output_tokens for r in results) / seconds,
         "latency_p50_s": percentile(latencies, 50),
         "latency_p99_s": percentile(latencies, 99),
@@ -158,6 +168,13 @@ def run_product(
         "host_stacks": host_stacks(stacks, start_wall, busy.profile(*busy_window)),
         "start_timeline": start_timeline([outcomes[i].result for i in ids[:START_JOBS]]),
     }
+
+
+def prompts_of(bench: CaptionBench, paths: list[Path], prefix: str = "") -> list[BenchPrompt]:
+    """The variant's prompts of `paths`; `prefix` keeps the warm-up's text prompts apart from
+    the timed ones (the same text would be the same job)."""
+    prompts = bench_prompts(bench.variant, paths, bench.prompt)
+    return [BenchPrompt(prefix + p.key, p.images, prefix + p.text) if not p.images else p for p in prompts]
 
 
 def host_stacks(path: Path, start_wall: float, busy_by_second: list[float | None]) -> dict | None:
@@ -216,34 +233,35 @@ def run_peers(bench: CaptionBench, model_dir: Path, paths: list[Path]) -> dict:
     from wicore.bench.hf_peer import run_generate
     from wicore.engines.checkpoint import load_hf_model, load_processor
     from wicore.engines.text import stop_token_ids
-    from wicore.ops.image_decode import decode_image
 
     processor = load_processor(model_dir)
+    processor.tokenizer.padding_side = "left"  # generate continues every row from its last column
     cuda = bench.device.startswith("cuda")
     model = load_hf_model(model_dir, bench.device, "bfloat16" if cuda else "float32")
     eos = sorted(stop_token_ids(model_dir, processor.tokenizer))
     timed = paths[bench.warmup_images :]
-    images = [decode_image(p.read_bytes()) for p in timed[: max(bench.hf_images, bench.hf_single_images)]]
-    run_generate(model, processor, images[:2], bench.prompt, 4, 2, eos)  # warm-up (cuBLAS, kernels)
+    prompts = peer_prompts(bench, timed[: max(bench.hf_images, bench.hf_single_images)])
+    single, batched = prompts[: bench.hf_single_images], prompts[: bench.hf_images]
+    run_generate(model, processor, prompts[:2], 4, 2, eos)  # warm-up (cuBLAS, kernels)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    runs = {1: run_generate(model, processor, images[: bench.hf_single_images], bench.prompt, bench.new_tokens, 1, eos)}
+    runs = {1: run_generate(model, processor, single, bench.new_tokens, 1, eos)}
     passes: dict[str, list[float] | str] = {}
     for batch in bench.hf_batches:
         try:
             timed_runs = [
-                run_generate(model, processor, images[: bench.hf_images], bench.prompt, bench.new_tokens, batch, eos)
-                for _ in range(bench.hf_repeats)
+                run_generate(model, processor, batched, bench.new_tokens, batch, eos) for _ in range(bench.hf_repeats)
             ]
         except torch.OutOfMemoryError:  # a larger model leaves room for smaller batches only
             passes[str(batch)] = "out of memory"
             torch.cuda.empty_cache()
             continue
         passes[str(batch)] = [r.images_per_s for r in timed_runs]
-        runs[batch] = max(timed_runs, key=lambda r: r.images_per_s)
+        runs[batch] = max(timed_runs, key=lambda r: r.prompts_per_s)
     peak = torch.cuda.max_memory_allocated() if cuda else None
-    best = max(runs, key=lambda b: runs[b].images_per_s)  # batch 1 when no larger batch fits
-    tokens = {b: {str(p): t for p, t in zip(timed, r.tokens)} for b, r in runs.items()}
+    best = max(runs, key=lambda b: runs[b].prompts_per_s)  # batch 1 when no larger batch fits
+    keys = [p.key for p in prompts_of(bench, timed)]
+    tokens = {b: dict(zip(keys, r.tokens)) for b, r in runs.items()}
     del model
     if cuda:
         torch.cuda.empty_cache()
@@ -253,10 +271,25 @@ def run_peers(bench: CaptionBench, model_dir: Path, paths: list[Path]) -> dict:
         "best_batch": best,
         "best_images_per_s": runs[best].images_per_s,
         "batch1_images_per_s": runs[1].images_per_s,
+        "prompts_per_s": {str(b): r.prompts_per_s for b, r in runs.items()},
+        "best_prompts_per_s": runs[best].prompts_per_s,
+        "batch1_prompts_per_s": runs[1].prompts_per_s,
+        "best_output_tokens_per_s": runs[best].output_tokens_per_s,
         "peak_gpu_bytes": peak,
         "tokens_by_batch": tokens,
-        "best_margins": {str(p): m for p, m in zip(timed, runs[best].margins)},
+        "best_margins": dict(zip(keys, runs[best].margins)),
     }
+
+
+def peer_prompts(bench: CaptionBench, paths: list[Path]) -> list:
+    """The variant's prompts of `paths` as the HF peer takes them (images decoded)."""
+    from wicore.bench.hf_peer import PeerPrompt
+    from wicore.ops.image_decode import decode_image
+
+    return [
+        PeerPrompt(peer_chat(p), [decode_image(path.read_bytes()) for path in p.images])
+        for p in prompts_of(bench, paths)
+    ]
 
 
 def parity(
@@ -317,9 +350,14 @@ def caption_report(bench: CaptionBench, runs: CaptionRuns) -> dict:
     prompt_tokens = product["engine_stats"].get("mean_prompt_tokens") or 281  # 281: the 4B prompt here
     work = image_work(config, prompt_tokens, bench.new_tokens)
     roofline, bound = roofline_images_per_s(work, ceilings, bench.batch_size, prompt_tokens, bench.new_tokens)
+    if bench.variant != "one-image":
+        roofline, bound = None, "one image a prompt only"  # the roofline counts one image's work a prompt
     return {
         "gpu": device_name(bench.device),
         "preset": bench.preset,
+        "variant": bench.variant,
+        "images_per_prompt": images_per_prompt(bench.variant),
+        "prompts_per_s": product["prompts_per_s"],
         "command": bench_command(bench),
         "engine": bench.engine,
         "engine_options": bench.engine_options,
@@ -332,7 +370,7 @@ def caption_report(bench: CaptionBench, runs: CaptionRuns) -> dict:
         "roofline_images_per_s": roofline,
         "roofline_bound": bound,
         "images_per_s": product["images_per_s"],
-        "roofline_fraction": product["images_per_s"] / roofline,
+        "roofline_fraction": None if roofline is None else product["images_per_s"] / roofline,
         "gpu_busy_fraction": product["gpu_busy_fraction"],  # NVML: a kernel ran (core/bench/gpu_busy.py)
         "gpu_busy_error": product["gpu_busy_error"],
         "gpu_busy_by_second": product["gpu_busy_by_second"],  # where in the window it idled
@@ -355,6 +393,7 @@ def bench_command(bench: CaptionBench, dtype: str | None = None) -> str:
     """The command line that runs this benchmark again."""
     words = [f"wicore bench caption --preset {bench.preset}", f"--images {bench.images}"]
     words += [f"--dtype {dtype}"] if dtype else []
+    words += [] if bench.variant == "one-image" else [f"--variant {bench.variant}"]
     if bench.hf_peers:
         words += [f"--hf-batches {','.join(str(b) for b in bench.hf_batches)}", f"--hf-images {bench.hf_images}"]
         words += [f"--hf-repeats {bench.hf_repeats}"]
@@ -363,6 +402,11 @@ def bench_command(bench: CaptionBench, dtype: str | None = None) -> str:
     words += [] if bench.decode_processes is None else [f"--decode-processes {bench.decode_processes}"]
     words += ["--sample-stacks"] if bench.sample_stacks else []
     return " ".join(words + engine_option_words(bench.engine_options))
+
+
+def sampling_words(sampling: dict) -> list[str]:
+    """`--sampling` as the command line gives it (shell-quoted JSON)."""
+    return [f"--sampling '{json.dumps(sampling, sort_keys=True)}'"] if sampling else []
 
 
 def startup_report(stats: dict) -> dict:
@@ -390,7 +434,8 @@ def peer_report(product: dict, peers: dict | None) -> dict:
         keys = ("hf_best_images_per_s", "hf_best_batch", "hf_batch1_images_per_s", "hf_images_per_s",
                 "hf_images_per_s_passes", "speedup_vs_hf_best", "speedup_vs_hf_batch1", "hf_peak_gpu_bytes",
                 "parity_vs_hf_best_batch", "parity_vs_hf_batch1", "hf_batch1_vs_hf_best_batch",
-                "hf_batches_vs_hf_best_batch")  # fmt: skip
+                "hf_batches_vs_hf_best_batch", "hf_prompts_per_s", "hf_best_prompts_per_s",
+                "hf_best_output_tokens_per_s")  # fmt: skip
         return dict.fromkeys(keys)
     tokens = peers["tokens_by_batch"]
     best = tokens[peers["best_batch"]]
@@ -402,8 +447,12 @@ def peer_report(product: dict, peers: dict | None) -> dict:
         "hf_batch1_images_per_s": peers["batch1_images_per_s"],
         "hf_images_per_s": peers["images_per_s"],
         "hf_images_per_s_passes": peers["passes"],
-        "speedup_vs_hf_best": product["images_per_s"] / peers["best_images_per_s"],
-        "speedup_vs_hf_batch1": product["images_per_s"] / peers["batch1_images_per_s"],
+        "hf_prompts_per_s": peers["prompts_per_s"],
+        "hf_best_prompts_per_s": peers["best_prompts_per_s"],
+        "hf_best_output_tokens_per_s": peers["best_output_tokens_per_s"],
+        # prompts/s ratios: the images/s ratios where prompts hold images, defined for text only too
+        "speedup_vs_hf_best": product["prompts_per_s"] / peers["best_prompts_per_s"],
+        "speedup_vs_hf_batch1": product["prompts_per_s"] / peers["batch1_prompts_per_s"],
         "hf_peak_gpu_bytes": peers["peak_gpu_bytes"],
         "parity_vs_hf_best_batch": parity(product["tokens"], best, peers["best_margins"]),
         "parity_vs_hf_batch1": parity(product["tokens"], tokens[1]),

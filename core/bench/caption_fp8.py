@@ -65,7 +65,7 @@ def fp8_report(bench: CaptionBench, bf16_runs: CaptionRuns, fp8_runs: CaptionRun
     report["command"] = bench_command(bench, dtype="fp8")
     report["bf16"] = {key: bf16[key] for key in BF16_KEYS} | phases(bf16)
     report["fp8_phases"] = phases(report)
-    report["fp8_speedup_vs_bf16"] = report["images_per_s"] / bf16["images_per_s"]
+    report["fp8_speedup_vs_bf16"] = report["prompts_per_s"] / bf16["prompts_per_s"]
     report["token_agreement_vs_bf16"] = token_agreement(fp8_runs.product["tokens"], bf16_runs.product["tokens"])
     report["democap_accuracy"] = democap
     return report

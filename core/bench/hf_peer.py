@@ -1,5 +1,5 @@
-"""The peer: Hugging Face `generate` on the same model, images and token counts, at a static
-batch size. Returns images/s, the generated ids (for the parity report) and, at every step, how
+"""The peer: Hugging Face `generate` on the same model, prompts (`caption_variants`: their images
+and text) and token counts, at a static batch size. Returns prompts/s and images/s, the generated ids (for the parity report) and, at every step, how
 far the chosen token's logit led the runner-up's (a sequence that another kernel's rounding can
 turn has a small lead where it turns)."""
 
@@ -16,6 +16,7 @@ from transformers import LogitsProcessorList
 @dataclass
 class PeerRun:
     batch_size: int
+    prompts: int
     images: int
     seconds: float
     tokens: list[list[int]] = field(default_factory=list)
@@ -24,6 +25,14 @@ class PeerRun:
     @property
     def images_per_s(self) -> float:
         return self.images / self.seconds
+
+    @property
+    def prompts_per_s(self) -> float:
+        return self.prompts / self.seconds
+
+    @property
+    def output_tokens_per_s(self) -> float:
+        return sum(map(len, self.tokens)) / self.seconds
 
 
 class MarginRecorder:
@@ -48,26 +57,33 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
+@dataclass(frozen=True)
+class PeerPrompt:
+    chat: list[dict]  # one user turn: an {"type": "image"} part per image, and text
+    images: list[Image.Image]
+
+
 @torch.inference_mode()
 def run_generate(
-    model, processor, images: list[Image.Image], prompt: str, new_tokens: int, batch_size: int, eos_ids: list[int]
+    model, processor, prompts: list[PeerPrompt], new_tokens: int, batch_size: int, eos_ids: list[int]
 ) -> PeerRun:
     """Static batches of `batch_size`, greedy, exactly `new_tokens` new tokens (EOS masked, as
     the engines do for `ignore_eos`).
     Preprocessing is inside the timed loop, as it is for wicore."""
-    chat = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": prompt}]}]
-    text = processor.apply_chat_template(chat, add_generation_prompt=True)
-    run = PeerRun(batch_size, len(images), 0.0)
+    images = sum(len(p.images) for p in prompts)
+    run = PeerRun(batch_size, len(prompts), images, 0.0)
     recorders = []
     sync()
     start = time.perf_counter()
-    for begin in range(0, len(images), batch_size):
-        chunk = images[begin : begin + batch_size]
-        inputs = processor(
-            text=[text] * len(chunk), images=[[im] for im in chunk], return_tensors="pt", padding=True,
-            add_special_tokens=False,
-        ).to(model.device)  # fmt: skip
-        inputs["pixel_values"] = inputs["pixel_values"].to(model.dtype)
+    for begin in range(0, len(prompts), batch_size):
+        chunk = prompts[begin : begin + batch_size]
+        texts = [processor.apply_chat_template(p.chat, add_generation_prompt=True) for p in chunk]
+        pictures = [p.images for p in chunk] if images else None
+        inputs = processor(text=texts, images=pictures, return_tensors="pt", padding=True, add_special_tokens=False).to(
+            model.device
+        )
+        if "pixel_values" in inputs:
+            inputs["pixel_values"] = inputs["pixel_values"].to(model.dtype)
         recorders.append(MarginRecorder())
         out = model.generate(
             **inputs, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, eos_token_id=eos_ids,

@@ -22,6 +22,12 @@ def preset_of(report: dict) -> str:
     return report.get("preset", "gemma3-4b")
 
 
+def run_name(report: dict) -> str:
+    """The report's model shape, and its variant unless one image a prompt: 'gemma3-4b-two-images'."""
+    variant = report.get("variant", "one-image")
+    return preset_of(report) + ("" if variant == "one-image" else f"-{variant}")
+
+
 def shape_title(report: dict) -> str:
     """'gemma3-27b' -> 'Gemma-3-27B shape'."""
     return f"Gemma-3-{preset_of(report).removeprefix('gemma3-').upper()} shape"
@@ -29,12 +35,18 @@ def shape_title(report: dict) -> str:
 
 def write_caption_report(report: dict, folder: Path) -> list[Path]:
     """caption-<preset>-<gpu>.json and .png."""
-    return write_with_plot(report, folder / f"caption-{preset_of(report)}-{gpu_slug(report['gpu'])}", plot_caption)
+    return write_with_plot(report, folder / f"caption-{run_name(report)}-{gpu_slug(report['gpu'])}", plot_caption)
 
 
 def write_fp8_report(report: dict, folder: Path) -> list[Path]:
     """caption-<preset>-fp8-<gpu>.json and .png (both modes beside HF's bars)."""
-    return write_with_plot(report, folder / f"caption-{preset_of(report)}-fp8-{gpu_slug(report['gpu'])}", plot_fp8)
+    return write_with_plot(report, folder / f"caption-{run_name(report)}-fp8-{gpu_slug(report['gpu'])}", plot_fp8)
+
+
+def write_sampling_report(report: dict, folder: Path) -> list[Path]:
+    """caption-<preset>-sampling-<gpu>.json and .png (the run without the parameters plotted)."""
+    stem = folder / f"caption-{preset_of(report)}-sampling-{gpu_slug(report['gpu'])}"
+    return write_with_plot(report, stem, plot_caption)
 
 
 def write_scaling_report(report: dict, folder: Path) -> list[Path]:
@@ -81,7 +93,7 @@ def plot_fp8(report: dict, path: Path) -> Path:
     agreement, democap = report["token_agreement_vs_bf16"], report["democap_accuracy"]
     note = (
         f"FP8: {report['fp8_speedup_vs_bf16']:.2f}x bf16, {_times(report['speedup_vs_hf_best'], 1)} HF best, "
-        f"{100 * report['roofline_fraction']:.0f}% of the bf16 roofline\nsequences equal to bf16's "
+        f"{_roofline_share(report, 'the bf16 roofline')}\nsequences equal to bf16's "
         f"{100 * agreement['sequences_identical_share']:.0f}%; demo captioner exact match {democap['bf16']:.3f} "
         f"(bf16) / {democap['fp8']:.3f} (FP8)"
     )
@@ -96,8 +108,9 @@ def plot_caption(report: dict, path: Path, ours: dict[str, float] | None = None,
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    hf = report["hf_images_per_s"] or {}  # None: run without the peer (--no-hf)
-    ours = ours or {"wicore\n" + report["engine"]: report["images_per_s"]}
+    unit = "images" if report.get("variant", "one-image") == "one-image" else "prompts"
+    hf = report[f"hf_{unit}_per_s"] or {}  # None: run without the peer (--no-hf)
+    ours = ours or {"wicore\n" + report["engine"]: report[f"{unit}_per_s"]}
     labels = list(ours) + [f"HF generate\nbatch {b}" for b in hf]
     values = list(ours.values()) + list(hf.values())
     fig, ax = plt.subplots(figsize=(7.5, 4.3 if note else 4), dpi=120)
@@ -105,14 +118,15 @@ def plot_caption(report: dict, path: Path, ours: dict[str, float] | None = None,
     for bar, value in zip(bars, values):
         ax.annotate(f"{value:.1f}", (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom")
     roof = report["roofline_images_per_s"]
-    ax.axhline(roof, color="#c0392b", linestyle="--", linewidth=1)
-    ax.annotate(f"roofline {roof:.0f} img/s", (len(values) - 0.5, roof), ha="right", va="bottom", color="#c0392b")
-    ax.set_ylabel("images / s")
+    if roof is not None:
+        ax.axhline(roof, color="#c0392b", linestyle="--", linewidth=1)
+        ax.annotate(f"roofline {roof:.0f} img/s", (len(values) - 0.5, roof), ha="right", va="bottom", color="#c0392b")
+    ax.set_ylabel(f"{unit} / s")
     versus_hf = f"{report['speedup_vs_hf_best']:.1f}x HF best, " if hf else ""
-    summary = f"{versus_hf}{100 * report['roofline_fraction']:.0f}% of roofline"
+    summary = f"{versus_hf}{_roofline_share(report, 'roofline')}"
     ax.set_title(
-        f"{shape_title(report)}, {report['images']} images, {report['new_tokens']} tokens, {report['gpu']}\n"
-        + (note or summary),
+        f"{shape_title(report)}, {report['images']} images ({report.get('variant', 'one-image')}), "
+        f"{report['new_tokens']} tokens, {report['gpu']}\n" + (note or summary),
         fontsize=10,
     )
     ax.spines[["top", "right"]].set_visible(False)
@@ -122,16 +136,25 @@ def plot_caption(report: dict, path: Path, ours: dict[str, float] | None = None,
     return path
 
 
+def _roofline_share(report: dict, name: str) -> str:
+    """'61% of roofline', or that the variant has none."""
+    share = report["roofline_fraction"]
+    return f"no {name} for {report.get('variant')}" if share is None else f"{100 * share:.0f}% of {name}"
+
+
 def print_caption_report(report: dict) -> None:
     table = Table("metric", "value", title=f"wicore bench caption ({report['gpu']})")
     busy = report["gpu_busy_fraction"]
+    roofline = report["roofline_images_per_s"]
     rows = [
+        ("variant (images a prompt)", f"{report.get('variant', 'one-image')} ({report.get('images_per_prompt', 1)})"),
         ("images/s (wicore)", f"{report['images_per_s']:.2f}"),
+        ("prompts/s (wicore)", f"{report.get('prompts_per_s', report['images_per_s']):.2f}"),
         ("output tokens/s", f"{report['output_tokens_per_s']:.0f}"),
         ("job latency p50 / p99", f"{report['latency_p50_s']:.2f} s / {report['latency_p99_s']:.2f} s"),
         ("GPU busy (a kernel ran, NVML)", "n/a" if busy is None else f"{busy:.3f}"),
-        ("roofline images/s", f"{report['roofline_images_per_s']:.1f} ({report['roofline_bound']}-bound)"),
-        ("roofline fraction", f"{report['roofline_fraction']:.3f}"),
+        ("roofline images/s", "n/a" if roofline is None else f"{roofline:.1f} ({report['roofline_bound']}-bound)"),
+        ("roofline fraction", "n/a" if roofline is None else f"{report['roofline_fraction']:.3f}"),
         ("peak GPU memory (wicore / HF)", f"{_gib(report['peak_gpu_bytes'])} / {_gib(report['hf_peak_gpu_bytes'])}"),
         (
             "weights / peak during their load",
@@ -146,13 +169,33 @@ def print_caption_report(report: dict) -> None:
     Console().print(table)
 
 
+def print_sampling_report(report: dict) -> None:
+    print_caption_report(report)
+    variant = report["sampling"]
+    table = Table("metric", "plain", "with the parameters", title=f"the same images, the same run: {variant['params']}")
+    rows = [
+        ("images/s", f"{report['images_per_s']:.2f}", f"{variant['images_per_s']:.2f}"),
+        ("output tokens/s", f"{report['output_tokens_per_s']:.0f}", f"{variant['output_tokens_per_s']:.0f}"),
+        ("job latency p50", f"{report['latency_p50_s']:.2f} s", f"{variant['latency_p50_s']:.2f} s"),
+        ("images/s ratio", "", f"{variant['images_per_s_ratio']:.3f}"),
+        ("errors", str(report["error_count"]), str(variant["error_count"])),
+    ]
+    for row in rows:
+        table.add_row(*row)
+    Console().print(table)
+
+
 def print_fp8_report(report: dict) -> None:
     print_caption_report(report)
     bf16, agreement, democap = report["bf16"], report["token_agreement_vs_bf16"], report["democap_accuracy"]
     table = Table("metric", "bf16", "FP8 GEMMs", title="the same images, the same run")
     rows = [
         ("images/s", f"{bf16['images_per_s']:.2f}", f"{report['images_per_s']:.2f}"),
-        ("roofline fraction (bf16 roofline)", f"{bf16['roofline_fraction']:.3f}", f"{report['roofline_fraction']:.3f}"),
+        (
+            "roofline fraction (bf16 roofline)",
+            _fraction(bf16["roofline_fraction"]),
+            _fraction(report["roofline_fraction"]),
+        ),
         ("speedup vs HF best", _times(bf16["speedup_vs_hf_best"]), _times(report["speedup_vs_hf_best"])),
         ("vision / prefill / decode s", _phases(bf16), _phases(report["fp8_phases"])),
         ("weights", _gib(bf16["weight_bytes"]), _gib(report["fp8_phases"]["weight_bytes"])),
@@ -165,6 +208,10 @@ def print_fp8_report(report: dict) -> None:
     Console().print(table)
 
 
+def _fraction(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.3f}"
+
+
 def _phases(stats: dict) -> str:
     return " / ".join(
         f"{stats[k]:.1f}" if stats.get(k) is not None else "n/a" for k in ("vision_s", "prefill_s", "decode_s")
@@ -174,6 +221,8 @@ def _phases(stats: dict) -> str:
 def _peer_rows(report: dict) -> list[tuple[str, str]]:
     return [
         ("HF generate images/s by batch", ", ".join(f"{b}: {v:.2f}" for b, v in report["hf_images_per_s"].items())),
+        ("HF generate prompts/s by batch", ", ".join(f"{b}: {v:.2f}" for b, v in report["hf_prompts_per_s"].items())),
+        ("HF best output tokens/s", f"{report['hf_best_output_tokens_per_s']:.0f}"),
         (
             "speedup vs HF best / batch 1",
             f"{report['speedup_vs_hf_best']:.2f}x / {report['speedup_vs_hf_batch1']:.1f}x",

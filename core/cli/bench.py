@@ -243,11 +243,31 @@ def caption(
         "once), their token agreement and the demo captioner's accuracy in both: caption-<preset>-fp8-<gpu>.json. "
         "With --gpus N, both sides of the scaling run use FP8 GEMMs: caption-<preset>-fp8-<gpu>-xN.json.",
     ),
+    variant: str = typer.Option(
+        "one-image",
+        help="What a prompt holds, on both sides: one-image; two-images (--images N: N / 2 prompts of two images, "
+        "images/s and prompts/s); text-only (N text prompts, prompts/s and output tokens/s). The report: "
+        "caption-<preset>-<variant>-<gpu>.json. Not with --gpus.",
+    ),
     compare_window: bool = typer.Option(
         False,
         help="`wicore caption --redis-url` over --images ~420 KB photos with the flow-control window at its default "
         "and unbounded, in the same run (no HF peer): images/s and Redis' memory peak of each, "
         "caption-window-<preset>-<gpu>.json.",
+    ),
+    sampling: str = typer.Option(
+        None,
+        help='Generation parameters as JSON, e.g. \'{"repetition_penalty": 1.1, "frequency_penalty": 0.5, '
+        '"logprobs": true, "top_logprobs": 5}\': a second product run on the same images in the same run with '
+        "them on every job, beside the usual one: caption-<preset>-sampling-<gpu>.json (its `sampling` key).",
+        show_default=False,
+    ),
+    guided_schema: Path = typer.Option(
+        None,
+        help="A JSON schema file: the same images free and with this schema on every job (`guided`), one run, "
+        "each on a fresh worker (--dtype fp8: both with FP8 GEMMs); images/s, output tokens/s and their ratios "
+        "in caption-<preset>-guided-<gpu>.json. No HF peer.",
+        show_default=False,
     ),
     workdir: Path = typer.Option(Path("/tmp/wicore-bench"), help="Scratch folder (model config, images, logs)."),
     out: Path = typer.Option(Path("bench/results"), help="Folder for the JSON and the PNG."),
@@ -255,10 +275,13 @@ def caption(
 ) -> None:
     """Bulk captioning on the GPU: the whole product vs HF generate, with the roofline; with
     --gpus N, the whole product on N GPUs vs on one; with --dtype fp8, bf16 vs FP8 GEMMs; with
-    --compare-window, the flow-control window at its default vs unbounded."""
+    --variant, two images a prompt or text only; with --compare-window, the flow-control window at its
+    default vs unbounded; with --sampling, without vs with those generation parameters on every job; with
+    --guided-schema, free vs constrained."""
     require(PLOTS)
     from wicore.bench.caption_bench import CaptionBench
     from wicore.bench.caption_fp8 import fp8_variant
+    from wicore.bench.caption_variants import images_per_prompt
     from wicore.cli.common import engine_options
     from wicore.errors import ConfigError
     from wicore.models.gemma3 import SEEDED_PRESETS
@@ -267,6 +290,9 @@ def caption(
         raise ConfigError(f"unknown preset {preset!r}; choose one of {', '.join(SEEDED_PRESETS)}")
     if dtype not in ("bfloat16", "fp8"):
         raise ConfigError(f"--dtype {dtype}: use bfloat16 or fp8")
+    images_per_prompt(variant)  # a ConfigError naming the variants
+    if gpus and variant != "one-image":
+        raise ConfigError(f"--variant {variant} runs on one GPU (--gpus 0); the scaling run sends one image a prompt")
     bench = CaptionBench(
         workdir=workdir,
         preset=preset,
@@ -281,8 +307,15 @@ def caption(
         decode_processes=decode_processes,
         sample_stacks=sample_stacks,
         gpus=gpus,
+        variant=variant,
     )
-    if compare_window:
+    if guided_schema is not None:
+        report = caption_guided(fp8_variant(bench) if dtype == "fp8" else bench, guided_schema, out)
+    elif sampling is not None:
+        if gpus or dtype == "fp8":
+            raise ConfigError("--sampling runs on its own: without --gpus and --dtype fp8")
+        report = caption_sampling(bench, sampling_params(sampling), out)
+    elif compare_window:
         report = caption_window(bench, out)
     elif gpus:
         report = caption_scaling(fp8_variant(bench) if dtype == "fp8" else bench, out)
@@ -312,6 +345,24 @@ def caption_window(bench, out: Path) -> dict:
     return report
 
 
+def caption_guided(bench, schema: Path, out: Path) -> dict:
+    from wicore.bench.caption_guided import load_schema, run_guided_bench
+    from wicore.bench.report import gpu_slug
+
+    report = run_guided_bench(bench, load_schema(schema))
+    out.mkdir(parents=True, exist_ok=True)
+    dtype = "fp8-" if bench.engine_options.get("gemm_dtype") == "fp8" else ""
+    path = out / f"caption-{bench.preset}-guided-{dtype}{gpu_slug(report['gpu'])}.json"
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    console.print(f"wrote {path}")
+    free, constrained = report["free"], report["constrained"]
+    console.print(
+        f"free {free['images_per_s']:.2f} images/s, constrained {constrained['images_per_s']:.2f} images/s: "
+        f"ratio {report['images_per_s_ratio']:.3f} (output tokens/s ratio {report['output_tokens_per_s_ratio']:.3f})"
+    )
+    return report
+
+
 def caption_vs_hf(bench, out: Path) -> dict:
     from wicore.bench.caption_bench import run_caption_bench
     from wicore.bench.report import print_caption_report, write_caption_report
@@ -320,6 +371,35 @@ def caption_vs_hf(bench, out: Path) -> dict:
     for path in write_caption_report(report, out):
         console.print(f"wrote {path}")
     print_caption_report(report)
+    return report
+
+
+def sampling_params(text: str) -> dict:
+    """`--sampling`'s JSON, checked as generation parameters (a bad one is a ConfigError naming it)."""
+    from pydantic import ValidationError
+
+    from wicore.errors import ConfigError
+    from wicore.schemas import GenerationParams
+
+    try:
+        given = json.loads(text)
+        GenerationParams.model_validate(given)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"--sampling: not JSON ({exc})") from None
+    except ValidationError as exc:
+        raise ConfigError.from_validation(exc, GenerationParams, "--sampling field") from None
+    if not isinstance(given, dict) or not given:
+        raise ConfigError("--sampling: give a JSON object of generation parameters")
+    return given
+
+
+def caption_sampling(bench, sampling: dict, out: Path) -> dict:
+    from wicore.bench.caption_sampling import run_sampling_bench
+    from wicore.bench.report import print_sampling_report, write_sampling_report
+
+    report = run_sampling_bench(bench, sampling)
+    console.print("\n".join(f"wrote {path}" for path in write_sampling_report(report, out)))
+    print_sampling_report(report)
     return report
 
 

@@ -271,6 +271,7 @@ class CaptionRun:
                 max_image_bytes=settings.max_image_bytes, max_images_per_request=settings.max_images_per_request,
                 max_queued_jobs=settings.max_queued_jobs, max_queued_high_jobs=settings.max_queued_high_jobs,
                 release_blobs=True,
+                sampling=settings.sampling_limits,
             )  # fmt: skip
             producer = producer_over(url.split(","), model=self.config.model_id, config=config)
             stack.push(lambda *exc: self._leave(producer, exc[1]))  # runs once the workers have stopped

@@ -60,6 +60,7 @@ def serve(
 
     check_port_free(settings.host, settings.port)
     gateway = gateway_config(settings)
+    app = create_app(gateway)  # the file store is checked here, before the banner
     keys = f"{len(gateway.api_keys)} API keys" if gateway.api_keys else "no API key (open)"
     where = f"http://{settings.host}:{settings.port}/"
     console.print(f"gateway on {where} (docs at /docs), model {gateway.model}, {keys}", markup=False)
@@ -69,7 +70,7 @@ def serve(
         keep_alive_s=settings.keep_alive_s,
         max_connections=settings.max_connections,
     )
-    run(create_app(gateway), settings.host, settings.port, limits, settings.log_level.lower())
+    run(app, settings.host, settings.port, limits, settings.log_level.lower())
 
 
 def check_port_free(host: str, port: int) -> None:
@@ -99,6 +100,7 @@ def gateway_config(settings: Settings):
         max_queued_jobs=settings.max_queued_jobs,
         max_queued_high_jobs=settings.max_queued_high_jobs,
         release_blobs=True,  # blobs leave Redis with their last job, not a day later
+        sampling=settings.sampling_limits,
     )
     return GatewayConfig(
         redis_url=settings.redis_url or "",
@@ -108,7 +110,14 @@ def gateway_config(settings: Settings):
         max_request_bytes=settings.max_request_bytes,
         request_timeout_s=settings.request_timeout_s,
         producer=producer,
-        files=FilesConfig(store=settings.files_store, folder=settings.files_dir, max_bytes=settings.max_file_bytes),
+        files=FilesConfig(
+            store=settings.files_store,
+            folder=settings.files_dir,
+            s3_url=settings.files_s3_url or "",
+            s3_endpoint=settings.s3_endpoint,
+            s3_timeout_s=settings.files_s3_timeout_s,
+            max_bytes=settings.max_file_bytes,
+        ),
         batch_window_s=settings.batch_window_s,
     )
 

@@ -16,6 +16,7 @@ from pydantic import ValidationError
 
 from wicore.cli.dataset_inputs import DatasetOptions, Row, dataset_rows, is_dataset, missing, require_extras
 from wicore.errors import ConfigError
+from wicore.grammars import grammar_problem
 from wicore.producer.image_refs import is_image_url
 from wicore.redaction import masked_url
 from wicore.schemas import ChatMessage, GenerationParams, ManifestEntry, image_url
@@ -154,9 +155,13 @@ def _manifest_line(where: str, folder: Path, line: str) -> InputItem:
     named = entry.images
     key = entry.input or (named[0] if named else where)
     try:
-        params = entry.generation().model_dump(exclude_unset=True)
+        generation = entry.generation()
     except ValidationError as exc:
         return InputItem(key, None, error=f"InputError: {where}: {validation_line(exc)}")
+    problem = None if generation.guided is None else grammar_problem(generation.guided)
+    if problem is not None:
+        return InputItem(key, None, error=f"InputError: {where}: guided: {problem}")
+    params = generation.model_dump(exclude_unset=True)
     try:
         images = [_manifest_image(image, folder, where) for image in named]
     except ValueError as exc:

@@ -86,6 +86,7 @@ def enqueue(
         max_image_bytes=settings.max_image_bytes, max_images_per_request=settings.max_images_per_request,
         max_queued_jobs=settings.max_queued_jobs, max_queued_high_jobs=settings.max_queued_high_jobs,
         release_blobs=True,
+        sampling=settings.sampling_limits,
     )  # fmt: skip
     served_id = model_dir_and_id(settings)[1]
     producer = producer_over(connect_shards(settings.redis_urls), model=served_id, config=producer_config)

@@ -15,6 +15,7 @@ from wicore.cli.logs import quiet_progress_bars
 
 class Preset(str, Enum):
     tiny = "tiny"
+    tiny_text = "tiny-text"
     gemma3_4b = "gemma3-4b"
     gemma3_12b = "gemma3-12b"
     gemma3_27b = "gemma3-27b"
@@ -24,7 +25,8 @@ class Preset(str, Enum):
 def make_model(
     preset: Preset = typer.Argument(
         ...,
-        help="tiny: a complete toy checkpoint; gemma3-4b, gemma3-12b, gemma3-27b: the real config only (weights "
+        help="tiny: a complete toy checkpoint; tiny-text: its text half alone (Gemma3ForCausalLM, the 1B's "
+        "architecture: no vision tower); gemma3-4b, gemma3-12b, gemma3-27b: the real config only (weights "
         "seeded at load; runs with --allow-random-weights).",
     ),
     out_dir: Path = typer.Argument(..., help="Directory to write."),
@@ -40,11 +42,12 @@ def make_model(
     """Write a Gemma-3 checkpoint directory that loads offline like a user's own."""
     if not sys.stderr.isatty():
         quiet_progress_bars()  # transformers' shard-writing bar is noise in a log
-    from wicore.models.gemma3 import make_seeded, make_tiny
+    from wicore.models.gemma3 import make_seeded, make_tiny, make_tiny_text
 
-    path = (
-        make_tiny(out_dir, seed=seed)
-        if preset is Preset.tiny
-        else make_seeded(out_dir, preset.value, seed=seed, weights=weights)
-    )
+    if preset is Preset.tiny:
+        path = make_tiny(out_dir, seed=seed)
+    elif preset is Preset.tiny_text:
+        path = make_tiny_text(out_dir, seed=seed)
+    else:
+        path = make_seeded(out_dir, preset.value, seed=seed, weights=weights)
     console.print(f"wrote {preset.value} to {path}")

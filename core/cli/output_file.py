@@ -220,10 +220,12 @@ def _input_of(line: str) -> str | None:
 
 
 RESULT_COLUMNS = list(ResultLine.model_fields)
+JSON_COLUMNS = ("timings", "logprobs", "choices")  # nested values, as JSON strings (null when empty)
 
 
 def result_schema():
-    """The Parquet columns: ResultLine's fields; `timings` as a JSON string (its keys vary by engine)."""
+    """The Parquet columns: ResultLine's fields; the nested ones (`timings`, whose keys vary by
+    engine; `logprobs` and `choices`) as JSON strings."""
     import pyarrow as pa
 
     ints = {"prompt_tokens", "output_tokens"}
@@ -232,8 +234,8 @@ def result_schema():
 
 def parquet_row(line: ResultLine) -> dict:
     row = line.model_dump(mode="json")
-    if row["timings"] is not None:
-        row["timings"] = json.dumps(row["timings"])
+    for name in JSON_COLUMNS:
+        row[name] = json.dumps(row[name]) if row[name] else None
     return row
 
 

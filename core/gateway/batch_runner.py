@@ -30,7 +30,7 @@ from redis import Redis
 from redis.exceptions import RedisError
 
 from wicore import keys
-from wicore.errors import WicoreError
+from wicore.errors import FileStoreUnavailable, WicoreError
 from wicore.gateway.batch_lines import (
     CANCELLED,
     EXPIRED,
@@ -63,7 +63,7 @@ return 0
 """
 _RELEASE_LUA = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
 MODELS_TTL_S = 2.0  # a read of the live workers' models is reused this long
-REDIS_RETRY_S = 1.0  # the runner's pause after Redis failed it
+REDIS_RETRY_S = 1.0  # the runner's pause after Redis or the file store failed it
 
 
 @dataclass(frozen=True)
@@ -98,7 +98,7 @@ class BatchRunner:
         while not stop.is_set():
             try:
                 busy = self.turn()
-            except RedisError as exc:  # Redis down: batches wait in Redis, the runner retries
+            except (RedisError, FileStoreUnavailable) as exc:  # batches wait in Redis, the runner retries
                 log.warning("batch runner: %s; retrying in %g s", exc, REDIS_RETRY_S)
                 stop.wait(REDIS_RETRY_S)
                 continue
@@ -116,10 +116,14 @@ class BatchRunner:
 
     def step(self, batch_id: str) -> bool:
         """The batch's next step; a batch whose step fails for another reason than Redis (its
-        files unreadable, a bug) ends `failed` with the reason, and the others go on."""
+        files unreadable, a bug) ends `failed` with the reason, and the others go on. When the
+        file store fails, the batch's driver goes: the next one resumes from what was committed."""
         try:
             return self.drivers[batch_id].advance()
         except RedisError:
+            raise
+        except FileStoreUnavailable:
+            self.drivers.pop(batch_id, None)
             raise
         except Exception as exc:  # noqa: BLE001 (one batch's failure must not stop every batch)
             log.exception("batch %s failed", batch_id)

@@ -23,7 +23,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
-from wicore.errors import ImageTooLarge, JobInputError, UnknownJob, WicoreError
+from wicore.errors import FileStoreUnavailable, ImageTooLarge, JobInputError, UnknownJob, WicoreError
 from wicore.gateway.disconnect import CLIENT_CLOSED, ClientGone
 
 log = logging.getLogger(__name__)
@@ -144,7 +144,10 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(WicoreError)
     async def wicore_error(request: Request, exc: WicoreError) -> JSONResponse:
-        return error_response(wicore_error_status(exc), str(exc))
+        if isinstance(exc, FileStoreUnavailable):
+            log.warning("%s", exc)
+            return error_response(503, f"{exc}; retry shortly", headers=RETRY_DOWN)
+        return error_response(wicore_error_status(exc), str(exc), getattr(exc, "param", None))
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:

@@ -4,19 +4,25 @@ to the file store in pieces as they arrive, never held whole."""
 
 from __future__ import annotations
 
+import logging
 import time
+from itertools import chain
 
 from fastapi import APIRouter, Depends, Path, Query, Request
 from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import UploadFile
 
+from wicore.errors import FileStoreUnavailable
 from wicore.gateway.auth import require_key
 from wicore.gateway.batch_shapes import FileDeleted, FileList, FileObject
 from wicore.gateway.batch_state import new_id
 from wicore.gateway.errors import ApiError
+from wicore.gateway.file_store import FileStore
 from wicore.gateway.limits import form_body
 from wicore.gateway.service_batches import BatchService
+
+log = logging.getLogger(__name__)
 
 router = APIRouter(prefix="/v1", dependencies=[Depends(require_key)], tags=["files"])
 
@@ -48,19 +54,34 @@ async def upload_file(request: Request) -> FileObject:
 
 
 async def store_upload(batches: BatchService, file_id: str, upload: UploadFile) -> int:
-    """The upload into the store piece by piece; refused past the store's size limit."""
-    size, limit = 0, batches.store.max_bytes
+    """The upload into the store piece by piece; refused past the store's size limit. An upload
+    that fails part-way (over the limit, the store down) leaves none of its pieces behind."""
+    try:
+        return await copy_upload(batches.store, file_id, upload)
+    except (ApiError, FileStoreUnavailable):
+        await run_in_threadpool(discard, batches.store, file_id)
+        raise
+
+
+async def copy_upload(store: FileStore, file_id: str, upload: UploadFile) -> int:
+    size, limit = 0, store.max_bytes
     while piece := await upload.read(UPLOAD_PIECE):
         size += len(piece)
         if size > limit:
-            await run_in_threadpool(batches.store.delete, file_id)
             raise ApiError(
                 413, f"file: over the {limit}-byte limit of the file store; raise max_file_bytes", param="file"
             )
-        await run_in_threadpool(batches.store.append, file_id, piece)
+        await run_in_threadpool(store.append, file_id, piece)
     if not size:
         raise ApiError(400, "file: the uploaded file is empty", param="file")
     return size
+
+
+def discard(store: FileStore, file_id: str) -> None:
+    try:
+        store.delete(file_id)
+    except FileStoreUnavailable as exc:
+        log.warning("the pieces of the failed upload %s stay in the file store: %s", file_id, exc)
 
 
 @router.get("/files", response_model=FileList)
@@ -93,16 +114,18 @@ def known_file(batches: BatchService, file_id: str) -> FileObject:
 
 @router.get("/files/{file_id}/content", response_class=StreamingResponse)
 def file_content(request: Request, file_id: str = FILE_ID) -> StreamingResponse:
-    """The file's bytes, streamed from the store."""
+    """The file's bytes, streamed from the store (503 when the store cannot be read)."""
     batches = service(request)
     known_file(batches, file_id)
-    return StreamingResponse(batches.store.chunks(file_id), media_type="application/jsonl")
+    pieces = batches.store.chunks(file_id)
+    first = next(pieces, b"")  # read before the response starts: a store that is down is a 503
+    return StreamingResponse(chain([first], pieces), media_type="application/jsonl")
 
 
 @router.delete("/files/{file_id}", response_model=FileDeleted)
 def delete_file(request: Request, file_id: str = FILE_ID) -> FileDeleted:
     batches = service(request)
     known_file(batches, file_id)
+    batches.store.delete(file_id)  # first: a store that is down (503) leaves the file listed, to delete again
     batches.files.delete(file_id)
-    batches.store.delete(file_id)
     return FileDeleted(id=file_id, deleted=True)

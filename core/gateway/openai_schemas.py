@@ -7,12 +7,23 @@ import time
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from wicore.gateway.errors import ApiError
 from wicore.gateway.images import image_from_url
+from wicore.grammars import grammar_problem
 from wicore.producer import Submission
-from wicore.schemas import CaptionResult, ChatMessage, GenerationParams, ImagePart, Lane, TextPart
+from wicore.schemas import (
+    CaptionResult,
+    ChatMessage,
+    GenerationParams,
+    GuidedSpec,
+    ImagePart,
+    Lane,
+    TextPart,
+    TokenLogprob,
+)
+from wicore.schemas import Choice as Sample
 
 
 class ImageURL(BaseModel):
@@ -39,6 +50,35 @@ class Message(BaseModel):
     name: str | None = None
 
 
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    name: str = Field(max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema", description="Default: any JSON object.")
+    strict: bool | None = Field(None, description="Enforced token by token either way.")
+
+
+class TextFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]
+
+
+class JsonObjectFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["json_object"]
+
+
+class JsonSchemaResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["json_schema"]
+    json_schema: JsonSchemaFormat
+
+
+ResponseFormat = Annotated[TextFormat | JsonObjectFormat | JsonSchemaResponseFormat, Field(discriminator="type")]
+ANY_OBJECT: dict[str, Any] = {"type": "object"}
+
+
 class ChatCompletionRequest(BaseModel):
     """OpenAI's request body; `top_k`, `ignore_eos` and `priority` are wicore's additions (send
     them through the client's `extra_body`). Unknown fields are an error, as at OpenAI."""
@@ -53,13 +93,22 @@ class ChatCompletionRequest(BaseModel):
     top_p: float | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
-    n: int = 1
+    n: int = Field(1, description="Choices, each sampled with its own seed (at most the setting max_n).")
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, description="With logprobs: alternatives per token (at most max_logprobs).")
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None  # transformers' (vLLM's extra field too)
     stream: bool = False
     stream_options: dict[str, Any] | None = None
     user: str | None = None
     top_k: int | None = None
     ignore_eos: bool = False
     priority: Lane = Lane.NORMAL
+    response_format: ResponseFormat | None = None
+    guided: dict[str, Any] | None = Field(
+        None, description='wicore\'s grammar, as on native jobs: {"json_schema"}, {"regex"} or {"choice"}.'
+    )
 
 
 class AssistantMessage(BaseModel):
@@ -67,11 +116,15 @@ class AssistantMessage(BaseModel):
     content: str
 
 
+class ChoiceLogprobs(BaseModel):
+    content: list[TokenLogprob]
+
+
 class Choice(BaseModel):
     index: int = 0
     message: AssistantMessage
     finish_reason: Literal["stop", "length"]
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None
 
 
 class Usage(BaseModel):
@@ -105,8 +158,6 @@ class ModelList(BaseModel):
 def check_supported(request: ChatCompletionRequest) -> None:
     if request.stream:
         raise ApiError(400, "stream: streaming is not supported yet; send stream: false", param="stream")
-    if request.n != 1:
-        raise ApiError(400, "n: only one choice per request is supported; send n: 1", param="n")
 
 
 def generation_params(request: ChatCompletionRequest) -> GenerationParams:
@@ -118,8 +169,45 @@ def generation_params(request: ChatCompletionRequest) -> GenerationParams:
         "seed": request.seed,
         "stop": (request.stop,) if isinstance(request.stop, str) else request.stop,
         "ignore_eos": request.ignore_eos or None,
+        "n": request.n,
+        "logprobs": request.logprobs,
+        "top_logprobs": request.top_logprobs,
+        "presence_penalty": request.presence_penalty,
+        "frequency_penalty": request.frequency_penalty,
+        "repetition_penalty": request.repetition_penalty,
+        "guided": guided_spec(request),
     }
     return GenerationParams(**{k: v for k, v in fields.items() if v is not None})
+
+
+def guided_spec(request: ChatCompletionRequest) -> GuidedSpec | None:
+    """`response_format` (OpenAI's) or `guided` (wicore's) as the job's grammar; a 400 naming
+    the field when it is malformed or both are given."""
+    fmt = request.response_format
+    constrained = fmt is not None and not isinstance(fmt, TextFormat)
+    if constrained and request.guided is not None:
+        raise ApiError(400, "guided: give response_format or guided, not both", param="guided")
+    if request.guided is not None:
+        return _spec(request.guided, "guided")
+    if isinstance(fmt, JsonSchemaResponseFormat):
+        schema = fmt.json_schema.schema_
+        return _spec({"json_schema": ANY_OBJECT if schema is None else schema}, "response_format.json_schema.schema")
+    if isinstance(fmt, JsonObjectFormat):
+        return _spec({"json_schema": ANY_OBJECT}, "response_format")
+    return None
+
+
+def _spec(value: dict[str, Any], param: str) -> GuidedSpec:
+    try:
+        spec = GuidedSpec.model_validate(value)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(part) for part in first["loc"])
+        raise ApiError(400, f"{param}: {where + ': ' if where else ''}{first['msg']}", param=param) from None
+    problem = grammar_problem(spec)
+    if problem is not None:
+        raise ApiError(400, f"{param}: {problem}", param=param)
+    return spec
 
 
 def chat_submission(request: ChatCompletionRequest, roots: tuple[Path, ...]) -> Submission:
@@ -149,8 +237,24 @@ def _message(message: Message, index: int, images: list, roots: tuple[Path, ...]
     return ChatMessage(role=role, content=parts)
 
 
-def finish_reason(result: CaptionResult) -> Literal["stop", "length"]:
+def finish_reason(result: CaptionResult | Sample) -> Literal["stop", "length"]:
     return "length" if result.finish_reason == "length" else "stop"
+
+
+def choices(result: CaptionResult) -> list[Choice]:
+    """One choice per sample (n of them), in index order."""
+    samples = result.choices or (
+        Sample(index=0, **result.model_dump(include={"text", "finish_reason", "token_ids", "logprobs"})),
+    )
+    return [
+        Choice(
+            index=sample.index,
+            message=AssistantMessage(content=sample.text),
+            finish_reason=finish_reason(sample),
+            logprobs=None if sample.logprobs is None else ChoiceLogprobs(content=list(sample.logprobs)),
+        )
+        for sample in samples
+    ]
 
 
 def chat_completion(result: CaptionResult, model: str) -> ChatCompletion:
@@ -158,7 +262,7 @@ def chat_completion(result: CaptionResult, model: str) -> ChatCompletion:
         id=f"chatcmpl-{result.job_id}",
         created=int(time.time()),
         model=model,
-        choices=[Choice(message=AssistantMessage(content=result.text), finish_reason=finish_reason(result))],
+        choices=choices(result),
         usage=Usage(
             prompt_tokens=result.prompt_tokens,
             completion_tokens=result.output_tokens,

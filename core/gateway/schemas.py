@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from wicore.schemas import MODEL_ID_PATTERN, CaptionResult, GenerationParams, Lane, TextPart
+from wicore.grammars import grammar_problem
+from wicore.schemas import MODEL_ID_PATTERN, CaptionResult, GenerationParams, GuidedSpec, Lane, TextPart
 
 
 class JobImagePart(BaseModel):
@@ -49,6 +50,11 @@ class JobFields(BaseModel):
         None, description="Chat turns instead of a prompt; user turns hold any number of image parts, none too."
     )
     params: GenerationParams = Field(default_factory=GenerationParams)
+    guided: GuidedSpec | None = Field(
+        None,
+        description='The output\'s grammar, one of {"json_schema": {...}}, {"regex": "..."}, {"choice": [...]}; '
+        "part of the job's id (params.guided is the same field).",
+    )
     model: str | None = Field(None, pattern=MODEL_ID_PATTERN, max_length=64, description="Default: the gateway's.")
     priority: Lane = Lane.NORMAL
     deadline: float | None = Field(None, description="Unix seconds; a job not started by then fails unrun.")
@@ -58,6 +64,32 @@ class JobFields(BaseModel):
     def _prompt_or_messages(self) -> JobFields:
         if self.prompt is not None and self.messages is not None:
             raise ValueError("give either prompt or messages, not both")
+        return self
+
+    @field_validator("guided")
+    @classmethod
+    def _guided_compiles(cls, guided: GuidedSpec | None) -> GuidedSpec | None:
+        problem = None if guided is None else grammar_problem(guided)
+        if problem is not None:
+            raise ValueError(problem)
+        return guided
+
+    @field_validator("params")
+    @classmethod
+    def _params_guided_compiles(cls, params: GenerationParams) -> GenerationParams:
+        problem = None if params.guided is None else grammar_problem(params.guided)
+        if problem is not None:
+            raise ValueError(f"guided: {problem}")
+        return params
+
+    @model_validator(mode="after")
+    def _guided_in_params(self) -> JobFields:
+        """`guided` moves into `params` (given once): the job's grammar, part of its id."""
+        if self.guided is not None:
+            if self.params.guided is not None:
+                raise ValueError("guided: give it at the top level or under params, not both")
+            given = self.params.model_dump(exclude_unset=True)
+            self.params = GenerationParams.model_validate({**given, "guided": self.guided})
         return self
 
 

@@ -2,7 +2,8 @@
 
 `make_tiny` writes a complete checkpoint (safetensors + config + processor) of the real
 `Gemma3ForConditionalGeneration` architecture at toy size, loadable offline with
-`from_pretrained` exactly as a user's own Gemma-3 directory. `make_seeded` writes the real
+`from_pretrained` exactly as a user's own Gemma-3 directory; `make_tiny_text` its text half as
+`Gemma3ForCausalLM` (the 1B's architecture: a text config, a tokenizer, no vision tower). `make_seeded` writes the real
 config of Gemma-3-4B, 12B or 27B (`SEEDED_PRESETS`) and a processor; their weights are drawn at
 load time (`wicore.engines.seeded_weights`).
 """
@@ -145,6 +146,21 @@ def make_tiny(out_dir: str | Path, *, seed: int = 0, sliding_window: int = 16) -
     config = tiny_config(tokenizer, sliding_window=sliding_window)
     seeded_model(config, seed).save_pretrained(out)
     make_processor(tokenizer, config).save_pretrained(out)
+    return out
+
+
+def make_tiny_text(out_dir: str | Path, *, seed: int = 0, sliding_window: int = 16) -> Path:
+    """`make_tiny`'s text config as a `Gemma3ForCausalLM` with seeded weights, and its tokenizer
+    (chat template inside) alone."""
+    import torch
+    from transformers import Gemma3ForCausalLM
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = train_tokenizer(tokenizer_corpus(), vocab_size=1024)
+    torch.manual_seed(seed)
+    Gemma3ForCausalLM(tiny_config(tokenizer, sliding_window=sliding_window).text_config).eval().save_pretrained(out)
+    tokenizer.save_pretrained(out)
     return out
 
 

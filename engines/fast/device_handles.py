@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from wicore.engines.fast.sampler import TokenScores
 from wicore.engines.fast.sequence import Sequence
 
 READ_POLL_S = 0.0002  # how often a token read that a vision batch may cut short polls
@@ -28,24 +29,30 @@ class VisionJob:
         return self.event is None or self.event.query()
 
 
+# A sampled token's log-probability and its (id, log-probability) alternatives, best first.
+RowScores = tuple[float, list[tuple[int, float]]]
+
+
 @dataclass
 class Readback:
-    """Tokens sampled for `seqs` (one each), copied to pinned host memory behind an event, so
-    the host reads them a step later without stalling the device."""
+    """Tokens sampled for `seqs` (one each), and their log-probabilities when a row asked for
+    them, copied to pinned host memory behind an event, so the host reads them a step later
+    without stalling the device."""
 
     seqs: list[Sequence]
     host: torch.Tensor  # [len(seqs)] int64
     event: torch.cuda.Event | None
+    scores: TokenScores | None = None  # on the host
 
     @classmethod
-    def start(cls, seqs: list[Sequence], tokens: torch.Tensor) -> Readback:
+    def start(cls, seqs: list[Sequence], tokens: torch.Tensor, scores: TokenScores | None = None) -> Readback:
         if not tokens.is_cuda:
-            return cls(seqs, tokens, None)
-        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-        host.copy_(tokens, non_blocking=True)
+            return cls(seqs, tokens, None, scores)
+        host_scores = None if scores is None else TokenScores(*map(_to_host, vars(scores).values()))
+        host = _to_host(tokens)
         event = torch.cuda.Event()
         event.record()
-        return cls(seqs, host, event)
+        return cls(seqs, host, event, host_scores)
 
     def ready(self) -> bool:
         return self.event is None or self.event.query()
@@ -54,6 +61,27 @@ class Readback:
         if self.event is not None:
             self.event.synchronize()
         return self.host.tolist()
+
+    def row_scores(self) -> list[RowScores | None]:
+        """Per row (after `tokens`): its token's log-probability and the alternatives it asked
+        for, or None where it asked for no logprobs (the scores hold the asking rows, in order)."""
+        if self.scores is None:
+            return [None] * len(self.seqs)
+        chosen, ids, values = (iter(t.tolist()) for t in vars(self.scores).values())
+        rows: list[RowScores | None] = []
+        for seq in self.seqs:
+            k = seq.top_logprobs
+            if k is None:
+                rows.append(None)
+                continue
+            pairs = list(zip(next(ids)[:k], next(values)[:k], strict=True))
+            rows.append((next(chosen), pairs))
+        return rows
+
+
+def _to_host(tensor: torch.Tensor) -> torch.Tensor:
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    return host.copy_(tensor, non_blocking=True)
 
 
 def poll(done: Callable[[], bool], give_up: Callable[[], bool], interval: float) -> bool:

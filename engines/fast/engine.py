@@ -25,6 +25,7 @@ from wicore.engines.base import Completion, Engine, EngineConfig, EngineRequest,
 from wicore.engines.fast import engine_builder
 from wicore.engines.fast.postprocess import unreadable
 from wicore.engines.fast.sequence import Sequence
+from wicore.engines.guided import Grammars
 from wicore.engines.pending import Pending
 from wicore.errors import JobInputError, PromptTooLong
 from wicore.ops.image_preprocess import PreprocessSpec
@@ -45,6 +46,7 @@ class FastEngine(Engine):
         self.inputs, self.runner, self.blocks, self.tiers = parts.inputs, parts.runner, parts.blocks, parts.tiers
         self.keyer, self.planner, self.pool, self.images = parts.keyer, parts.planner, parts.pool, parts.images
         self.step_runner, self.post, self.counters, self.rng = parts.step_runner, parts.post, parts.counters, parts.rng
+        self.grammars = Grammars(self.tokenizer, self.runner.text_config.vocab_size, parts.eos_ids)
 
     # -- the interface ----------------------------------------------------------------------
 
@@ -85,8 +87,8 @@ class FastEngine(Engine):
     def handover_size(self) -> int:
         return self.resolved.vision_batch_size
 
-    def pixel_spec(self) -> PreprocessSpec:
-        return self.inputs.pixel_spec
+    def pixel_spec(self) -> PreprocessSpec | None:
+        return self.inputs.pixel_spec  # None: a text-only checkpoint
 
     def abort(self, request_ids: Iterable[str]) -> list[Completion]:
         """Stop requests between steps: a waiting one leaves the queue, an admitted one gives its
@@ -167,7 +169,8 @@ class FastEngine(Engine):
         if not self.planner.fits_ever(total):
             raise PromptTooLong(f"a {total}-token sequence does not fit in the KV cache")
         seed = params.seed if params.seed is not None else self.rng.getrandbits(63)
-        return Sequence(request, prompt, seed)  # pixels or embeddings: ImageStage.prepare; then `_key`
+        grammar = self.grammars.state(params.guided)  # BadGrammar: this request alone fails
+        return Sequence(request, prompt, seed, grammar=grammar)  # pixels: ImageStage.prepare; then `_key`
 
     def _key(self, seq: Sequence, inline: bool) -> None:
         """Prefix-cache keys for a sequence that can be cached (one that never wraps a sliding

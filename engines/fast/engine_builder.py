@@ -91,36 +91,39 @@ def build_parts(config: EngineConfig, fp8_anywhere: bool) -> EngineParts:
     check_fit(config, options)  # before the slow load: one line and exit 2, not an OOM
     phases: dict[str, float] = {}
     started = time.perf_counter()
-    processor = load_processor(config.model_dir)
-    eos_ids = stop_token_ids(config.model_dir, processor.tokenizer)
+    processor = load_processor(config.model_dir)  # a tokenizer alone for a text-only checkpoint
+    tokenizer = getattr(processor, "tokenizer", processor)
+    eos_ids = stop_token_ids(config.model_dir, tokenizer)
     model = load_gemma3(config.model_dir, device, config.dtype, config.seed, fp8_plan(config))
     phases["load_s"] = model.report["load_s"]
-    if config.options.gemm_dtype == "fp8" and config.options.fp8_vision_attention:
-        fp8_weights.prepare_attention(model.encoder.vision_tower, options.vision_batch_size)
+    tower = None if model.encoder is None else model.encoder.vision_tower
+    if tower is not None and config.options.gemm_dtype == "fp8" and config.options.fp8_vision_attention:
+        fp8_weights.prepare_attention(tower, options.vision_batch_size)
     if options.torch_threads is not None:
         torch.set_num_threads(options.torch_threads)  # process-wide: a worker process runs one engine
     inputs = InputProcessor(processor, model.image_token_id, model.tokens_per_image)
-    sampler = Sampler(model.config.text_config.vocab_size, eos_ids, device)
+    sampler = Sampler(model.text_config.vocab_size, eos_ids, device)
     with timed(phases, "compile_s"):
         runner = model_runner(config, options, model, inputs, sampler)
     blocks = kv_pool(config, options, runner, phases)
-    fp8_weights.forget_attention_scales(model.encoder.vision_tower)  # what the warm-ups saw
+    if tower is not None:
+        fp8_weights.forget_attention_scales(tower)  # what the warm-ups saw
     if options.cuda:
         torch.cuda.synchronize()  # setup ran on the default stream; steps run on others
     phases["ready_s"] = time.perf_counter() - started
     log_ready(phases, model.report)
-    text = model.config.text_config
+    text = model.text_config
     tiers = build_tiers(allocated(runner), options, text.num_key_value_heads, text.head_dim)
     pool = PriorityPool(options.preprocess_threads, "wicore-pixels") if options.preprocess_threads else None
     images = ImageStage(runner, inputs, pool, options.vision_cache_bytes)
     step_runner = StepRunner(runner, images, tiers, Readbacks())
     planner = step_planner(config, options, runner.layout, blocks, step_runner)
     counters = EngineStats()
-    post = Postprocess(planner, images, step_runner.readbacks, counters, runner.clock, processor.tokenizer, eos_ids)
+    post = Postprocess(planner, images, step_runner.readbacks, counters, runner.clock, tokenizer, eos_ids)
     keyer = PromptKeyer(prefix_model_id(config, runner.layout), options.block_size, model.tokens_per_image)
     weights = {**model.report, **{key: round(value, 3) for key, value in phases.items()}}
     return EngineParts(
-        options, processor.tokenizer, eos_ids, weights, inputs, runner, blocks, tiers, keyer, planner, pool, images,
+        options, tokenizer, eos_ids, weights, inputs, runner, blocks, tiers, keyer, planner, pool, images,
         step_runner, post, counters, random.Random(config.seed),
     )  # fmt: skip
 
@@ -172,7 +175,7 @@ def model_runner(
 ) -> ModelRunner:
     """The model runner, compiled and its vision graph captured (before the KV budget: the
     graph's memory pool stays taken)."""
-    text = model.config.text_config
+    text = model.text_config
     runner = ModelRunner(
         model,
         KVLayout.build(text, options.block_size, options.max_model_len),
@@ -181,15 +184,16 @@ def model_runner(
         torch.device(config.device),
         torch_dtype(config.dtype),
         options.overlap_vision,
-        pixel_lut=inputs.pixel_spec.lut,
+        pixel_lut=None if inputs.pixel_spec is None else inputs.pixel_spec.lut,
         paged_suffix=options.paged_prefill_tokens,
         kv_dtype=KV_FP8 if config.options.fp8_kv_cache else None,
     )
-    if options.compile_vision:
+    vision = model.encoder is not None  # a text-only checkpoint has no tower to compile or capture
+    if vision and options.compile_vision:
         runner.compile_vision(options.vision_batch_size, options.vision_compile_mode)
     if options.compile_text:
         runner.compile_text()
-    if options.vision_graph:
+    if vision and options.vision_graph:
         runner.capture_vision(options.vision_batch_size)
     return runner
 

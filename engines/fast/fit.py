@@ -20,6 +20,7 @@ from torch import nn
 
 from wicore.engines.base import EngineConfig
 from wicore.engines.checkpoint import torch_dtype
+from wicore.engines.fast.model.loader import has_vision
 from wicore.engines.fast.model.text_decoder import TextDecoder
 from wicore.engines.fast.model.vision_tower import ImageEncoder
 from wicore.engines.kvcache.kv_layout import KVLayout
@@ -93,7 +94,7 @@ def model_needs(model_config, config: EngineConfig, options: ResolvedFastConfig,
     itemsize = torch_dtype(config.dtype).itemsize
     return Needs(
         weights=weight_bytes(model_config, itemsize, fp8),
-        kv=kv_bytes(model_config.text_config, options, itemsize),
+        kv=kv_bytes(model_config.get_text_config(), options, itemsize),
         activations=activation_bytes(model_config, options, config.max_batch_size, itemsize),
         reserve=options.vision_cache_bytes,
     )
@@ -102,7 +103,9 @@ def model_needs(model_config, config: EngineConfig, options: ResolvedFastConfig,
 def weight_bytes(model_config, itemsize: int, fp8: bool) -> int:
     """The loaded weights' bytes, from the modules' shapes on the meta device."""
     with torch.device("meta"):
-        model = nn.ModuleDict({"e": ImageEncoder(model_config), "d": TextDecoder(model_config.text_config)})
+        model = nn.ModuleDict({"d": TextDecoder(model_config.get_text_config())})
+        if has_vision(model_config):
+            model["e"] = ImageEncoder(model_config)
     total = sum(p.numel() for p in model.parameters()) * itemsize
     if not fp8:
         return total
@@ -114,10 +117,11 @@ def weight_bytes(model_config, itemsize: int, fp8: bool) -> int:
 
 def dense_shapes(model_config) -> Iterator[tuple[int, int]]:
     """[out, in] of every GEMM weight FP8 quantizes (fused as the engine runs them)."""
-    v, t = model_config.vision_config, model_config.text_config
-    for _ in range(v.num_hidden_layers):
-        h, inter = v.hidden_size, v.intermediate_size
-        yield from ((3 * h, h), (h, h), (inter, h), (h, inter))
+    v, t = getattr(model_config, "vision_config", None), model_config.get_text_config()
+    if v is not None:
+        for _ in range(v.num_hidden_layers):
+            h, inter = v.hidden_size, v.intermediate_size
+            yield from ((3 * h, h), (h, h), (inter, h), (h, inter))
     for _ in range(t.num_hidden_layers):
         h, d, inter = t.hidden_size, t.head_dim, t.intermediate_size
         q, kv = t.num_attention_heads * d, t.num_key_value_heads * d
@@ -137,13 +141,17 @@ def activation_bytes(model_config, options: ResolvedFastConfig, max_batch: int, 
     """Work space: a full vision batch (its widest tensors, twice, for a layer's in and out)
     beside the larger of a full packed prefill (q/k/v, gate/up and the residual stream per
     token) and a max-batch decode's float32 logits and sampling copies."""
-    v, t = model_config.vision_config, model_config.text_config
-    patches = (v.image_size // v.patch_size) ** 2
-    vision = 2 * options.vision_batch_size * patches * (3 * v.hidden_size + v.intermediate_size) * itemsize
+    v, t = getattr(model_config, "vision_config", None), model_config.get_text_config()
+    vision = 0 if v is None else vision_activation_bytes(v, options.vision_batch_size, itemsize)
     qkv = (t.num_attention_heads + 2 * t.num_key_value_heads) * t.head_dim
     prefill = options.max_prefill_tokens * (qkv + 3 * t.intermediate_size + 2 * t.hidden_size) * itemsize
     decode = 3 * max_batch * t.vocab_size * 4
     return vision + max(prefill, decode)
+
+
+def vision_activation_bytes(v, batch: int, itemsize: int) -> int:
+    patches = (v.image_size // v.patch_size) ** 2
+    return 2 * batch * patches * (3 * v.hidden_size + v.intermediate_size) * itemsize
 
 
 def refusal(model_config, config: EngineConfig, options, needs: Needs, available: Available, fp8: bool) -> str:

@@ -77,6 +77,8 @@ def _peak(run) -> int:
 
 
 def _vision(runner: ModelRunner, batch: int) -> None:
+    if runner.parts.encoder is None:
+        return  # a text-only checkpoint: no tower
     size = runner.parts.config.vision_config.image_size
     resized = torch.zeros(batch, size, size, 3, dtype=torch.uint8, device=runner.device)  # as uploaded
     runner.encode(runner.pixel_values(resized))

@@ -29,10 +29,12 @@ from contextlib import nullcontext
 import numpy as np
 import torch
 
+from wicore.engines import guided
 from wicore.engines.fast.attention_backends import PagedAttention, PrefillAttention, layer_specs
 from wicore.engines.fast.device_handles import PhaseClock, Readback
 from wicore.engines.fast.graph_runner import GraphRunner, ShapeGraphs
 from wicore.engines.fast.model.weights import Gemma3Parts
+from wicore.engines.fast.penalties import TokenHistory
 from wicore.engines.fast.prefill_batch import (
     ENDS,
     IDS,
@@ -79,17 +81,20 @@ class ModelRunner:
         paged_suffix: prefills of at most this many new tokens attend over their pages alone.
         kv_dtype: the KV cache's element type (default `dtype`; `ops.attention.KV_FP8`)."""
         self.parts, self.layout, self.sampler = parts, layout, sampler
+        self.grammar_masks = guided.MaskRows(device)  # constrained rows' token masks (engines/guided.py)
         self.device, self.dtype = torch.device(device), dtype
         self.kv_dtype = dtype if kv_dtype is None else kv_dtype
         # Cast once: looking up the cast table gives the same bits as casting looked-up float32.
         self.pixel_lut = None if pixel_lut is None else torch.from_numpy(pixel_lut).to(self.device, dtype)
         self.cuda = self.device.type == "cuda"
-        self.text_config = parts.config.text_config
+        self.text_config = parts.text_config
         self.null_row = max_rows
         self.tables = torch.zeros(
             (len(layout.groups), max_rows + 1, layout.table_width), dtype=torch.int32, device=device
         )
         self.last_token = torch.zeros(max_rows + 1, dtype=torch.int64, device=device)
+        width = layout.table_width * layout.block_size
+        self.history = TokenHistory(max_rows, width, self.text_config.vocab_size, self.device)  # penalized rows
         # Prefill/decode get a high-priority stream so their small kernels slot in between the
         # vision tower's long GEMMs on the (normal-priority) side stream.
         self.main_stream = torch.cuda.Stream(self.device, priority=-1) if self.cuda else None
@@ -384,13 +389,24 @@ class ModelRunner:
     # -- sampling ---------------------------------------------------------------------------
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor, indices: list[int]) -> Readback:
+        """The grammars' masks are filled here, after the forward's launch: on CUDA the host
+        reads the last step's tokens and fills them while the device runs the forward."""
+        grammars = [s.grammar for s in seqs]
+        logits = guided.mask_logits(logits, guided.catch_up(grammars), self.grammar_masks)
         params = [s.request.params for s in seqs]
-        batch = SamplingBatch.build(params, [s.seed for s in seqs], indices, self.device)
-        tokens = self.sampler(logits, batch)
+        penalties = self.history.penalties(seqs, indices)
+        asking = [i for i, s in enumerate(seqs) if s.top_logprobs is not None]
+        most = max((seqs[i].top_logprobs or 0 for i in asking), default=None)
+        batch = SamplingBatch.build(params, [s.seed for s in seqs], indices, self.device, penalties, most, asking)
+        tokens, scores = self.sampler.sample(logits, batch)
         self.last_token.index_copy_(0, _tensor([s.kv.row for s in seqs], self.device), tokens)
+        if penalties is not None:
+            self.history.record(penalties, tokens)
         for seq in seqs:
             seq.tokens.launched += 1
-        return Readback.start(seqs, tokens)
+        readback = Readback.start(seqs, tokens, scores)
+        guided.track(grammars, readback.tokens)
+        return readback
 
 
 def _tensor(values: list[int], device) -> torch.Tensor:

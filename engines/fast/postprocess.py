@@ -16,13 +16,13 @@ from __future__ import annotations
 import time
 
 from wicore.engines.base import Completion, aborted, failed
-from wicore.engines.fast.device_handles import PhaseClock, Readbacks
+from wicore.engines.fast.device_handles import PhaseClock, Readbacks, RowScores
 from wicore.engines.fast.engine_stats import EngineStats
 from wicore.engines.fast.image_stage import ImageStage
 from wicore.engines.fast.sequence import SeqStatus, Sequence
 from wicore.engines.fast.step_plan import Launched, StepPlan
 from wicore.engines.fast.step_planner import StepPlanner
-from wicore.engines.text import finish_sequence, first_stop
+from wicore.engines.text import finish_sequence, first_stop, token_logprobs, visible_text
 from wicore.schemas import Lane
 
 IDLE_WAIT_S = 0.02  # longest wait inside a step that launched nothing
@@ -73,23 +73,26 @@ class Postprocess:
         how many sequences ended."""
         ended, wake = 0, self.images.any_done if self.images.num_queued else None
         for readback in self.readbacks.landed(due, wake):
-            for seq, token in zip(readback.seqs, readback.tokens(), strict=True):
-                if not seq.ended and self._append(seq, token):
+            tokens, scores = readback.tokens(), readback.row_scores()
+            for seq, token, score in zip(readback.seqs, tokens, scores, strict=True):
+                if not seq.ended and self._append(seq, token, score):
                     done.append(self._finish(seq))
                     ended += 1
         return ended
 
-    def _append(self, seq: Sequence, token: int) -> bool:
-        """Record a token; True when the sequence ends with it."""
+    def _append(self, seq: Sequence, token: int, score: RowScores | None = None) -> bool:
+        """Record a token (and its log-probabilities); True when the sequence ends with it."""
         generated = seq.tokens.generated
         generated.append(token)
+        if score is not None:
+            seq.tokens.scores.append(score)
         if len(generated) == 1:
             seq.timeline["first_token"] = time.perf_counter()
         params = seq.request.params
         if len(generated) >= seq.max_new or (not params.ignore_eos and token in self.eos_ids):
             return True
         if params.stop:
-            text = self.tokenizer.decode(generated, skip_special_tokens=True)
+            text = visible_text(self.tokenizer, generated)
             return first_stop(text, params.stop) is not None
         return False
 
@@ -101,8 +104,18 @@ class Postprocess:
             self.counters.record_timeline(seq)
         first = seq.timeline.get("first_token")
         first_token_s = None if first is None else first - seq.added_at
+        logprobs = None
+        if seq.request.params.logprobs:
+            logprobs = token_logprobs(self.tokenizer, ids, seq.tokens.scores[: len(ids)])
         return Completion(
-            seq.id, text, ids, reason, prompt_tokens=seq.prompt_len, engine_s=seq.age(), first_token_s=first_token_s
+            seq.id,
+            text,
+            ids,
+            reason,
+            prompt_tokens=seq.prompt_len,
+            engine_s=seq.age(),
+            first_token_s=first_token_s,
+            logprobs=logprobs,
         )
 
     def _wait_for_work(self) -> None:

@@ -7,14 +7,20 @@ no host round trip and no host sync, and the whole sampler can be captured in a 
 Top-k / top-p (applied in that order after the temperature, as transformers does) only mask
 logits to -inf before the argmax. Requests with `ignore_eos` get their EOS logits masked, as
 transformers' `min_new_tokens` does, so they generate exactly max_new_tokens.
+
+A step's logits go through three stages: `adjusted` (per-row rules on the raw logits:
+penalties, then token masks), the choice (argmax, or the warped logits plus noise), and, when a
+row asks for them, the log-probabilities of the distribution each token was drawn from.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 import torch
 
+from wicore.engines.fast.penalties import Penalties
 from wicore.ops.transfer import upload
 from wicore.schemas import GenerationParams
 
@@ -46,10 +52,36 @@ class SamplingBatch:
     top_p: torch.Tensor | None = None  # [B] float32, 1 = off (None: off for all rows)
     keys: torch.Tensor | None = None  # [B] int64 noise keys
     suppress: torch.Tensor | None = None  # [B] bool: mask EOS logits (ignore_eos)
+    penalties: Penalties | None = None  # None: no row is penalized
+    top_logprobs: int | None = None  # None: no row asks for logprobs; else the most alternatives a row asks for
+    logprob_rows: torch.Tensor | None = None  # [R] int64: the rows that ask, in order; None: all or none
 
     @classmethod
-    def build(cls, params: list[GenerationParams], seeds: list[int], indices: list[int], device) -> SamplingBatch:
-        """`indices`: the index (0 = first new token) of the token each row samples now."""
+    def build(
+        cls,
+        params: list[GenerationParams],
+        seeds: list[int],
+        indices: list[int],
+        device,
+        penalties: Penalties | None = None,
+        top_logprobs: int | None = None,
+        logprob_rows: list[int] | None = None,
+    ) -> SamplingBatch:
+        """`indices`: the index (0 = first new token) of the token each row samples now;
+        `top_logprobs`: the most alternatives a row asks for (None: no row asks for logprobs);
+        `logprob_rows`: the rows that ask (None: every row)."""
+        batch = cls._choice(params, seeds, indices, device)
+        rows = None
+        if top_logprobs is not None and logprob_rows is not None and len(logprob_rows) < len(params):
+            rows = upload(logprob_rows, device, torch.int64)
+        return replace(batch, penalties=penalties, top_logprobs=top_logprobs, logprob_rows=rows)
+
+    def asking(self, rows: torch.Tensor) -> torch.Tensor:
+        """The rows (of a [B, ...] tensor) that ask for logprobs."""
+        return rows if self.logprob_rows is None else rows.index_select(0, self.logprob_rows)
+
+    @classmethod
+    def _choice(cls, params: list[GenerationParams], seeds: list[int], indices: list[int], device) -> SamplingBatch:
         suppress = None
         if any(p.ignore_eos for p in params):
             suppress = upload([p.ignore_eos for p in params], device, torch.bool)
@@ -69,6 +101,21 @@ class SamplingBatch:
         )
 
 
+@dataclass
+class TokenScores:
+    """Log-probabilities of the R rows of one step that ask for them (`logprob_rows`), on the
+    device: of the token each drew, and of the `k` most likely tokens (k = the most any asks for)."""
+
+    chosen: torch.Tensor  # [R] float32
+    top_ids: torch.Tensor  # [R, k] int64
+    top_logprobs: torch.Tensor  # [R, k] float32
+
+
+class Sampled(NamedTuple):
+    tokens: torch.Tensor  # [B] int64
+    scores: TokenScores | None  # None: no row asked for logprobs
+
+
 class Sampler:
     def __init__(self, vocab_size: int, eos_ids: frozenset[int], device):
         self.eos_ids = torch.tensor(sorted(i for i in eos_ids if i < vocab_size), dtype=torch.int64, device=device)
@@ -76,24 +123,59 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """logits [B, V] -> token ids [B] int64."""
-        logits = logits.float()
-        if batch.suppress is not None and self.eos_ids.numel():
-            eos = logits[:, self.eos_ids]
-            logits = logits.index_copy(1, self.eos_ids, eos.masked_fill(batch.suppress[:, None], float("-inf")))
-        greedy = logits.argmax(dim=-1)
-        if batch.greedy_only:
-            return greedy
-        sampled = self._sample(logits, batch)
-        return torch.where(batch.temperature > 0, sampled, greedy)
+        return self.sample(logits, batch).tokens
 
-    def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> Sampled:
+        """logits [B, V] -> token ids [B], and their log-probabilities where a row asks."""
+        x = self.adjusted(logits, batch)
+        greedy = x.argmax(dim=-1)
+        if batch.greedy_only:
+            return Sampled(greedy, self._scores(x, greedy, batch))
+        warped = self._warped(x, batch)
+        sampled = (warped + self.gumbel(batch.keys)).argmax(dim=-1)
+        drawn = batch.temperature > 0
+        tokens = torch.where(drawn, sampled, greedy)
+        if batch.top_logprobs is None:
+            return Sampled(tokens, None)
+        pick = batch.asking
+        return Sampled(tokens, self._scores(torch.where(pick(drawn)[:, None], pick(warped), pick(x)), tokens, batch))
+
+    def adjusted(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """logits [B, V] -> float32 [B, V] after the per-row rules: penalties over the tokens seen,
+        then the token masks (a masked token's logit is -inf)."""
+        x = logits.float()
+        if batch.penalties is not None:
+            x = batch.penalties.apply(x)
+        return self._masked(x, batch)
+
+    def _masked(self, x: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """Token masks: EOS for rows that ignore it."""
+        if batch.suppress is not None and self.eos_ids.numel():
+            eos = x[:, self.eos_ids]
+            x = x.index_copy(1, self.eos_ids, eos.masked_fill(batch.suppress[:, None], float("-inf")))
+        return x
+
+    def _warped(self, x: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """The sampled rows' distribution (as logits): temperature, then top-k and top-p masks."""
         temperature = torch.where(batch.temperature > 0, batch.temperature, torch.ones_like(batch.temperature))
-        x = logits / temperature[:, None]
+        x = x / temperature[:, None]
         if batch.top_k is not None:
             x = mask_top_k(x, batch.top_k)
         if batch.top_p is not None:
             x = mask_top_p(x, batch.top_p)
-        return (x + self.gumbel(batch.keys)).argmax(dim=-1)
+        return x
+
+    @staticmethod
+    def _scores(dist: torch.Tensor, tokens: torch.Tensor, batch: SamplingBatch) -> TokenScores | None:
+        """dist: the logits each asking row's token was drawn from, [R, V] (or [B, V], the asking
+        rows picked here); tokens [B]."""
+        if batch.top_logprobs is None:
+            return None
+        if dist.shape[0] == tokens.shape[0]:
+            dist = batch.asking(dist)
+        logprobs = torch.log_softmax(dist, dim=-1)
+        top = logprobs.topk(batch.top_logprobs, dim=-1)
+        return TokenScores(logprobs.gather(1, batch.asking(tokens)[:, None])[:, 0], top.indices, top.values)
 
     def gumbel(self, keys: torch.Tensor) -> torch.Tensor:
         """Gumbel noise [B, V] from the row keys and the vocabulary ids."""

@@ -43,12 +43,14 @@ import logging
 import time
 from dataclasses import dataclass, field
 from enum import Enum
+from functools import cached_property
 
 import numpy as np
 import torch
 
 from wicore.engines.base import EngineRequest
 from wicore.engines.fast.prompt_inputs import Prompt
+from wicore.engines.guided import GrammarState
 from wicore.engines.kvcache.gpu_tier import CachedBlock, Restore
 from wicore.engines.kvcache.prefix_keys import PromptKeys
 from wicore.engines.pending import Pending
@@ -148,6 +150,8 @@ class TokenState:
 
     generated: list[int] = field(default_factory=list)  # tokens read back so far
     launched: int = 0  # tokens whose sampling has been launched on the device
+    # with params.logprobs: per token read back, its log-probability and (id, log-probability) alternatives
+    scores: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
 
 
 @dataclass(eq=False)
@@ -160,6 +164,7 @@ class Sequence:
     cache: CacheState = field(default_factory=CacheState)
     tokens: TokenState = field(default_factory=TokenState)
     abort_requested: bool = False  # stop once its prefill is launched (module docstring)
+    grammar: GrammarState | None = None  # its `guided` output's matcher (engines/guided.py)
     added_at: float = field(default_factory=time.perf_counter)
     # perf_counter when it entered each status, launched its vision batch, read its first token
     timeline: dict[str, float] = field(default_factory=dict)
@@ -195,6 +200,17 @@ class Sequence:
     @property
     def max_new(self) -> int:
         return self.request.params.max_new_tokens
+
+    @cached_property
+    def penalized(self) -> bool:
+        """Some penalty changes its logits: the sampler counts the tokens it has seen."""
+        return self.request.params.penalized
+
+    @cached_property
+    def top_logprobs(self) -> int | None:
+        """Alternatives per token it asks for (0: its token's log-probability alone); None: no logprobs."""
+        params = self.request.params
+        return params.top_logprobs if params.logprobs else None
 
     @property
     def max_len(self) -> int:

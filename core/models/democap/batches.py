@@ -40,7 +40,8 @@ def normalize(images: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class Layout:
-    """The token side of every example: one fixed prompt, then the caption's answer tokens."""
+    """The token side of a batch of examples: one prompt (a conversation with one image), then
+    each caption's answer tokens."""
 
     prompt_ids: torch.Tensor  # [P] long: <bos> ... <start_of_turn>model\n, 16 image soft tokens inside
     prompt_types: torch.Tensor  # [P] long: 1 on image soft tokens (bidirectional attention), else 0
@@ -48,8 +49,9 @@ class Layout:
     pad_id: int
 
     @classmethod
-    def from_processor(cls, processor, captions: list[str]) -> Layout:
-        text = processor.apply_chat_template(chat(), add_generation_prompt=True)
+    def from_processor(cls, processor, captions: list[str], conversation: list[dict] | None = None) -> Layout:
+        """The layout of `conversation` (default: `chat()`, the image then the default prompt)."""
+        text = processor.apply_chat_template(conversation or chat(), add_generation_prompt=True)
         size = processor.image_processor.size["height"]
         blank = Image.new("RGB", (size, size))
         enc = processor(text=[text], images=[[blank]], add_special_tokens=False, return_tensors="pt")

@@ -3,10 +3,13 @@
     python -m wicore.models.democap.evaluate --n 1000 --seed 1000 --engine reference
     python -m wicore.models.democap.evaluate --n 1000 --seed 1000 --engine fast
     python -m wicore.models.democap.evaluate --renderer alt --n 1000 --seed 2000
+    python -m wicore.models.democap.evaluate --n 1000 --seed 1000 --layout text-first
 
 Images are written as files (PNG/JPEG) into a folder, then the real CLI captions the folder
 (embedded Redis, a worker process, the engine; the default model unless --model), exactly as
-README command 1 does; each caption is compared with the truth the file was drawn from.
+README command 1 does; each caption is compared with the truth the file was drawn from. With
+`--layout text-first` or `image-only` the CLI captions a manifest whose lines carry the
+conversation in that layout (`model.chat`) instead of the folder (image first).
 Training uses seeds 0-2; evaluation seeds should be >= 1000.
 """
 
@@ -24,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from wicore.models.democap import alt_render, data
+from wicore.models.democap.model import LAYOUTS, chat
 
 Sampler = Callable[[int, int], list[tuple[bytes, str]]]  # (n, seed) -> [(file bytes, caption)]
 
@@ -76,6 +80,18 @@ def caption_folder(folder: Path, out: Path, engine: str, model: str | None, extr
     subprocess.run(cmd + extra, check=True)
 
 
+def layout_manifest(folder: Path, layout: str) -> Path:
+    """A manifest beside the folder: each image's line in `layout` (`model.chat`, the default prompt)."""
+    manifest = folder.parent / f"{layout}.jsonl"
+    lines = []
+    for path in sorted(folder.iterdir()):
+        turn = chat(layout=layout)[0]
+        content = [{"type": "image", "image": str(path)} if p["type"] == "image" else p for p in turn["content"]]
+        lines.append(json.dumps({"input": path.name, "messages": [{"role": "user", "content": content}]}) + "\n")
+    manifest.write_text("".join(lines))
+    return manifest
+
+
 def score(truth: dict[str, str], captions: Path) -> Report:
     outputs = {}
     for line in captions.read_text().splitlines():
@@ -114,6 +130,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", default=None, help="checkpoint folder (default: the bundled demo captioner)")
     parser.add_argument("--engine", default="reference", help="reference | fast")
     parser.add_argument("--renderer", choices=sorted(RENDERERS), default="main")
+    parser.add_argument("--layout", choices=LAYOUTS, default="image-first", help="the user turn's order of parts")
     parser.add_argument("--n", type=int, default=1000)
     parser.add_argument("--seed", type=int, default=1000)
     parser.add_argument("--workdir", default=None, help="folder for the images and captions (default: a temp dir)")
@@ -122,12 +139,14 @@ def main(argv: list[str] | None = None) -> None:
     clock = time.perf_counter()
     truth = write_samples(RENDERERS[args.renderer](args.n, args.seed), work / "images")
     made_s = time.perf_counter() - clock
-    captions = work / f"captions-{args.engine}.jsonl"
+    captions = work / f"captions-{args.engine}-{args.layout}.jsonl"
     captions.unlink(missing_ok=True)
-    caption_folder(work / "images", captions, args.engine, args.model, extra)
+    source = work / "images" if args.layout == "image-first" else layout_manifest(work / "images", args.layout)
+    caption_folder(source, captions, args.engine, args.model, extra)
     report = score(truth, captions)
     summary = {
         "renderer": args.renderer,
+        "layout": args.layout,
         "seed": args.seed,
         "engine": args.engine,
         "n": report.total,

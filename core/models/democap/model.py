@@ -19,7 +19,7 @@ from transformers import (
 )
 
 from wicore.engines.checkpoint import seeded_model
-from wicore.models.corpus import tokenizer_corpus
+from wicore.models.corpus import PROMPTS, tokenizer_corpus
 from wicore.models.gemma3 import joined_config, make_processor
 from wicore.models.tokenizer import END_OF_TURN, train_tokenizer
 from wicore.schemas import DEFAULT_PROMPT
@@ -93,9 +93,25 @@ def build(arch: Arch, seed: int) -> tuple[Gemma3ForConditionalGeneration, Gemma3
     return model, make_processor(tok, cfg)
 
 
-def chat(prompt: str = DEFAULT_PROMPT) -> list[dict]:
-    """The conversation every caption answers: one image, then the prompt."""
-    return [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": prompt}]}]
+LAYOUTS = ("image-first", "text-first", "image-only")  # the user turn's order of parts
+
+
+def chat(prompt: str = DEFAULT_PROMPT, layout: str = "image-first") -> list[dict]:
+    """A conversation the model answers with the caption: one user turn of the image and the
+    prompt in `layout`'s order (the prompt left out in "image-only")."""
+    image, text = {"type": "image"}, {"type": "text", "text": prompt}
+    parts = {"image-first": [image, text], "text-first": [text, image], "image-only": [image]}[layout]
+    return [{"role": "user", "content": parts}]
+
+
+def training_chats() -> list[list[dict]]:
+    """Every conversation the caption stage trains on, in the order its steps cycle through them:
+    each prompt wording before and after the image, and an image alone, so that a third of the
+    steps see no text."""
+    chats = []
+    for prompt in PROMPTS:
+        chats += [chat(prompt, "image-first"), chat(prompt, "text-first"), chat(layout="image-only")]
+    return chats
 
 
 def answer_text(caption: str) -> str:

@@ -338,8 +338,8 @@ def drop_projections(layer: DecoderLayer) -> None:
 def weight_bytes(parts: Gemma3Parts) -> int:
     """Bytes of every weight the model holds, each storage once (fused weights and their views
     share one)."""
-    tensors = [*parts.encoder.parameters(), *parts.encoder.buffers(), *parts.decoder.parameters()]
-    tensors += list(parts.decoder.buffers())
+    modules = [m for m in (parts.encoder, parts.decoder) if m is not None]
+    tensors = [t for module in modules for t in (*module.parameters(), *module.buffers())]
     for layer in parts.decoder.layers:
         for name in DENSE_WEIGHTS:
             weight = getattr(layer, name)

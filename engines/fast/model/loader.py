@@ -77,8 +77,9 @@ def load_gemma3(
     config = AutoConfig.from_pretrained(path)
     check_tied(config)
     with torch.device("meta"):
-        encoder, decoder = ImageEncoder(config), TextDecoder(config.text_config)
-    root = nn.ModuleDict({"encoder": encoder, "decoder": decoder})
+        encoder = ImageEncoder(config) if has_vision(config) else None
+        decoder = TextDecoder(config.get_text_config())
+    root = nn.ModuleDict({"decoder": decoder} if encoder is None else {"encoder": encoder, "decoder": decoder})
     expected = set(root.state_dict())
     bytes_in_dtype = meta_bytes(root, torch_dtype(dtype))
     source = open_source(path, config, expected, seed)
@@ -89,14 +90,20 @@ def load_gemma3(
             streamer.load(encoder, decoder, root)
     finally:
         source.close()
-    parts = Gemma3Parts(config, encoder.eval(), decoder.eval())
+    parts = Gemma3Parts(config, None if encoder is None else encoder.eval(), decoder.eval())
     parts.decoder.to_device(device)
     parts.report = load_report(parts, meter, streamer, bytes_in_dtype)
     return parts
 
 
+def has_vision(config) -> bool:
+    """Whether the checkpoint has a vision tower (`Gemma3ForConditionalGeneration`), not text only."""
+    return getattr(config, "vision_config", None) is not None
+
+
 def check_tied(config) -> None:
-    if not getattr(config, "tie_word_embeddings", True) or not getattr(config.text_config, "tie_word_embeddings", True):
+    text = config.get_text_config()
+    if not getattr(config, "tie_word_embeddings", True) or not getattr(text, "tie_word_embeddings", True):
         raise ConfigError("only Gemma-3 checkpoints with a tied lm_head are supported")
 
 
@@ -120,13 +127,16 @@ class Streamer:
         if plan is not None and device.type == "cuda":
             load_cuda_kernels()  # the MLP quantizes GELU(gate) * up in one pass (ops.fp8.gated_gelu_linear)
 
-    def load(self, encoder: ImageEncoder, decoder: TextDecoder, root: nn.Module) -> None:
-        tower = encoder.vision_tower
-        for index, layer in enumerate(tower.layers):
-            tower.layers[index] = self.vision_layer(layer, index)
+    def load(self, encoder: ImageEncoder | None, decoder: TextDecoder, root: nn.Module) -> None:
+        if encoder is not None:
+            self.vision_tower(encoder.vision_tower)
         for index, layer in enumerate(decoder.layers):
             self.decoder_layer(layer, f"decoder.layers.{index}.")
         self.materialize(root, "")  # embeddings, final norms, the projector
+
+    def vision_tower(self, tower) -> None:
+        for index, layer in enumerate(tower.layers):
+            tower.layers[index] = self.vision_layer(layer, index)
         if self.plan is not None:
             tower.patch_embedding.as_gemm = True  # bf16 still, a GEMM rather than cuDNN's slow conv
 
