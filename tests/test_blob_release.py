@@ -137,9 +137,10 @@ ARGS = ["--engine", "null", "--model-id", MODEL, "--batch-size", "8", "--max-que
 @pytest.mark.faults
 @pytest.mark.timeout(600)
 def test_killed_and_frozen_workers_never_free_a_blob_still_needed(tmp_path):
-    """Many jobs over 4 shared ~1-megapixel images; a worker killed -9 holding jobs (restarted,
-    it gives them back), another frozen past its liveness TTL holding jobs (the others' reapers
-    requeue them; thawed, its runs are stale). Every job finishes, so no blob went while a job
+    """Many jobs over 4 shared ~1-megapixel images; some canceled (queued ones, and the ones a
+    worker is running), a worker killed -9 holding jobs (restarted, it gives them back), another
+    frozen past its liveness TTL holding jobs (the others' reapers requeue them; thawed, its runs
+    are stale). Every job finishes, so no blob went while a job
     needed it; at the end no blob and no set of users is left."""
     with (
         EmbeddedRedis() as server,
@@ -151,6 +152,10 @@ def test_killed_and_frozen_workers_never_free_a_blob_still_needed(tmp_path):
         producer = Producer(server.url, model=MODEL, config=ProducerConfig(retries=5, release_blobs=True))
         images = [png_bytes(10 + i, (1000, 1000)) for i in range(4)]
         ids = producer.submit_many(Submission(images[i % 4], f"job {i}", params=SHORT) for i in range(400))
+        wait_until(lambda: claimed_jobs(connection, "w2"), 60, what="w2 to hold jobs")
+        canceled = {i for i, status in producer.cancel(ids[::10] + claimed_jobs(connection, "w2")).items()
+                    if status == "canceled"}  # fmt: skip
+        ids = [i for i in ids if i not in canceled]
         workers.kill_holding("w0")
         workers.start("w0", wait=False)
         frozen = workers.processes["w1"].pid
@@ -164,7 +169,9 @@ def test_killed_and_frozen_workers_never_free_a_blob_still_needed(tmp_path):
         wait_all_ended(connection, ids, timeout=300)
         queues = sorted(k.decode()[len("rq:queue:") :] for k in connection.smembers("rq:queues"))
         statuses = audit(connection, ids, queues)
+        ended_canceled = {connection.hget(f"rq:job:{i}", "status") for i in canceled}
         time.sleep(0.5)  # the last settles' deletes
         left = sorted(k.decode() for k in connection.scan_iter("wicore:blob*"))
     assert statuses == {"finished": len(set(ids))}, "every job finished: no blob went while a job needed it"
+    assert canceled and ended_canceled == {b"canceled"}, "queued and running jobs canceled, sharing their blobs"
     assert left == [], left

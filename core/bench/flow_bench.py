@@ -2,7 +2,8 @@
 over many ~420 KB photos, each side on a fresh redis-server of its own, with the flow-control
 window at its default and unbounded (every input submitted at once), in the same run. Per side:
 Redis' `used_memory` peak over its start (sampled, and INFO's own peak), images/s once the workers
-were ready (caption's summary), the blobs left at the end.
+were ready (caption's summary), the blobs left at the end. Each side has a cache folder of its own
+(the engine's caches on, as `wicore caption` runs them, but nothing carried from one side to the other).
 
     report = run_flow_bench(FlowBench(Path("/tmp/wicore-bench/flow"), photos=5000))
 """
@@ -13,6 +14,7 @@ import io
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import threading
@@ -77,7 +79,7 @@ class MemorySampler(threading.Thread):
 
 
 def caption_command(bench: FlowBench, folder: Path, out: Path, url: str) -> list[str]:
-    args = [str(folder), "-o", str(out), "--redis-url", url, "--engine", bench.engine, "--no-cache"]
+    args = [str(folder), "-o", str(out), "--redis-url", url, "--engine", bench.engine]
     return [sys.executable, "-m", "wicore.cli.main", "caption", *args, *bench.caption_args]
 
 
@@ -89,6 +91,8 @@ def run_side(bench: FlowBench, folder: Path, name: str, env: dict[str, str]) -> 
 
     out = bench.workdir / f"{name}.jsonl"
     out.unlink(missing_ok=True)
+    cache = bench.workdir / f"cache-{name}"  # a side's own, emptied: no side reads what the other cached
+    shutil.rmtree(cache, ignore_errors=True)
     with EmbeddedRedis() as server:
         connection = Redis.from_url(server.url)
         start = int(connection.info("memory")["used_memory"])
@@ -97,7 +101,8 @@ def run_side(bench: FlowBench, folder: Path, name: str, env: dict[str, str]) -> 
         began = time.perf_counter()
         done = subprocess.run(
             caption_command(bench, folder, out, server.url),
-            env={**os.environ, **bench.env, **env}, capture_output=True, text=True, check=False,
+            env={**os.environ, "WICORE_CACHE_DIR": str(cache), **bench.env, **env},
+            capture_output=True, text=True, check=False,
         )  # fmt: skip
         wall = time.perf_counter() - began
         sampled = sampler.stop()
