@@ -155,16 +155,14 @@ class ReferenceEngine(StaticBatchEngine):
         after it, so no warper leaves a row without a token its grammar allows."""
         repetition = {"repetition_penalty": params.repetition_penalty if params.repetition_penalty != 1.0 else None}
         guided = self._guided(group, prompt_len)
-        processors = LogitsProcessorList([*(output_penalties(params, prompt_len) or []), *(guided or [])]) or None
-        if params.greedy:
-            off = {"temperature": None, "top_p": None, "top_k": None}
-            return {"do_sample": False, **off, **repetition, "logits_processor": processors}
-        if guided is None:
-            warped = {"temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k}
-            return {"do_sample": True, **warped, **repetition, "logits_processor": processors}
-        processors.extend(sampling_warpers(params))
-        off = {"temperature": 1.0, "top_p": 1.0, "top_k": 0}
-        return {"do_sample": True, **off, **repetition, "logits_processor": processors}
+        processors = LogitsProcessorList([*(output_penalties(params, prompt_len) or []), *(guided or [])])
+        warpers: dict[str, Any] = {"temperature": None, "top_p": None, "top_k": None}
+        if not params.greedy and guided is None:
+            warpers = {"temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k}
+        elif not params.greedy:  # the grammar first, then the warpers
+            processors.extend(sampling_warpers(params))
+            warpers = {"temperature": 1.0, "top_p": 1.0, "top_k": 0}
+        return {"do_sample": not params.greedy, **warpers, **repetition, "logits_processor": processors or None}
 
     def _guided(self, group: list[EngineRequest], prompt_len: int) -> LogitsProcessorList | None:
         """The grammar rows of a batch (None: no request in it is guided)."""
