@@ -41,7 +41,8 @@ def test_the_report_has_the_bf16_keys_both_modes_and_a_plot(tmp_path, tiny_model
     changed = dict(runs.product["tokens"])
     first = sorted(changed)[0]
     changed[first] = changed[first][:2] + [0, 0]
-    product = {**runs.product, "tokens": changed, "images_per_s": 2 * runs.product["images_per_s"]}
+    twice = {key: 2 * runs.product[key] for key in ("images_per_s", "prompts_per_s")}
+    product = {**runs.product, "tokens": changed, **twice}
     democap = democap_accuracy("cpu", images=8, fp8_anywhere=True)
     assert democap["fp8_linears"] == 24 and democap["bf16_linears"] == 0 and democap["fp8_skipped"] == []
     assert democap["fp8_attention_layers"] == 0

@@ -5,6 +5,7 @@ the weights) and is the default model of `wicore caption`.
 The parts: the task's image generator (`data`), a second, independent renderer for robustness
 checks (`alt_render`), a batch renderer at the model's input size for training (`synth`),
 examples as the model sees them (`batches`: images through the user's path, token layouts), the
-architecture (`model`), the training script (`train`: ~21 minutes on 2 CPU cores,
-deterministic) and the evaluation through `wicore caption` (`evaluate`).
+architecture (`model`: the conversation layouts it answers, `LAYOUTS`), the training script
+(`train`: ~21 minutes on 2 CPU cores, deterministic) and the evaluation through `wicore caption`
+(`evaluate`).
 """
