@@ -91,6 +91,13 @@ def test_a_bucket_that_cannot_be_used_is_a_config_error(s3_endpoint, url, said):
     assert "\n" not in str(caught.value) and "testing" not in str(caught.value)
 
 
+def test_an_endpoint_is_shown_without_its_password(s3_endpoint):
+    with_user = s3_endpoint.replace("http://", "http://user:hunter2@")
+    with pytest.raises(ConfigError) as caught:
+        S3Store("s3://no-such-bucket/files", with_user, max_bytes=2**30)
+    assert "hunter2" not in str(caught.value) and s3_endpoint in str(caught.value)
+
+
 def test_an_endpoint_gone_is_the_store_unavailable_until_it_is_back(s3_endpoint):
     from moto.server import ThreadedMotoServer
 

@@ -7,6 +7,7 @@ missing at startup and the S3 endpoint gone mid-batch."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -296,14 +297,30 @@ def test_a_batch_past_its_window_ends_expired_with_its_done_lines(redis_server, 
 
 
 @pytest.mark.faults
-@pytest.mark.parametrize("stop_gateway", [signal.SIGTERM, signal.SIGKILL], ids=["restarted", "killed"])
-def test_gateway_and_worker_killed_mid_batch_lose_nothing(redis_server, tmp_path, stop_gateway):
+@pytest.mark.parametrize(
+    "stop_gateway, store",
+    [(signal.SIGTERM, "folder"), (signal.SIGKILL, "folder"), (signal.SIGKILL, "s3")],
+    ids=["restarted", "killed", "killed-s3"],
+)
+def test_gateway_and_worker_killed_mid_batch_lose_nothing(redis_server, tmp_path, stop_gateway, store):
     """Stop the gateway (SIGTERM: it hands its lease back; kill -9: the lease runs out) and
     kill -9 the worker while the batch runs; a new gateway takes the batch over, a new worker
     reruns the jobs the dead one held."""
-    worker = worker_process(redis_server.url, tmp_path / "worker1.log")
+    with s3_server() if store == "s3" else contextlib.nullcontext() as endpoint:
+        env = s3_store_env(endpoint) if endpoint else None
+        batch, good, output = kill_mid_batch(redis_server.url, tmp_path, stop_gateway, env)
+    assert batch.status == "completed", batch
+    assert (batch.request_counts.completed, batch.request_counts.failed) == (300, 0)
+    check_answers(output)
+    assert sorted(no_line_twice(output)) == sorted(line["custom_id"] for line in good)
+    assert batch.error_file_id is None
+
+
+def kill_mid_batch(redis_url: str, tmp_path: Path, stop_gateway: int, env: dict | None):
+    """(the batch at its end, its lines, its output lines)"""
+    worker = worker_process(redis_url, tmp_path / "worker1.log")
     try:
-        process, url = gateway_process(redis_server.url, tmp_path, log="gateway1.log")
+        process, url = gateway_process(redis_url, tmp_path, env=env, log="gateway1.log")
     except BaseException:
         stop(worker, signal.SIGKILL)
         raise
@@ -311,25 +328,20 @@ def test_gateway_and_worker_killed_mid_batch_lose_nothing(redis_server, tmp_path
         client = client_of(url)
         good = good_lines(300, max_tokens=48)
         for line in good:
-            line["body"]["seed"] += 20_000 + 1000 * stop_gateway
+            line["body"]["seed"] += 20_000 + 1000 * stop_gateway + (500 if env else 0)
         batch = submit(client, jsonl(good))
         wait_until(lambda: client.batches.retrieve(batch.id).request_counts.completed >= 20, 120, 0.05, "done lines")
         process.send_signal(stop_gateway)
         worker.send_signal(signal.SIGKILL)
         process.wait(), worker.wait()
-        worker = worker_process(redis_server.url, tmp_path / "worker2.log")
-        process, url = gateway_process(redis_server.url, tmp_path, log="gateway2.log")
+        worker = worker_process(redis_url, tmp_path / "worker2.log")
+        process, url = gateway_process(redis_url, tmp_path, env=env, log="gateway2.log")
         client = client_of(url)
         batch = wait_ended(client, batch.id, timeout=300)
-        output = lines_of(client, batch.output_file_id)
+        return batch, good, lines_of(client, batch.output_file_id)
     finally:
         stop(process)
         stop(worker, signal.SIGKILL)
-    assert batch.status == "completed", batch
-    assert (batch.request_counts.completed, batch.request_counts.failed) == (300, 0)
-    check_answers(output)
-    assert sorted(no_line_twice(output)) == sorted(line["custom_id"] for line in good)
-    assert batch.error_file_id is None
 
 
 def test_a_missing_bucket_stops_the_gateway_with_one_line_and_exit_2(redis_server, tmp_path):

@@ -144,9 +144,9 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(WicoreError)
     async def wicore_error(request: Request, exc: WicoreError) -> JSONResponse:
-        if isinstance(exc, FileStoreUnavailable):
+        if isinstance(exc, FileStoreUnavailable):  # its details (endpoint, keys) go to the log only
             log.warning("%s", exc)
-            return error_response(503, f"{exc}; retry shortly", headers=RETRY_DOWN)
+            return error_response(503, "the file store is unavailable; retry shortly", headers=RETRY_DOWN)
         return error_response(wicore_error_status(exc), str(exc), getattr(exc, "param", None))
 
     @app.exception_handler(HTTPException)

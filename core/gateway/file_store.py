@@ -138,12 +138,12 @@ class S3Store:
         self.bucket, self.prefix = bucket_and_prefix(url)
         self.max_bytes = max_bytes
         self.fs = s3_filesystem(endpoint, timeout_s)
-        self.name = f"s3:{urlsplit(endpoint).netloc if endpoint else 'aws'}/{self.bucket}/{self.prefix}"
+        self.name = f"s3:{shown(endpoint)}/{self.bucket}/{self.prefix}"
         self.ends: OrderedDict[str, int] = OrderedDict()  # sizes this process wrote last, newest last
         self.check_bucket(url, endpoint)
 
     def check_bucket(self, url: str, endpoint: str | None) -> None:
-        where = f"files_s3_url {url} at {endpoint or 'AWS'}"
+        where = f"files_s3_url {url} at {shown(endpoint)}"
         try:
             self.fs.call_s3("head_bucket", Bucket=self.bucket)
         except FileNotFoundError as exc:
@@ -261,6 +261,14 @@ def s3_errors() -> tuple[type[Exception], ...]:
     from botocore.exceptions import BotoCoreError
 
     return (OSError, BotoCoreError)
+
+
+def shown(endpoint: str | None) -> str:
+    """The endpoint without any user or password in its URL; AWS for none."""
+    if not endpoint:
+        return "AWS"
+    parts = urlsplit(endpoint)
+    return f"{parts.scheme}://{parts.hostname}" + (f":{parts.port}" if parts.port else "")
 
 
 def describe(exc: Exception) -> str:
