@@ -48,9 +48,10 @@ class Grammars:
         """A fresh matcher for `spec` (None: a free sequence); BadGrammar when it cannot be one."""
         if spec is None:
             return None
+        compiled = self.compiled(spec)  # BadGrammar, naming the missing extra, before any import
         import xgrammar as xgr
 
-        return GrammarState(xgr.GrammarMatcher(self.compiled(spec)))
+        return GrammarState(xgr.GrammarMatcher(compiled))
 
     def compiled(self, spec: GuidedSpec) -> Any:
         key = spec_key(spec)
