@@ -48,12 +48,14 @@ class Grammars:
         """A fresh matcher for `spec` (None: a free sequence); BadGrammar when it cannot be one."""
         if spec is None:
             return None
-        compiled = self.compiled(spec)  # BadGrammar, naming the missing extra, before any import
+        compiled = self.compiled(spec)
         import xgrammar as xgr
 
         return GrammarState(xgr.GrammarMatcher(compiled))
 
     def compiled(self, spec: GuidedSpec) -> Any:
+        if not available():
+            raise BadGrammar(NOT_INSTALLED)
         key = spec_key(spec)
         if key in self._compiled:
             self._compiled.move_to_end(key)
