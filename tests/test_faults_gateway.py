@@ -29,7 +29,6 @@ from contextlib import ExitStack, closing
 from pathlib import Path
 
 import httpx
-import openai
 import pytest
 from redis import Redis
 
@@ -44,6 +43,8 @@ from tests.helpers import (
     wait_until,
 )
 from wicore.embedded import EmbeddedRedis, free_port
+
+openai = pytest.importorskip("openai")  # the test extra; absent on a bare GPU image
 
 pytestmark = [pytest.mark.faults, pytest.mark.timeout(300)]
 
