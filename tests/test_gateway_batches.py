@@ -21,7 +21,7 @@ import pytest
 
 from tests.helpers import WICORE, start_gateway, start_worker, stop, wait_http, wait_until
 from tests.test_gateway import IMAGES, MODEL, caption_of
-from tests.url_servers import BUCKET, S3_ENV, s3_server
+from tests.url_servers import BUCKET, S3_ENV, moto_process, s3_server
 from wicore.embedded import EmbeddedRedis, free_port
 
 pytestmark = pytest.mark.slow
@@ -432,33 +432,6 @@ def check_routes_while_the_store_hangs(client, url: str, batch, good: list[dict]
     assert httpx.get(url + "/health/live").status_code == 200
     answer = client.chat.completions.create(model=MODEL, messages=good[0]["body"]["messages"], max_tokens=8)
     assert answer.choices[0].message.content
-
-
-def moto_process(port: int, log: Path):
-    """moto's S3 server (`moto_server`) in a process of its own, with BUCKET made."""
-    import sys
-
-    import s3fs
-
-    sink = open(log, "wb")  # noqa: SIM115 (closed with the process)
-    server = subprocess.Popen(
-        [str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
-        env={**os.environ, **S3_ENV}, stdout=sink, stderr=subprocess.STDOUT,
-    )  # fmt: skip
-    key, secret = S3_ENV["AWS_ACCESS_KEY_ID"], S3_ENV["AWS_SECRET_ACCESS_KEY"]
-    fs = s3fs.S3FileSystem(endpoint_url=f"http://127.0.0.1:{port}", key=key, secret=secret, skip_instance_cache=True)
-    wait_until(lambda: made(fs, BUCKET), 30, 0.2, "moto_server")
-    return server
-
-
-def made(fs, bucket: str) -> bool:
-    from botocore.exceptions import BotoCoreError
-
-    try:
-        fs.makedirs(bucket, exist_ok=True)
-    except (OSError, BotoCoreError):  # not listening yet
-        return False
-    return True
 
 
 def test_existing_batch_route_stays(gateway):

@@ -7,6 +7,8 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -144,3 +146,31 @@ def upload_examples(endpoint: str) -> None:
     fs.makedirs(BUCKET, exist_ok=True)  # moto keeps its buckets for the life of the process
     for path in sorted(EXAMPLES.iterdir()):
         fs.pipe(f"{BUCKET}/examples/{path.name}", path.read_bytes())
+
+
+def moto_process(port: int, log: Path):
+    """moto's S3 server (`moto_server`) in a process of its own, with BUCKET made: a fault
+    test can stop it (SIGSTOP) and let it go on (SIGCONT) with its objects kept."""
+    import s3fs
+
+    from tests.helpers import wait_until
+
+    sink = open(log, "wb")  # noqa: SIM115 (closed with the process)
+    server = subprocess.Popen(
+        [str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
+        env={**os.environ, **S3_ENV}, stdout=sink, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    key, secret = S3_ENV["AWS_ACCESS_KEY_ID"], S3_ENV["AWS_SECRET_ACCESS_KEY"]
+    fs = s3fs.S3FileSystem(endpoint_url=f"http://127.0.0.1:{port}", key=key, secret=secret, skip_instance_cache=True)
+    wait_until(lambda: made(fs, BUCKET), 30, 0.2, "moto_server")
+    return server
+
+
+def made(fs, bucket: str) -> bool:
+    from botocore.exceptions import BotoCoreError
+
+    try:
+        fs.makedirs(bucket, exist_ok=True)
+    except (OSError, BotoCoreError):  # not listening yet
+        return False
+    return True

@@ -140,6 +140,7 @@ class S3Store:
         self.fs = s3_filesystem(endpoint, timeout_s)
         self.name = f"s3:{shown(endpoint)}/{self.bucket}/{self.prefix}"
         self.ends: OrderedDict[str, int] = OrderedDict()  # sizes this process wrote last, newest last
+        self.client: object = None  # the S3 client last seen without the 100-continue wait
         self.check_bucket(url, endpoint)
 
     def check_bucket(self, url: str, endpoint: str | None) -> None:
@@ -218,11 +219,23 @@ class S3Store:
                 return
             token = {"ContinuationToken": page["NextContinuationToken"]}
 
+    def without_continue_wait(self) -> None:
+        """botocore asks S3 for a `100 Continue` before a PUT's body, and aiohttp waits for it
+        with no timeout: a PUT to an endpoint that hangs would never end. S3 takes the body
+        without it. s3fs makes a new client when its connections closed: each is seen to."""
+        from botocore.handlers import add_expect_header
+
+        client = self.fs.connect()
+        if client is not self.client:
+            client.meta.events.unregister("before-call.s3", add_expect_header)
+            self.client = client
+
     def path(self, file_id: str, offset: int) -> str:
         return f"{self.bucket}/{self.prefix}{file_id}/{offset:0{OFFSET_DIGITS}d}"
 
     def call(self, function: Any, *args: Any, **kwargs: Any) -> Any:
         try:
+            self.without_continue_wait()
             return function(*args, **kwargs)
         except s3_errors() as exc:
             raise FileStoreUnavailable(f"the file store s3://{self.bucket}/{self.prefix}: {describe(exc)}") from exc
