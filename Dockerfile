@@ -10,7 +10,8 @@ FROM python:${PYTHON}-slim
 ARG VARIANT=cpu
 ARG TORCH=2.13.0
 ARG CUDA_WHEELS=cu128
-ARG EXTRAS=worker,serve,dashboard
+# Every feature a setting or a request turns on: grammars, s3:// and http(s):// images, HEIC, S3 batch files.
+ARG EXTRAS=worker,serve,dashboard,guided,urls,heif,s3
 
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 
