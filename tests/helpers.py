@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -281,3 +282,38 @@ def fp8_gpu() -> bool:
     from wicore.ops.fp8 import unsupported_reason
 
     return torch.cuda.is_available() and unsupported_reason(torch.device("cuda")) is None
+
+
+@dataclass(frozen=True)
+class Served:
+    url: str  # the gateway's
+    redis_url: str
+    worker: subprocess.Popen
+
+
+@contextlib.contextmanager
+def served_with_a_worker(logs: Path, batch_size: int = 4, worker_env: dict | None = None):
+    """A `Served`: one embedded Redis, one CPU fast-engine worker (the bundled model) and a
+    gateway on loopback, both ready; stopped (the worker killed) on the way out."""
+    import httpx
+
+    from wicore.embedded import EmbeddedRedis, free_port
+
+    with EmbeddedRedis() as redis_server:
+        metrics_port = free_port()
+        worker = start_worker(
+            "--redis-url", redis_server.url, "--engine", "fast", "--engine-option", "torch_threads=1",
+            "--batch-size", str(batch_size), "--metrics-port", str(metrics_port), env=worker_env,
+            log=logs / "worker.log",
+        )  # fmt: skip
+        port = free_port()
+        gateway = start_gateway("--redis-url", redis_server.url, "--port", str(port), log=logs / "gateway.log")
+        try:  # a failed start stops both too
+            wait_http(f"http://127.0.0.1:{metrics_port}/metrics", 120, worker)
+            url = f"http://127.0.0.1:{port}"
+            wait_http(url + "/health/live", 60, gateway)
+            wait_until(lambda: httpx.get(url + "/health/ready").status_code == 200, 60, 0.2, "a ready gateway")
+            yield Served(url, redis_server.url, worker)
+        finally:
+            stop(gateway)
+            stop(worker, signal.SIGKILL)

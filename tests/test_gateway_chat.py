@@ -8,14 +8,12 @@ tokens.
 from __future__ import annotations
 
 import base64
-import signal
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.helpers import start_gateway, start_worker, stop, wait_http, wait_until
-from wicore.embedded import EmbeddedRedis, free_port
+from tests.helpers import served_with_a_worker
 
 pytestmark = pytest.mark.slow
 
@@ -43,25 +41,9 @@ TEXT = {"type": "text", "text": "Describe this image in detail."}
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    """(gateway URL, worker process) on one embedded Redis."""
-    logs = tmp_path_factory.mktemp("logs")
-    with EmbeddedRedis() as redis_server:
-        metrics_port = free_port()
-        worker = start_worker(
-            "--redis-url", redis_server.url, "--engine", "fast", "--engine-option", "torch_threads=1",
-            "--batch-size", "4", "--metrics-port", str(metrics_port), log=logs / "worker.log",
-        )  # fmt: skip
-        port = free_port()
-        gateway = start_gateway("--redis-url", redis_server.url, "--port", str(port), log=logs / "gateway.log")
-        try:  # a failed start stops both too
-            wait_http(f"http://127.0.0.1:{metrics_port}/metrics", 120, worker)
-            url = f"http://127.0.0.1:{port}"
-            wait_http(url + "/health/live", 60, gateway)
-            wait_until(lambda: httpx.get(url + "/health/ready").status_code == 200, 60, 0.2, "a ready gateway")
-            yield url
-        finally:
-            stop(gateway)
-            stop(worker, signal.SIGKILL)
+    """The gateway's URL, one CPU fast-engine worker behind it on one embedded Redis."""
+    with served_with_a_worker(tmp_path_factory.mktemp("logs")) as served:
+        yield served.url
 
 
 @pytest.fixture(scope="module")

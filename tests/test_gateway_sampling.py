@@ -7,14 +7,12 @@ from __future__ import annotations
 
 import base64
 import math
-import signal
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.helpers import start_gateway, start_worker, stop, wait_http, wait_until
-from wicore.embedded import EmbeddedRedis, free_port
+from tests.helpers import served_with_a_worker
 
 pytestmark = pytest.mark.slow
 
@@ -41,25 +39,8 @@ def messages() -> list[dict]:
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     """(gateway URL, Redis URL), the worker with a lower max_n than the gateway's."""
-    logs = tmp_path_factory.mktemp("logs")
-    with EmbeddedRedis() as redis_server:
-        metrics_port = free_port()
-        worker = start_worker(
-            "--redis-url", redis_server.url, "--engine", "fast", "--engine-option", "torch_threads=1",
-            "--batch-size", "4", "--metrics-port", str(metrics_port), env={"WICORE_MAX_N": "4"},
-            log=logs / "worker.log",
-        )  # fmt: skip
-        port = free_port()
-        gateway = start_gateway("--redis-url", redis_server.url, "--port", str(port), log=logs / "gateway.log")
-        try:
-            wait_http(f"http://127.0.0.1:{metrics_port}/metrics", 120, worker)
-            url = f"http://127.0.0.1:{port}"
-            wait_http(url + "/health/live", 60, gateway)
-            wait_until(lambda: httpx.get(url + "/health/ready").status_code == 200, 60, 0.2, "a ready gateway")
-            yield url, redis_server.url
-        finally:
-            stop(gateway)
-            stop(worker, signal.SIGKILL)
+    with served_with_a_worker(tmp_path_factory.mktemp("logs"), worker_env={"WICORE_MAX_N": "4"}) as served:
+        yield served.url, served.redis_url
 
 
 @pytest.fixture(scope="module")

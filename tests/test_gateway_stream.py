@@ -19,7 +19,7 @@ import httpx
 import pytest
 from redis import Redis
 
-from tests.helpers import start_gateway, start_worker, stop, wait_http, wait_until
+from tests.helpers import served_with_a_worker, start_gateway, start_worker, stop, wait_http, wait_until
 from tests.test_gateway_chat import IMAGES, MODEL, TEXT, caption_of, image_part
 from wicore import keys
 from wicore.embedded import EmbeddedRedis, free_port
@@ -30,24 +30,8 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     """(gateway URL, Redis URL, worker process) with one fast-engine worker."""
-    logs = tmp_path_factory.mktemp("logs")
-    with EmbeddedRedis() as redis_server:
-        metrics_port = free_port()
-        worker = start_worker(
-            "--redis-url", redis_server.url, "--engine", "fast", "--engine-option", "torch_threads=1",
-            "--batch-size", "4", "--metrics-port", str(metrics_port), log=logs / "worker.log",
-        )  # fmt: skip
-        port = free_port()
-        gateway = start_gateway("--redis-url", redis_server.url, "--port", str(port), log=logs / "gateway.log")
-        try:
-            wait_http(f"http://127.0.0.1:{metrics_port}/metrics", 120, worker)
-            url = f"http://127.0.0.1:{port}"
-            wait_http(url + "/health/live", 60, gateway)
-            wait_until(lambda: httpx.get(url + "/health/ready").status_code == 200, 60, 0.2, "a ready gateway")
-            yield url, redis_server.url, worker
-        finally:
-            stop(gateway)
-            stop(worker, signal.SIGKILL)
+    with served_with_a_worker(tmp_path_factory.mktemp("logs")) as served:
+        yield served.url, served.redis_url, served.worker
 
 
 @pytest.fixture(scope="module")

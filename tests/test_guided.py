@@ -8,16 +8,14 @@ from __future__ import annotations
 
 import base64
 import json
-import signal
 from pathlib import Path
 
 import httpx
 import pytest
 from pydantic import ValidationError
 
-from tests.helpers import start_gateway, start_worker, stop, wait_http, wait_until, wicore
+from tests.helpers import served_with_a_worker, wicore
 from wicore.bench import guided_bench
-from wicore.embedded import EmbeddedRedis, free_port
 from wicore.engines.base import EngineConfig, EngineRequest
 from wicore.models import DEMOCAP_DIR
 from wicore.schemas import CaptionJob, GenerationParams, GuidedSpec, ImageRef
@@ -174,24 +172,8 @@ def test_masks_on_the_gpu_equal_the_cpus():
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     """(gateway URL, Redis URL): one embedded Redis, a gateway and a CPU worker (fast engine)."""
-    logs = tmp_path_factory.mktemp("logs")
-    with EmbeddedRedis() as redis_server:
-        metrics_port = free_port()
-        worker = start_worker(
-            "--redis-url", redis_server.url, "--engine", "fast", "--engine-option", "torch_threads=1",
-            "--batch-size", "8", "--metrics-port", str(metrics_port), log=logs / "worker.log",
-        )  # fmt: skip
-        port = free_port()
-        gateway = start_gateway("--redis-url", redis_server.url, "--port", str(port), log=logs / "gateway.log")
-        try:
-            wait_http(f"http://127.0.0.1:{metrics_port}/metrics", 120, worker)
-            url = f"http://127.0.0.1:{port}"
-            wait_http(url + "/health/live", 60, gateway)
-            wait_until(lambda: httpx.get(url + "/health/ready").status_code == 200, 60, 0.2, "a ready gateway")
-            yield url, redis_server.url
-        finally:
-            stop(gateway)
-            stop(worker, signal.SIGKILL)
+    with served_with_a_worker(tmp_path_factory.mktemp("logs"), batch_size=8) as served:
+        yield served.url, served.redis_url
 
 
 def data_uri(raw: bytes) -> str:
