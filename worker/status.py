@@ -27,7 +27,8 @@ COUNTS = ("queued", "started", "finished", "failed")
 
 def collect_shards(connections: list[Redis], names: list[str]) -> dict[str, Any]:
     """`collect_status` of each shard (named by `names`: URLs without passwords), and their sum:
-    queues of the same name add up, workers are listed from every shard."""
+    queues of the same name add up, workers are listed from every shard. With one shard the
+    report is that shard's alone (no `shards` key)."""
     shards = [{"shard": i, "url": name, **collect_status(c)} for i, (c, name) in enumerate(zip(connections, names))]
     queues: dict[str, dict[str, Any]] = {}
     for shard in shards:
@@ -37,7 +38,8 @@ def collect_shards(connections: list[Redis], names: list[str]) -> dict[str, Any]
             for count in COUNTS:
                 total[count] += row[count]
     workers = [worker for shard in shards for worker in shard["workers"]]
-    return {"queues": sorted(queues.values(), key=lambda q: q["name"]), "workers": workers, "shards": shards}
+    report = {"queues": sorted(queues.values(), key=lambda q: q["name"]), "workers": workers}
+    return {**report, "shards": shards} if len(shards) > 1 else report
 
 
 def served_models(connection: Redis) -> set[str]:

@@ -235,7 +235,7 @@ def status(
     out = Console(soft_wrap=True, width=None if sys.stdout.isatty() else 1000)
     out.print(queue_table(report["queues"]))
     out.print(worker_table(report["workers"]))
-    for shard in report["shards"] if len(report["shards"]) > 1 else []:
+    for shard in report.get("shards", []):
         out.print(f"shard {shard['shard']}: {shard['url']}")
         out.print(queue_table(shard["queues"]))
         out.print(worker_table(shard["workers"]))

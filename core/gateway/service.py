@@ -67,5 +67,4 @@ def metrics(request: Request) -> Response:
 def stats(request: Request) -> dict[str, Any]:
     """What `wicore status` shows: bucket queues with their registries, workers and their counters."""
     gateway = request.app.state.gateway
-    report = collect_shards(gateway.connections, [f"shard {i}" for i in range(len(gateway.connections))])
-    return report if len(gateway.connections) > 1 else {k: v for k, v in report.items() if k != "shards"}
+    return collect_shards(gateway.connections, [f"shard {i}" for i in range(len(gateway.connections))])
