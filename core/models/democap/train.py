@@ -52,7 +52,7 @@ class TrainConfig:
     vision_steps: int = 4000  # stage 1: the tower alone on the probes
     vision_batch_size: int = 128
     vision_lr: float = 3e-3
-    steps: int = 900  # stage 2: the caption, tower frozen (cycling through `training_chats`' 26 layouts)
+    steps: int = 2400  # stage 2: the caption, tower frozen (cycling through `training_chats`' 26 layouts)
     batch_size: int = 96
     lr: float = 2e-3
     min_lr_factor: float = 0.02
