@@ -16,7 +16,7 @@ files through the processor's resize) is checked in each layout (`model.LAYOUTS`
 the first JSON prompt after the image) every `--eval-every` steps.
 
 `--tower-from CHECKPOINT` takes the tower of a checkpoint this script wrote and runs the caption
-stage alone (stage 1 is ~18 of the ~21 minutes): the stages share nothing but the tower, so a new
+stage alone (stage 1 is ~18 minutes, the caption stage ~13): the stages share nothing but the tower, so a new
 caption recipe need not retrain it.
 
 Where the CPU has bf16 matrix units, the tower stage runs a bf16 copy of the tower against fp32
