@@ -52,6 +52,7 @@ def test_every_caption_is_in_the_tokenizer_corpus():
 
 
 def test_json_answers_name_the_captions_fields_in_the_schemas_order():
+    from wicore.bench import guided_bench
     from wicore.models.democap.model import JSON_PROMPTS, answer_text, training_chats
 
     expected = '{"shape": "star", "color": "orange", "background": "white"}<end_of_turn>'
@@ -62,6 +63,7 @@ def test_json_answers_name_the_captions_fields_in_the_schemas_order():
     asked = [chat[0]["content"] for chat, form in training_chats() if form == "json"]
     assert len(asked) == 2 * len(JSON_PROMPTS)  # each wording before and after the image
     assert all(any(part.get("text") in JSON_PROMPTS for part in parts) for parts in asked)
+    assert JSON_PROMPTS[0] == guided_bench.JSON_PROMPT
 
 
 def test_specs_stay_inside_the_task():

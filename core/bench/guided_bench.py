@@ -3,7 +3,7 @@ true shape, colour and background of a generated image, against the free-text ca
 (and a regex and a choice output in the captioner's own phrasing).
 
 The images are the demo captioner's own task (`democap.data`, seeded, as examples/make_images.py
-draws them). Each image runs three times on one engine, in one batch: free (its caption), guided by
+draws them). Each image runs five times on one engine, in one batch: free (its caption), guided by
 `SCHEMA` (enums of the captioner's words) with a prompt that asks for JSON (`JSON_PROMPT`, as the
 model was trained to answer in JSON) and again with the caption prompt (`guided_plain_prompt`),
 by `CAPTION_REGEX` and by `CAPTIONS` (a choice of every caption the task has). Every JSON output
@@ -148,8 +148,9 @@ def image_chat(prompt: str) -> list[dict]:
 
 def run_via_gateway(n: int, max_new_tokens: int = 64, seed: int = SEED, clients: int = 32) -> dict[str, Any]:
     """The same comparison as `run`, end to end: every image asked free and with OpenAI's
-    `response_format` (and `JSON_PROMPT`) through the official `openai` client, against a `wicore serve` gateway and
-    one CPU worker (fast engine) on an embedded Redis, `clients` requests in flight."""
+    `response_format` (and `JSON_PROMPT`) through the official `openai` client, against a
+    `wicore serve` gateway and one CPU worker (fast engine) on an embedded Redis, `clients`
+    requests in flight."""
     import base64
     from concurrent.futures import ThreadPoolExecutor
 
