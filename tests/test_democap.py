@@ -51,6 +51,21 @@ def test_every_caption_is_in_the_tokenizer_corpus():
     assert len(caption_lines()) == len(COLORS) * (len(COLORS) - 1) * len(SHAPES)
 
 
+def test_json_answers_name_the_captions_fields_in_the_schemas_order():
+    from wicore.bench import guided_bench
+    from wicore.models.democap.model import JSON_PROMPTS, answer_text, training_chats
+
+    expected = '{"shape": "star", "color": "orange", "background": "white"}<end_of_turn>'
+    assert answer_text("an orange star on a white background", "json") == expected
+    assert answer_text("an orange star on a white background") == "an orange star on a white background<end_of_turn>"
+    with pytest.raises(ValueError, match="answer form"):
+        answer_text("an orange star on a white background", "yaml")
+    asked = [chat[0]["content"] for chat, form in training_chats() if form == "json"]
+    assert len(asked) == 2 * len(JSON_PROMPTS)  # each wording before and after the image
+    assert all(any(part.get("text") in JSON_PROMPTS for part in parts) for parts in asked)
+    assert JSON_PROMPTS[0] == guided_bench.JSON_PROMPT
+
+
 def test_specs_stay_inside_the_task():
     for spec in data.sample_specs(500, seed=5):
         assert min(spec.width, spec.height) >= 64 and max(spec.width, spec.height) <= 1024
@@ -221,7 +236,7 @@ def test_training_writes_a_gemma3_checkpoint_the_reference_engine_runs(tmp_path)
     assert same, "the same command wrote different weights"
     record = json.loads((out / "training.json").read_text())
     assert record["history"][-1]["step"] == 3 and 0.0 <= record["valid_exact_match"] <= 1.0
-    assert set(record["valid_exact_match_by_layout"]) == {"image-first", "text-first", "image-only"}
+    assert set(record["valid_exact_match_by_layout"]) == {"image-first", "text-first", "image-only", "json"}
     caption_only = tmp_path / "caption-only"  # the caption stage alone, on the first run's tower
     main(["--out", str(caption_only), "--tower-from", str(out), "--steps", "3", "--batch-size", "4",
           "--valid-images", "8", "--eval-every", "3", "--pool", "16", *small])  # fmt: skip

@@ -1,7 +1,8 @@
 """Every message shape through the official `openai` client and the native route, end to end:
 a real `wicore serve`, a real redis-server and a CPU worker (fast engine) on the bundled demo
-captioner. Image first, text first and image only each caption all six examples right; a
-text-only chat answers; a message with two images is one job whose prompt holds both images'
+captioner. Image first, text first and image only each caption all six examples right, and a
+prompt asking for JSON under a JSON schema names their fields right in both orders; a text-only
+chat answers; a message with two images is one job whose prompt holds both images'
 tokens.
 """
 
@@ -53,9 +54,9 @@ def client(served):
     return openai.OpenAI(base_url=served + "/v1", api_key="unused", timeout=120)
 
 
-def ask(client, content, **fields):
+def ask(client, content, max_tokens=24, **fields):
     messages = [{"role": "user", "content": content}]
-    return client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, **fields)
+    return client.chat.completions.create(model=MODEL, messages=messages, max_tokens=max_tokens, **fields)
 
 
 @pytest.mark.parametrize("layout", ["image-first", "text-first", "image-only"])
@@ -65,6 +66,21 @@ def test_every_layout_captions_the_six_examples(client, layout):
         content = {"image-first": [part, TEXT], "text-first": [TEXT, part], "image-only": [part]}[layout]
         reply = ask(client, content)
         assert (reply.choices[0].message.content, reply.choices[0].finish_reason) == (caption_of(image), "stop")
+
+
+@pytest.mark.parametrize("layout", ["image-first", "text-first"])
+def test_a_json_prompt_under_the_schema_names_the_six_examples_fields(client, layout):
+    from wicore.bench.guided_bench import JSON_PROMPT, SCHEMA
+
+    text = {"type": "text", "text": JSON_PROMPT}
+    response_format = {"type": "json_schema", "json_schema": {"name": "picture", "schema": SCHEMA, "strict": True}}
+    for image in IMAGES:
+        part = image_part(image)
+        content = {"image-first": [part, text], "text-first": [text, part]}[layout]
+        reply = ask(client, content, 64, response_format=response_format)  # ~42 tokens
+        color, shape, _, background = image.stem.split("-")
+        expected = f'{{"shape": "{shape}", "color": "{color}", "background": "{background}"}}'
+        assert (reply.choices[0].message.content, reply.choices[0].finish_reason) == (expected, "stop")
 
 
 def test_a_text_only_chat_with_a_system_turn_answers(client):

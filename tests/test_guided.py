@@ -45,6 +45,29 @@ def test_the_spec_is_part_of_the_job_id():
     assert same
 
 
+def test_the_captioners_json_answer_is_the_token_sequence_the_schema_admits():
+    """The JSON form democap trains on, in its own tokens, walks the schema's grammar to its end;
+    the same fields spaced otherwise do not."""
+    from transformers import AutoTokenizer
+
+    from wicore.engines.guided import Grammars
+    from wicore.models.democap.model import answer_text
+
+    tok = AutoTokenizer.from_pretrained(DEMOCAP_DIR)
+    end_of_turn = tok.convert_tokens_to_ids("<end_of_turn>")
+    grammars = Grammars(tok, 1024, frozenset({tok.eos_token_id, end_of_turn}))
+    trained = answer_text("a red star on a purple background", "json")
+    loose = '{"shape":"star","color":"red","background":"purple"}<end_of_turn>'
+    walked = {}
+    for text in (trained, loose):
+        state = grammars.state(GuidedSpec(json_schema=guided_bench.SCHEMA))
+        assert state is not None
+        for token in tok(text, add_special_tokens=False).input_ids:
+            state.accept(token)
+        walked[text] = not state.broken and state.matcher.is_terminated()
+    assert walked == {trained: True, loose: False}
+
+
 def test_a_grammar_compiles_once_and_the_cache_is_bounded():
     from transformers import AutoTokenizer
 
@@ -78,6 +101,7 @@ def test_fast_engine_json_outputs_all_validate_on_20_images():
     assert report["choice_valid"] == 20
     for own_phrasing in ("regex_caption", "choice_caption"):
         assert report[own_phrasing]["all_three"] >= report["free"]["all_three"] - 0.05
+    assert report["guided"]["all_three"] >= report["free"]["all_three"] - 0.1  # asked for JSON, it answers in JSON
 
 
 @pytest.mark.slow

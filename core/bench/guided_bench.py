@@ -3,10 +3,11 @@ true shape, colour and background of a generated image, against the free-text ca
 (and a regex and a choice output in the captioner's own phrasing).
 
 The images are the demo captioner's own task (`democap.data`, seeded, as examples/make_images.py
-draws them). Each image runs three times on one engine, in one batch: free (its caption), guided by
-`SCHEMA` (enums of the captioner's words), by `CAPTION_REGEX` and by `CAPTIONS` (a choice of every
-caption the task has). Every JSON output must parse and validate; the
-fields of both are compared with the truth.
+draws them). Each image runs five times on one engine, in one batch: free (its caption), guided by
+`SCHEMA` (enums of the captioner's words) with a prompt that asks for JSON (`JSON_PROMPT`, as the
+model was trained to answer in JSON) and again with the caption prompt (`guided_plain_prompt`),
+by `CAPTION_REGEX` and by `CAPTIONS` (a choice of every caption the task has). Every JSON output
+must parse and validate; the fields of each are compared with the truth.
 
 python -m wicore.bench.guided_bench --images 200 --out bench/results/guided-democap-2cpu.json
 python -m wicore.bench.guided_bench --images 200 --via-gateway --out bench/results/guided-democap-gateway-2cpu.json
@@ -43,6 +44,7 @@ def all_captions() -> tuple[str, ...]:
 
 
 PROMPT = "Describe this image in detail."
+JSON_PROMPT = "Describe this image as JSON with the keys shape, color and background."  # democap's JSON_PROMPTS[0]
 SEED = 7
 
 
@@ -95,16 +97,21 @@ def run(engine, n: int, max_new_tokens: int = 64, seed: int = SEED) -> dict[str,
     from wicore.schemas import GenerationParams, GuidedSpec
 
     drawn = samples(n, seed)
-    chat = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": PROMPT}]}]
     free = GenerationParams(max_new_tokens=max_new_tokens)
     guided = GenerationParams(max_new_tokens=max_new_tokens, guided=GuidedSpec(json_schema=SCHEMA))
     regex = GenerationParams(max_new_tokens=max_new_tokens, guided=GuidedSpec(regex=CAPTION_REGEX))
     choice = GenerationParams(max_new_tokens=max_new_tokens, guided=GuidedSpec(choice=all_captions()))
-    kinds = (("free", free), ("guided", guided), ("regex", regex), ("choice", choice))
+    kinds = (
+        ("free", PROMPT, free),
+        ("guided", JSON_PROMPT, guided),
+        ("guided_plain", PROMPT, guided),
+        ("regex", PROMPT, regex),
+        ("choice", PROMPT, choice),
+    )
     requests = [
-        EngineRequest(f"{kind}-{i}", chat, [decode(raw)], params)
+        EngineRequest(f"{kind}-{i}", image_chat(prompt), [decode(raw)], params)
         for i, (raw, _) in enumerate(drawn)
-        for kind, params in kinds
+        for kind, prompt, params in kinds
     ]
     start = time.perf_counter()
     done = {c.id: c for c in engine.generate(requests)}
@@ -112,14 +119,18 @@ def run(engine, n: int, max_new_tokens: int = 64, seed: int = SEED) -> dict[str,
     truths = [truth for _, truth in drawn]
     guided_text = [done[f"guided-{i}"].text or "" for i in range(n)]
     parsed = [json_fields(text) for text in guided_text]
+    plain = [json_fields(done[f"guided_plain-{i}"].text or "") for i in range(n)]
     return {
         "images": n,
         "seed": seed,
         "engine": engine.name,
         "schema": SCHEMA,
+        "json_prompt": JSON_PROMPT,
         "guided_valid": sum(p is not None for p in parsed),
         "guided_finish_reasons": _count(done[f"guided-{i}"].finish_reason for i in range(n)),
         "guided": score(truths, parsed),
+        "guided_plain_prompt_valid": sum(p is not None for p in plain),
+        "guided_plain_prompt": score(truths, plain),
         "free": score(truths, [caption_fields(done[f"free-{i}"].text or "") for i in range(n)]),
         "regex_caption": score(truths, [caption_fields(done[f"regex-{i}"].text or "") for i in range(n)]),
         "choice_caption": score(truths, [caption_fields(done[f"choice-{i}"].text or "") for i in range(n)]),
@@ -130,10 +141,16 @@ def run(engine, n: int, max_new_tokens: int = 64, seed: int = SEED) -> dict[str,
     }
 
 
+def image_chat(prompt: str) -> list[dict]:
+    """One user turn: the image, then `prompt`."""
+    return [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": prompt}]}]
+
+
 def run_via_gateway(n: int, max_new_tokens: int = 64, seed: int = SEED, clients: int = 32) -> dict[str, Any]:
     """The same comparison as `run`, end to end: every image asked free and with OpenAI's
-    `response_format` through the official `openai` client, against a `wicore serve` gateway and
-    one CPU worker (fast engine) on an embedded Redis, `clients` requests in flight."""
+    `response_format` (and `JSON_PROMPT`) through the official `openai` client, against a
+    `wicore serve` gateway and one CPU worker (fast engine) on an embedded Redis, `clients`
+    requests in flight."""
     import base64
     from concurrent.futures import ThreadPoolExecutor
 
@@ -144,7 +161,8 @@ def run_via_gateway(n: int, max_new_tokens: int = 64, seed: int = SEED, clients:
 
     def ask(client, raw: bytes, constrained: bool):
         url = "data:image/png;base64," + base64.b64encode(raw).decode()
-        content = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": PROMPT}]
+        prompt = JSON_PROMPT if constrained else PROMPT
+        content = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": prompt}]
         extra = {"response_format": response_format} if constrained else {}
         reply = client.chat.completions.create(
             model="democap", messages=[{"role": "user", "content": content}], max_tokens=max_new_tokens, **extra
@@ -165,6 +183,7 @@ def run_via_gateway(n: int, max_new_tokens: int = 64, seed: int = SEED, clients:
         "seed": seed,
         "via": "openai client -> wicore serve -> Redis -> wicore worker (fast engine, CPU)",
         "schema": SCHEMA,
+        "json_prompt": JSON_PROMPT,
         "guided_valid": sum(p is not None for p in parsed),
         "guided_finish_reasons": _count(choice.finish_reason for choice in constrained),
         "guided": score(truths, parsed),

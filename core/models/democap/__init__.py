@@ -6,6 +6,6 @@ The parts: the task's image generator (`data`), a second, independent renderer f
 checks (`alt_render`), a batch renderer at the model's input size for training (`synth`),
 examples as the model sees them (`batches`: images through the user's path, token layouts), the
 architecture (`model`: the conversation layouts it answers, `LAYOUTS`), the training script
-(`train`: ~21 minutes on 2 CPU cores, deterministic) and the evaluation through `wicore caption`
+(`train`: ~32 minutes on 2 CPU cores, deterministic) and the evaluation through `wicore caption`
 (`evaluate`).
 """

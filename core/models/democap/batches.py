@@ -45,18 +45,21 @@ class Layout:
 
     prompt_ids: torch.Tensor  # [P] long: <bos> ... <start_of_turn>model\n, 16 image soft tokens inside
     prompt_types: torch.Tensor  # [P] long: 1 on image soft tokens (bidirectional attention), else 0
-    answers: dict[str, list[int]]  # caption -> its answer ids, ending with <end_of_turn>
+    answers: dict[str, list[int]]  # caption -> its answer's ids (the caption or its JSON), ending with <end_of_turn>
     pad_id: int
 
     @classmethod
-    def from_processor(cls, processor, captions: list[str], conversation: list[dict] | None = None) -> Layout:
-        """The layout of `conversation` (default: `chat()`, the image then the default prompt)."""
+    def from_processor(
+        cls, processor, captions: list[str], conversation: list[dict] | None = None, form: str = "caption"
+    ) -> Layout:
+        """The layout of `conversation` (default: `chat()`, the image then the default prompt),
+        answered in `form` (`model.answer_text`)."""
         text = processor.apply_chat_template(conversation or chat(), add_generation_prompt=True)
         size = processor.image_processor.size["height"]
         blank = Image.new("RGB", (size, size))
         enc = processor(text=[text], images=[[blank]], add_special_tokens=False, return_tensors="pt")
         tok = processor.tokenizer
-        answers = {c: tok(answer_text(c), add_special_tokens=False).input_ids for c in captions}
+        answers = {c: tok(answer_text(c, form), add_special_tokens=False).input_ids for c in captions}
         return cls(enc["input_ids"][0], enc["token_type_ids"][0], answers, tok.pad_token_id)
 
     def batch(self, captions: list[str]) -> dict[str, torch.Tensor]:

@@ -7,6 +7,7 @@ flows through every wicore engine like a real Gemma-3 checkpoint.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 from transformers import (
@@ -104,16 +105,41 @@ def chat(prompt: str = DEFAULT_PROMPT, layout: str = "image-first") -> list[dict
     return [{"role": "user", "content": parts}]
 
 
-def training_chats() -> list[list[dict]]:
-    """Every conversation the caption stage trains on, in the order its steps cycle through them:
-    each prompt wording before and after the image, and an image alone, so that a third of the
-    steps see no text."""
+# Prompts that ask for the caption's fields as JSON; answered in `answer_text(..., "json")`'s form.
+JSON_PROMPTS = (
+    "Describe this image as JSON with the keys shape, color and background.",
+    "Answer in JSON: shape, color, background.",
+    "Give the shape, color and background of this image as a JSON object.",
+    "Return JSON.",
+)
+ANSWER_FORMS = ("caption", "json")
+
+
+def training_chats() -> list[tuple[list[dict], str]]:
+    """Every conversation the caption stage trains on and the form of its answer (one of
+    `ANSWER_FORMS`), in the order its steps cycle through them: each prompt wording before and
+    after the image, and an image alone, answered with the caption; then each `JSON_PROMPTS`
+    wording before and after the image, answered in JSON."""
     chats = []
     for prompt in PROMPTS:
         chats += [chat(prompt, "image-first"), chat(prompt, "text-first"), chat(layout="image-only")]
-    return chats
+    captioned = [(c, "caption") for c in chats]
+    return captioned + [(chat(prompt, layout), "json") for prompt in JSON_PROMPTS for layout in LAYOUTS[:2]]
 
 
-def answer_text(caption: str) -> str:
-    """What the model learns to write after `<start_of_turn>model\\n`: the caption, then its turn ends."""
-    return caption + END_OF_TURN
+def answer_text(caption: str, form: str = "caption") -> str:
+    """What the model learns to write after `<start_of_turn>model\\n`, then its turn ends: the
+    caption ("a red star on a purple background"), or in "json" its fields in the schema order
+    {shape, color, background}, spaced as a JSON-schema grammar generates them compactly:
+    `{"shape": "star", "color": "red", "background": "purple"}`."""
+    if form == "caption":
+        return caption + END_OF_TURN
+    if form == "json":
+        return caption_json(caption) + END_OF_TURN
+    raise ValueError(f"answer form {form!r} is not one of {ANSWER_FORMS}")
+
+
+def caption_json(caption: str) -> str:
+    """ "a red star on a purple background" -> '{"shape": "star", "color": "red", "background": "purple"}'."""
+    _, color, shape, _, _, background, _ = caption.split()
+    return json.dumps({"shape": shape, "color": color, "background": background})

@@ -10,11 +10,13 @@ pool of masks drawn once (`synth.MaskPool`, ~4x cheaper a step than drawing fres
 painted, turned and compressed anew every step, so no two steps see the same image. The probes
 are dropped and the checkpoint is a plain Gemma-3. The caption stage's steps cycle through
 every layout a user sends (`model.training_chats`: each prompt wording before and after the
-image, and the image alone). A held-out set drawn by the user's path (`data.py` files through
-the processor's resize) is checked in each layout (`model.LAYOUTS`) every `--eval-every` steps.
+image, and the image alone; then each prompt asking for JSON before and after the image,
+answered with the caption's fields as JSON). A held-out set drawn by the user's path (`data.py`
+files through the processor's resize) is checked in each layout (`model.LAYOUTS`, and "json":
+the first JSON prompt after the image) every `--eval-every` steps.
 
 `--tower-from CHECKPOINT` takes the tower of a checkpoint this script wrote and runs the caption
-stage alone (stage 1 is ~18 of the ~21 minutes): the stages share nothing but the tower, so a new
+stage alone (stage 1 is ~18 minutes, the caption stage ~13): the stages share nothing but the tower, so a new
 caption recipe need not retrain it.
 
 Where the CPU has bf16 matrix units, the tower stage runs a bf16 copy of the tower against fp32
@@ -39,7 +41,7 @@ from wicore.models.corpus import COLORS, SHAPES, caption_lines
 from wicore.models.democap import synth
 from wicore.models.democap.batches import Layout, normalize, render_all
 from wicore.models.democap.data import sample_specs
-from wicore.models.democap.model import LAYOUTS, Arch, build, chat, training_chats
+from wicore.models.democap.model import JSON_PROMPTS, LAYOUTS, Arch, build, chat, training_chats
 
 VALID_SEED = 2  # the held-out set checked during training; evaluation seeds are >= 1000
 
@@ -50,7 +52,7 @@ class TrainConfig:
     vision_steps: int = 4000  # stage 1: the tower alone on the probes
     vision_batch_size: int = 128
     vision_lr: float = 3e-3
-    steps: int = 900  # stage 2: the caption, tower frozen (cycling through `training_chats`' 18 layouts)
+    steps: int = 2400  # stage 2: the caption, tower frozen (cycling through `training_chats`' 26 layouts)
     batch_size: int = 96
     lr: float = 2e-3
     min_lr_factor: float = 0.02
@@ -146,7 +148,8 @@ def train(config: TrainConfig, arch: Arch) -> dict:
 @dataclass(frozen=True)
 class Layouts:
     """The caption stage's token layouts: `train`, the conversations its steps cycle through;
-    `valid`, the default prompt in each of `LAYOUTS`, checked on the held-out set."""
+    `valid`, the default prompt in each of `LAYOUTS` and the first JSON prompt before the image
+    ("json"), checked on the held-out set."""
 
     train: list[Layout]
     valid: dict[str, Layout]
@@ -154,8 +157,9 @@ class Layouts:
     @classmethod
     def build(cls, processor) -> Layouts:
         captions = caption_lines()
-        train = [Layout.from_processor(processor, captions, c) for c in training_chats()]
+        train = [Layout.from_processor(processor, captions, c, form) for c, form in training_chats()]
         valid = {name: Layout.from_processor(processor, captions, chat(layout=name)) for name in LAYOUTS}
+        valid["json"] = Layout.from_processor(processor, captions, chat(JSON_PROMPTS[0]), "json")
         return cls(train, valid)
 
     def at(self, step: int) -> Layout:
