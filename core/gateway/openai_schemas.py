@@ -130,52 +130,12 @@ class StreamOptions(BaseModel):
     include_usage: StrictBool = False  # a last chunk, of no choices, carries the usage
 
 
-class ChatCompletionRequest(UnsupportedFields):
-    """OpenAI's request body; `top_k`, `ignore_eos` and `priority` are wicore's additions (send
-    them through the client's `extra_body`). Unknown fields are an error, as at OpenAI."""
+class SamplingRequest(UnsupportedFields):
+    """The fields chat and text completions share."""
 
     model_config = ConfigDict(extra="forbid")
 
     model: str
-    messages: list[Message] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0)  # default 0: greedy (OpenAI's is 1)
-    top_p: float | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    n: int = Field(1, description="Choices, each sampled with its own seed (at most the setting max_n).")
-    logprobs: bool | None = None
-    top_logprobs: int | None = Field(None, description="With logprobs: alternatives per token (at most max_logprobs).")
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None  # transformers' (vLLM's extra field too)
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    user: str | None = None
-    top_k: int | None = None
-    ignore_eos: bool = False
-    priority: Lane = Lane.NORMAL
-    response_format: ResponseFormat | None = None
-    guided: dict[str, Any] | None = Field(
-        None, description='wicore\'s grammar, as on native jobs: {"json_schema"}, {"regex"} or {"choice"}.'
-    )
-
-
-def check_stream_options(stream: bool, options: StreamOptions | None) -> None:
-    if options is not None and not stream:
-        raise ApiError(400, "stream_options: only allowed with stream: true", param="stream_options")
-
-
-class CompletionRequest(UnsupportedFields):
-    """OpenAI's legacy text completion: one text prompt, no images. The prompt goes to the model
-    as one user turn of its chat template (wicore's jobs are conversations). `top_k`,
-    `ignore_eos` and `priority` are wicore's additions."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    model: str
-    prompt: str | list[str] = Field(description="One text prompt (a list holds exactly one).")
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0)  # default 0: greedy (OpenAI's is 1)
     top_p: float | None = None
@@ -188,6 +148,37 @@ class CompletionRequest(UnsupportedFields):
     top_k: int | None = None
     ignore_eos: bool = False
     priority: Lane = Lane.NORMAL
+
+
+class ChatCompletionRequest(SamplingRequest):
+    """OpenAI's chat request body; `top_k`, `ignore_eos` and `priority` are wicore's additions
+    (send them through the client's `extra_body`). Unknown fields are an error, as at OpenAI."""
+
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    n: int = Field(1, description="Choices, each sampled with its own seed (at most the setting max_n).")
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, description="With logprobs: alternatives per token (at most max_logprobs).")
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None  # transformers' (vLLM's extra field too)
+    response_format: ResponseFormat | None = None
+    guided: dict[str, Any] | None = Field(
+        None, description='wicore\'s grammar, as on native jobs: {"json_schema"}, {"regex"} or {"choice"}.'
+    )
+
+
+def check_stream_options(stream: bool, options: StreamOptions | None) -> None:
+    if options is not None and not stream:
+        raise ApiError(400, "stream_options: only allowed with stream: true", param="stream_options")
+
+
+class CompletionRequest(SamplingRequest):
+    """OpenAI's legacy text completion: one text prompt, no images. The prompt goes to the model
+    as one user turn of its chat template (wicore's jobs are conversations). `top_k`,
+    `ignore_eos` and `priority` are wicore's additions."""
+
+    prompt: str | list[str] = Field(description="One text prompt (a list holds exactly one).")
     suffix: SkipJsonSchema[Any] = None
     echo: SkipJsonSchema[Any] = None
     best_of: SkipJsonSchema[Any] = None
