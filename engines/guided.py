@@ -11,12 +11,14 @@ that EOS (finish_reason stop). A grammar that never ends runs to max_new_tokens 
 `mask_logits` is the whole hook of a sampler: it fills the bitmask rows of the constrained
 sequences only ([R, ceil(V / 32)] int32 in a reused host buffer, `MaskRows`), copies them to the
 logits' device and applies them there in place (a kernel on CUDA, xgrammar's torch path on the
-CPU); free rows are left alone.
+CPU); free rows are left alone. `GuidedHost` does both halves of a fast-engine step (the last
+tokens accepted, then the mask) and keeps their host seconds, which the engine's stats report.
 """
 
 from __future__ import annotations
 
 import hashlib
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -169,6 +171,31 @@ class MaskRows:
         self.copied = torch.cuda.Event()
         self.copied.record()
         return on_device
+
+
+class GuidedHost:
+    """The host half of a guided decode step, timed: `wait_s` reading the last step's tokens back
+    and accepting them (a guided step cannot sample before those have landed), `mask_s` filling
+    and applying the mask. A batch with no grammar costs one scan of its rows."""
+
+    def __init__(self, device: torch.device | str):
+        self.masks = MaskRows(device)
+        self.steps, self.wait_s, self.mask_s = 0, 0.0, 0.0
+
+    def mask(self, logits: torch.Tensor, states: Sequence[GrammarState | None]) -> torch.Tensor:
+        if all(state is None for state in states):
+            return logits
+        start = time.perf_counter()
+        catch_up(states)
+        caught_up = time.perf_counter()
+        logits = mask_logits(logits, states, self.masks)
+        self.steps += 1
+        self.wait_s += caught_up - start
+        self.mask_s += time.perf_counter() - caught_up
+        return logits
+
+    def stats(self) -> dict:
+        return {"guided_steps": self.steps, "guided_wait_s": self.wait_s, "guided_mask_s": self.mask_s}
 
 
 def catch_up(states: Sequence[GrammarState | None]) -> Sequence[GrammarState | None]:

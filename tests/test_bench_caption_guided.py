@@ -29,6 +29,8 @@ def test_free_and_constrained_run_on_the_same_images(tmp_path, tiny_model_dir):
     assert report["images_per_s_ratio"] == constrained["images_per_s"] / free["images_per_s"]
     assert report["guided"] == {"json_schema": SCHEMA}
     assert report["constrained_engine_stats"]["jobs_done"] >= 6, "warm-up and timed jobs, all guided"
+    host = report["guided_host"]
+    assert host["steps"] > 0 and host["wait_ms_per_step"] >= 0 and host["mask_ms_per_step"] > 0
 
 
 def test_a_bad_schema_file_is_one_line_exit_2(tmp_path):

@@ -123,13 +123,17 @@ def test_each_request_keeps_its_grammar_in_a_shared_batch(name):
         EngineRequest(key, chat, [image], GenerationParams(max_new_tokens=8 if key == "endless" else 64, guided=spec))
         for key, spec in specs.items()
     ]
-    done = {c.id: c for c in engine(name).generate(requests)}
+    running = engine(name)
+    done = {c.id: c for c in running.generate(requests)}
     assert done["free"].text == "a red star on a purple background"
     valid_json(json.loads(done["json"].text))
     assert done["choice"].text == CHOICES[0] and done["choice"].finish_reason == "stop"
     assert done["regex"].text == "a red star on a purple background"
     assert done["endless"].finish_reason == "length" and len(done["endless"].token_ids) == 8
     assert done["bad"].input_error and "BadGrammar: regex" in done["bad"].error
+    if name == "fast":  # the host's share of guided steps, for benchmarks to report
+        stats = running.stats()
+        assert stats["guided_steps"] > 0 and stats["guided_wait_s"] >= 0 and stats["guided_mask_s"] > 0
 
 
 @pytest.mark.slow

@@ -67,5 +67,14 @@ def run_guided_bench(bench: CaptionBench, guided: dict) -> dict:
         "constrained": {key: constrained[key] for key in KEYS},
         "images_per_s_ratio": constrained["images_per_s"] / free["images_per_s"],
         "output_tokens_per_s_ratio": constrained["output_tokens_per_s"] / free["output_tokens_per_s"],
+        "guided_host": guided_host(constrained["engine_stats"]),
         "constrained_engine_stats": constrained["engine_stats"],
     }
+
+
+def guided_host(stats: dict) -> dict:
+    """Host milliseconds per guided step (the engine's `guided_*` stats): waiting for the last
+    tokens, then filling and applying the masks; with the step count."""
+    steps = stats.get("guided_steps") or 0
+    per_step = {key: 1e3 * stats.get(f"guided_{key}_s", 0.0) / steps if steps else None for key in ("wait", "mask")}
+    return {"steps": steps, "wait_ms_per_step": per_step["wait"], "mask_ms_per_step": per_step["mask"]}

@@ -410,6 +410,7 @@ def caption_guided(bench, schema: Path, out: Path) -> dict:
         f"free {free['images_per_s']:.2f} images/s, constrained {constrained['images_per_s']:.2f} images/s: "
         f"ratio {report['images_per_s_ratio']:.3f} (output tokens/s ratio {report['output_tokens_per_s_ratio']:.3f})"
     )
+    console.print(f"guided host per step (ms): {json.dumps(report['guided_host'])}")
     return report
 
 

@@ -98,6 +98,8 @@ class EngineStats:
             "high_lane_timelines": list(self.high_lane_timelines),
             "graph_replays": self.graph_replays,
             "eager_decodes": self.eager_decodes,
+            # Host seconds of guided steps: waiting for the last tokens, then filling the masks.
+            **(runner.guided.stats() if runner is not None else {}),
             # Prefills over the pages alone (short suffixes) and how many replayed a graph.
             "paged_prefilled": runner.paged_prefilled if runner is not None else 0,
             "prefill_graph_replays": runner.prefill_graphs.replays

@@ -81,7 +81,7 @@ class ModelRunner:
         paged_suffix: prefills of at most this many new tokens attend over their pages alone.
         kv_dtype: the KV cache's element type (default `dtype`; `ops.attention.KV_FP8`)."""
         self.parts, self.layout, self.sampler = parts, layout, sampler
-        self.grammar_masks = guided.MaskRows(device)  # constrained rows' token masks (engines/guided.py)
+        self.guided = guided.GuidedHost(device)  # constrained rows' token masks (engines/guided.py)
         self.device, self.dtype = torch.device(device), dtype
         self.kv_dtype = dtype if kv_dtype is None else kv_dtype
         # Cast once: looking up the cast table gives the same bits as casting looked-up float32.
@@ -392,7 +392,7 @@ class ModelRunner:
         """The grammars' masks are filled here, after the forward's launch: on CUDA the host
         reads the last step's tokens and fills them while the device runs the forward."""
         grammars = [s.grammar for s in seqs]
-        logits = guided.mask_logits(logits, guided.catch_up(grammars), self.grammar_masks)
+        logits = self.guided.mask(logits, grammars)
         params = [s.request.params for s in seqs]
         penalties = self.history.penalties(seqs, indices)
         asking = [i for i, s in enumerate(seqs) if s.top_logprobs is not None]
