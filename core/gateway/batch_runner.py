@@ -48,7 +48,7 @@ from wicore.gateway.file_store import FileStore, as_bytes, lines_from
 from wicore.gateway.submissions import problem
 from wicore.gateway.workers import live_models
 from wicore.producer import Producer, ProducerConfig, Submission
-from wicore.producer.client import ENDED, MISSING
+from wicore.producer.waiting import ENDED, MISSING
 
 log = logging.getLogger(__name__)
 
