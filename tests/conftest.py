@@ -1,4 +1,5 @@
-"""Shared fixtures: a real redis-server (embedded, or REDIS_URL), a tiny Gemma-3 checkpoint."""
+"""Shared fixtures: a real redis-server (embedded, or REDIS_URL), two as the shards of one deployment, a
+tiny Gemma-3 checkpoint."""
 
 from __future__ import annotations
 
@@ -36,6 +37,24 @@ def redis_conn(redis_url):
     connection = redis.Redis.from_url(redis_url)
     yield connection
     connection.close()
+
+
+@pytest.fixture(scope="module")
+def shard_urls():
+    """Two embedded redis-servers, the shards of one deployment, per test module."""
+    with EmbeddedRedis() as a, EmbeddedRedis() as b:
+        yield [a.url, b.url]
+
+
+@pytest.fixture
+def shards(shard_urls):
+    """A connection to each shard, flushed for each test."""
+    connections = [redis.Redis.from_url(url) for url in shard_urls]
+    for connection in connections:
+        connection.flushdb()
+    yield connections
+    for connection in connections:
+        connection.close()
 
 
 @pytest.fixture(scope="session")

@@ -159,6 +159,11 @@ def claimed_jobs(connection: Redis, worker: str) -> list[str]:
     return [run.decode().split(":")[0] for run in connection.zrange(keys.claims(worker), 0, -1)]
 
 
+def queued_ids(connection: Redis) -> set[str]:
+    """The ids of the jobs waiting in every RQ queue of this Redis."""
+    return {i.decode() for key in connection.scan_iter("rq:queue:*") for i in connection.lrange(key, 0, -1)}
+
+
 def kill_holding_pid(pid: int, held, timeout: float = 120):
     """kill -9 process `pid` at a moment `held()` is truthy (`at_a_frozen_moment`). Returns what
     `held()` read."""

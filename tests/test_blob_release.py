@@ -19,7 +19,7 @@ from tests.helpers import CommandCount, claimed_jobs, png_bytes, wait_until
 from wicore import keys
 from wicore.embedded import EmbeddedRedis
 from wicore.producer import Producer, ProducerConfig, Submission
-from wicore.producer.client import blob_shas
+from wicore.producer.claims import blob_shas
 from wicore.scheduler.queues import BucketQueues
 from wicore.schemas import GenerationParams
 from wicore.worker.rq_bridge import Finished, RQBridge, RQWorkerRecord

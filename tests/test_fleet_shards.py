@@ -11,10 +11,10 @@ from contextlib import ExitStack
 
 import httpx
 import pytest
-from redis import Redis
 
 from tests.helpers import (
     png_bytes,
+    queued_ids,
     start_cli,
     start_gateway,
     start_worker,
@@ -24,7 +24,7 @@ from tests.helpers import (
     wicore,
     write_images,
 )
-from wicore.embedded import EmbeddedRedis, free_port
+from wicore.embedded import free_port
 from wicore.producer import shard_of
 
 pytestmark = pytest.mark.slow
@@ -32,32 +32,12 @@ MODEL = "fleet"
 NULL = ["--engine", "null", "--model-id", MODEL, "--max-queue-delay-ms", "0"]
 
 
-@pytest.fixture(scope="module")
-def servers():
-    with EmbeddedRedis() as a, EmbeddedRedis() as b:
-        yield [a.url, b.url]
-
-
-@pytest.fixture
-def shards(servers):
-    connections = [Redis.from_url(url) for url in servers]
-    for connection in connections:
-        connection.flushdb()
-    yield connections
-    for connection in connections:
-        connection.close()
-
-
-def queued_ids(connection: Redis) -> set[str]:
-    return {i.decode() for key in connection.scan_iter("rq:queue:*") for i in connection.lrange(key, 0, -1)}
-
-
 def live_workers(url: str) -> list[dict]:
     return json.loads(wicore("status", "--json", "--redis-url", url).stdout)["workers"]
 
 
-def test_enqueue_cancel_status_worker_result_over_a_shard_list(tmp_path, servers, shards):
-    both = ",".join(servers)
+def test_enqueue_cancel_status_worker_result_over_a_shard_list(tmp_path, shard_urls, shards):
+    both = ",".join(shard_urls)
     paths = write_images(tmp_path / "imgs", 30)
     enqueued = wicore("enqueue", str(tmp_path / "imgs"), "--redis-url", both, "--model-id", MODEL)
     ids = [line.split("\t")[0] for line in enqueued.stdout.splitlines()]
@@ -67,11 +47,11 @@ def test_enqueue_cancel_status_worker_result_over_a_shard_list(tmp_path, servers
     assert all(shard_of(job_id, 2) == k for k, on in enumerate(held) for job_id in on)
 
     status = json.loads(wicore("status", "--json", "--redis-url", both).stdout)
-    assert [s["url"] for s in status["shards"]] == servers
+    assert [s["url"] for s in status["shards"]] == shard_urls
     assert sum(q["queued"] for q in status["queues"]) == 30
     assert [sum(q["queued"] for q in s["queues"]) for s in status["shards"]] == [len(held[0]), len(held[1])]
     table = wicore("status", "--redis-url", both).stdout
-    assert f"shard 0: {servers[0]}" in table and f"shard 1: {servers[1]}" in table
+    assert f"shard 0: {shard_urls[0]}" in table and f"shard 1: {shard_urls[1]}" in table
 
     dropped = [sorted(held[0])[0], sorted(held[1])[0]]
     canceled = wicore("cancel", *dropped, env={"WICORE_REDIS_URL": both})
@@ -80,7 +60,7 @@ def test_enqueue_cancel_status_worker_result_over_a_shard_list(tmp_path, servers
     with ExitStack() as stack:
         worker = start_worker("--workers", "2", "--redis-url", both, *NULL, log=tmp_path / "workers.log")
         stack.callback(stop, worker)
-        for url in servers:  # one worker on each shard
+        for url in shard_urls:  # one worker on each shard
             wait_until(lambda url=url: len(live_workers(url)) == 1, 120, 0.5, f"a worker on {url}")
         results = wicore("result", "-", "--wait", "120", "--redis-url", both, stdin=enqueued.stdout, check=False)
     lines = [json.loads(line) for line in results.stdout.splitlines()]
@@ -90,8 +70,8 @@ def test_enqueue_cancel_status_worker_result_over_a_shard_list(tmp_path, servers
     assert {status for job_id, status in by_status.items() if job_id not in dropped} == {"finished"}
 
 
-def test_gateway_over_a_shard_list(tmp_path, servers, shards):
-    both = ",".join(servers)
+def test_gateway_over_a_shard_list(tmp_path, shard_urls, shards):
+    both = ",".join(shard_urls)
     port = free_port()
     with ExitStack() as stack:
         for index in (0, 1):
@@ -116,15 +96,15 @@ def test_gateway_over_a_shard_list(tmp_path, servers, shards):
     assert [len(shard["workers"]) for shard in stats["shards"]] == [1, 1]
 
 
-def test_the_dashboard_lists_each_shard_as_an_instance(tmp_path, servers, shards):
+def test_the_dashboard_lists_each_shard_as_an_instance(tmp_path, shard_urls, shards):
     port = free_port()
-    dashboard = start_cli("dashboard", "--redis-url", ",".join(servers), "--port", str(port), log=tmp_path / "d.log")
+    dashboard = start_cli("dashboard", "--redis-url", ",".join(shard_urls), "--port", str(port), log=tmp_path / "d.log")
     try:
         wait_http(f"http://127.0.0.1:{port}/", 60, dashboard)
         pages = [httpx.get(f"http://127.0.0.1:{port}/{i}/view/queues", follow_redirects=True).text for i in (0, 1)]
     finally:
         stop(dashboard)
-    for url in servers:
+    for url in shard_urls:
         assert all(url in page for page in pages), "the instance list names both shards"
 
 
@@ -142,8 +122,8 @@ def chat_body() -> dict:
     return {"model": MODEL, "messages": [{"role": "user", "content": parts}], "max_tokens": 4}
 
 
-def test_caption_over_a_shard_list(tmp_path, servers, shards):
-    both = ",".join(servers)
+def test_caption_over_a_shard_list(tmp_path, shard_urls, shards):
+    both = ",".join(shard_urls)
     write_images(tmp_path / "imgs", 20)
     out = tmp_path / "out.jsonl"
     env = {"XDG_CACHE_HOME": str(tmp_path / "cache")}

@@ -14,7 +14,7 @@ from tests.helpers import png_bytes
 from wicore import keys
 from wicore.embedded import EmbeddedRedis
 from wicore.producer import Producer, ProducerConfig, Submission
-from wicore.producer.client import TASK
+from wicore.producer.rq_records import TASK
 from wicore.schemas import CaptionJob
 
 

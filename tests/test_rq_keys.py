@@ -15,7 +15,7 @@ from rq.results import Result
 from rq.worker import Worker
 
 from wicore import rq_keys
-from wicore.producer import client
+from wicore.producer import canceling, claims
 from wicore.scheduler import queues
 from wicore.worker import liveness, rq_scripts
 
@@ -43,7 +43,7 @@ def test_each_prefix_is_the_key_rq_computes(redis_conn):
 
 
 def test_no_lua_script_spells_an_rq_key():
-    scripts = [rq_scripts.CLAIM, rq_scripts.SETTLE, rq_scripts.REQUEUE, client._MARK_LUA, client._CANCEL_LUA]
+    scripts = [rq_scripts.CLAIM, rq_scripts.SETTLE, rq_scripts.REQUEUE, claims._MARK_LUA, canceling._CANCEL_LUA]
     scripts += [queues._HEADS_LUA, liveness._BEAT_LUA]
     for script in scripts:
         assert "rq:" not in script.replace(rq_keys.LUA_PREAMBLE, ""), script[:400]

@@ -11,8 +11,7 @@ from rq.job import Job, JobStatus
 from rq.registry import FailedJobRegistry, FinishedJobRegistry
 from rq.serializers import JSONSerializer
 
-from tests.helpers import CommandCount, png_bytes
-from wicore.embedded import EmbeddedRedis
+from tests.helpers import CommandCount, png_bytes, queued_ids
 from wicore.engines import EngineConfig
 from wicore.engines.null import NullEngine
 from wicore.errors import ResultTimeout
@@ -23,26 +22,6 @@ from wicore.worker.loop import BatchingWorker
 from wicore.worker.worker_config import WorkerConfig
 
 MODEL = "sharded"
-
-
-@pytest.fixture(scope="module")
-def servers():
-    with EmbeddedRedis() as a, EmbeddedRedis() as b:
-        yield [a.url, b.url]
-
-
-@pytest.fixture
-def shards(servers):
-    connections = [Redis.from_url(url) for url in servers]
-    for connection in connections:
-        connection.flushdb()
-    yield connections
-    for connection in connections:
-        connection.close()
-
-
-def queued(connection: Redis) -> set[str]:
-    return {i.decode() for key in connection.scan_iter("rq:queue:*") for i in connection.lrange(key, 0, -1)}
 
 
 def serve(connection: Redis) -> BatchingWorker:
@@ -59,7 +38,7 @@ def test_each_job_is_enqueued_run_and_read_on_its_own_shard(shards):
     ids = producer.submit_many([Submission(png_bytes(i), f"job {i}") for i in range(40)])
     bad = producer.submit(b"not an image", "broken")
     assert producer.submit(png_bytes(3), "job 3") == ids[3] and len(set(ids)) == 40, "the same work, deduplicated"
-    on = [queued(connection) for connection in shards]
+    on = [queued_ids(connection) for connection in shards]
     assert on[0] and on[1] and not on[0] & on[1] and on[0] | on[1] == {*ids, bad}
     assert all(shard_of(job_id, 2) == k for k, held in enumerate(on) for job_id in held)
 

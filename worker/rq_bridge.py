@@ -41,7 +41,7 @@ from rq.worker import BaseWorker
 
 from wicore import defaults, keys, rq_keys
 from wicore.errors import InvalidJob
-from wicore.producer.client import TASK
+from wicore.producer.rq_records import TASK
 from wicore.worker import rq_scripts
 
 # A started job's execution records live as long as RQ's SimpleWorker keeps them

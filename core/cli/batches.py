@@ -266,7 +266,8 @@ def offline_batch(settings, model_dir: Path, model_id: str, input_file: Path, ou
 def run_offline(settings, folder: Path, input_file: Path, output: Path, pool):
     from redis import Redis
 
-    from wicore.gateway.batch_runner import BatchRunner, BatchSettings
+    from wicore.gateway.batch_driver import BatchSettings
+    from wicore.gateway.batch_runner import BatchRunner
     from wicore.gateway.batch_shapes import Batch, BatchStatus, FileObject, RequestCounts
     from wicore.gateway.batch_state import BatchRecords, FileRecords, new_id
     from wicore.gateway.file_store import FolderStore

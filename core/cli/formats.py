@@ -1,6 +1,6 @@
 """`wicore schema manifest|result`: the JSON Schemas of wicore's file formats, generated from
-their pydantic models (core/schemas.py) and shipped as core/json_schemas/*.schema.json (a test
-keeps the shipped files equal to the models)."""
+their pydantic models (core/schemas/manifest.py, core/schemas/results.py) and shipped as
+core/json_schemas/*.schema.json (a test keeps the shipped files equal to the models)."""
 
 from __future__ import annotations
 

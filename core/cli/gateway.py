@@ -135,8 +135,8 @@ def cancel(
     """Cancel jobs: a queued job never runs, a running one stops at the engine's next step.
     Prints one JSON line per job with the status it ends in: canceled, or the status it had
     already ended with (null and an error for an id that names no job)."""
-    from wicore.producer.client import MISSING, no_such_job
     from wicore.producer.shards import producer_over
+    from wicore.producer.waiting import MISSING, no_such_job
 
     settings = settings_from(
         config, redis_url=redis_url, redis_password_file=redis_password_file, log_level=debug_level(debug)

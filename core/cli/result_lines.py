@@ -6,8 +6,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 from wicore.errors import ResultTimeout
-from wicore.producer.client import MISSING
 from wicore.producer.outcome import Outcome
+from wicore.producer.waiting import MISSING
 from wicore.schemas import ResultLine
 
 GONE = "no such job in Redis (never submitted, or its result expired)"

@@ -30,7 +30,7 @@ from wicore.gateway.submissions import (
     parse_batch,
 )
 from wicore.producer import Outcome
-from wicore.producer.client import MISSING, no_such_job
+from wicore.producer.waiting import MISSING, no_such_job
 
 router = APIRouter(prefix="/v1", dependencies=[Depends(require_key)], tags=["jobs"])
 

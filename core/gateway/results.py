@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from redis.asyncio import Redis as AsyncRedis
 from redis.exceptions import RedisError, ResponseError
 
-from wicore.producer.client import result_stream
+from wicore.producer.rq_records import result_stream
 
 log = logging.getLogger(__name__)
 

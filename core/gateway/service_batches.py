@@ -10,7 +10,8 @@ from contextlib import contextmanager
 
 from redis import Redis
 
-from wicore.gateway.batch_runner import BatchRunner, BatchSettings
+from wicore.gateway.batch_driver import BatchSettings
+from wicore.gateway.batch_runner import BatchRunner
 from wicore.gateway.batch_state import BatchRecords, FileRecords
 from wicore.gateway.file_store import open_store
 from wicore.gateway.state import GatewayConfig

@@ -31,7 +31,7 @@ from wicore.gateway.disconnect import ClientGone, client_gone
 from wicore.gateway.errors import ApiError, error_body
 from wicore.gateway.state import WAIT_SLICE_S, Gateway, first_set
 from wicore.producer import Outcome
-from wicore.producer.client import NO_ENTRY
+from wicore.producer.waiting import NO_ENTRY
 
 log = logging.getLogger(__name__)
 
