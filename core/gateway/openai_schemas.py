@@ -233,7 +233,7 @@ class ChoiceLogprobs(BaseModel):
     content: list[TokenLogprob]
 
 
-class Choice(BaseModel):
+class ChatCompletionChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
     finish_reason: Literal["stop", "length"]
@@ -251,7 +251,7 @@ class ChatCompletion(BaseModel):
     object: Literal["chat.completion"] = "chat.completion"
     created: int
     model: str
-    choices: list[Choice]
+    choices: list[ChatCompletionChoice]
     usage: Usage
     system_fingerprint: str | None = None
 
@@ -368,13 +368,13 @@ def finish_reason(result: CaptionResult | Sample) -> Literal["stop", "length"]:
     return "length" if result.finish_reason == "length" else "stop"
 
 
-def choices(result: CaptionResult) -> list[Choice]:
+def choices(result: CaptionResult) -> list[ChatCompletionChoice]:
     """One choice per sample (n of them), in index order."""
     samples = result.choices or (
         Sample(index=0, **result.model_dump(include={"text", "finish_reason", "token_ids", "logprobs"})),
     )
     return [
-        Choice(
+        ChatCompletionChoice(
             index=sample.index,
             message=AssistantMessage(content=sample.text),
             finish_reason=finish_reason(sample),
