@@ -71,7 +71,9 @@ def test_bench_runs_end_to_end_on_cpu(tmp_path, tiny_model_dir, capsys):
     assert report["parity_vs_hf_best_batch"]["share"] == 1.0
     assert report["parity_vs_hf_best_batch"]["margins_at_divergence"] == []
     assert report["parity_vs_hf_best_batch"]["median_margin"] > 0, "HF's top-1 leads its top-2 at a typical step"
-    assert report["hf_batches_vs_hf_best_batch"]["1"]["share"] == 1.0, "HF batch 1 against HF batch 2"
+    # HF's other batch size against its fastest (either may be fastest on a busy CPU)
+    (other,) = report["hf_batches_vs_hf_best_batch"].values()
+    assert other["share"] == 1.0
     start = report["start_timeline"]
     assert start["jobs"] == 6 and start["queued_s"][0] <= start["queued_s"][1] <= start["queued_s"][2]
     assert len(start["preprocess_s"]) == 3
