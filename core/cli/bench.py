@@ -367,21 +367,11 @@ def caption(
 
     check_caption_flags(preset, dtype, variant, gpus)
     bench = CaptionBench(
-        workdir=workdir,
-        preset=preset,
-        images=images,
-        batch_size=batch_size,
-        engine=engine,
-        engine_options=engine_options(engine_option),
-        hf_batches=tuple(int(b) for b in hf_batches.split(",")),
-        hf_images=hf_images,
-        hf_repeats=hf_repeats,
-        hf_peers=hf,
-        decode_processes=decode_processes,
-        sample_stacks=sample_stacks,
-        gpus=gpus,
-        variant=variant,
-    )
+        workdir=workdir, preset=preset, images=images, batch_size=batch_size, engine=engine,
+        engine_options=engine_options(engine_option), hf_batches=tuple(int(b) for b in hf_batches.split(",")),
+        hf_images=hf_images, hf_repeats=hf_repeats, hf_peers=hf, decode_processes=decode_processes,
+        sample_stacks=sample_stacks, gpus=gpus, variant=variant,
+    )  # fmt: skip
     plan = caption_plan(bench, out, dtype, guided_schema, sampling, compare_window)
     mode = CAPTION_MODES[plan.mode]
     report = mode.run(plan)
