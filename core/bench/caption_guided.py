@@ -78,3 +78,14 @@ def guided_host(stats: dict) -> dict:
     steps = stats.get("guided_steps") or 0
     per_step = {key: 1e3 * stats.get(f"guided_{key}_s", 0.0) / steps if steps else None for key in ("wait", "mask")}
     return {"steps": steps, "wait_ms_per_step": per_step["wait"], "mask_ms_per_step": per_step["mask"]}
+
+
+def write_guided_report(report: dict, folder: Path) -> list[Path]:
+    """caption-<preset>-guided-<gpu>.json (caption-<preset>-guided-fp8-<gpu>.json with FP8 GEMMs)."""
+    from wicore.bench.report import gpu_slug
+
+    folder.mkdir(parents=True, exist_ok=True)
+    dtype = "fp8-" if report["engine_options"].get("gemm_dtype") == "fp8" else ""
+    path = folder / f"caption-{report['preset']}-guided-{dtype}{gpu_slug(report['gpu'])}.json"
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    return [path]

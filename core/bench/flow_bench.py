@@ -144,8 +144,9 @@ def run_flow_bench(bench: FlowBench) -> dict:
     return report
 
 
-def write_flow_report(report: dict, out: Path, name: str) -> Path:
+def write_flow_report(report: dict, out: Path, name: str) -> list[Path]:
+    """<name>.json under `out`."""
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{name}.json"
     path.write_text(json.dumps(report, indent=2) + "\n")
-    return path
+    return [path]

@@ -3,17 +3,64 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Collection, Iterable
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import typer
 
+from wicore.bench.report import (
+    print_caption_report,
+    print_fp8_report,
+    print_sampling_report,
+    print_scaling_report,
+    write_caption_report,
+    write_fp8_report,
+    write_sampling_report,
+    write_scaling_report,
+)
 from wicore.cli.common import console, friendly_errors
 from wicore.cli.failures import require
 
+if TYPE_CHECKING:
+    from wicore.bench.caption_bench import CaptionBench
+
 PLOTS = "matplotlib"  # each result's PNG: checked before a run, not at its end
 
+Report = dict[str, Any]
+WriteReport = Callable[[Report, Path], list[Path]]  # a bench's files under --out, from its report
+
 app = typer.Typer(help="Benchmarks (each runs its peer in the same run and prints a ratio).", no_args_is_help=True)
+
+
+def print_written(paths: Iterable[Path]) -> None:
+    for path in paths:
+        console.print(f"wrote {path}")
+
+
+def echo_json(report: Report, as_json: bool, hide: Collection[str] = ()) -> None:
+    """--json: the report, less the keys in `hide`, as the last line on stdout."""
+    if as_json:
+        typer.echo(json.dumps({key: value for key, value in report.items() if key not in hide}))
+
+
+def publish(
+    report: Report,
+    summary: str,
+    write: WriteReport,
+    out: Path | None,
+    as_json: bool,
+    *,
+    markup: bool = True,
+    hide: Collection[str] = (),
+) -> None:
+    """A bench's tail: its summary lines, then the files `write` puts under --out (none without
+    one), then --json's line (less the keys in `hide`)."""
+    console.print(summary, markup=markup)
+    if out is not None:
+        print_written(write(report, out))
+    echo_json(report, as_json, hide)
 
 
 @app.command()
@@ -28,12 +75,12 @@ def queue(
     """Batching worker (null engine) vs plain RQ SimpleWorker on the same jobs."""
     if out is not None:
         require(PLOTS)
-    from wicore.bench.queue_bench import run_bench
+    from wicore.bench.queue_bench import run_bench, write_results
     from wicore.embedded import redis_url_or_embedded
 
     with redis_url_or_embedded(redis_url) as url:
         report = run_bench(url, jobs, batch_size)
-    console.print(
+    summary = (
         f"batching worker: {report['batch_jobs_per_s']:.0f} jobs/s, {report['batch_commands_per_job']} Redis "
         f"commands/job, {report['batch_redis_cpu_us_per_job']} us Redis CPU/job\n"
         f"plain RQ:        {report['rq_jobs_per_s']:.0f} jobs/s, {report['rq_commands_per_job']} Redis "
@@ -43,13 +90,7 @@ def queue(
         f"{report['batch_enqueue_redis_cpu_us_per_job']} us Redis CPU/job (RQ's enqueue_many: "
         f"{report['rq_enqueue_commands_per_job']}, {report['rq_enqueue_redis_cpu_us_per_job']} us)"
     )
-    if out is not None:
-        from wicore.bench.queue_bench import write_results
-
-        for path in write_results(report, out):
-            console.print(f"wrote {path}")
-    if as_json:
-        typer.echo(json.dumps(report))
+    publish(report, summary, write_results, out, as_json)
 
 
 @app.command()
@@ -69,17 +110,14 @@ def batch(
 
     with redis_url_or_embedded(redis_url) as url:
         report = run_bench(url, lines)
-    console.print(
+    summary = (
         f"batch:    {report['batch_lines_per_s']:.0f} lines/s end to end (all lines jobs at "
         f"{report['batch_submit_lines_per_s']:.0f} lines/s), output {report['output_bytes']:,} bytes streamed\n"
         f"producer: {report['producer_lines_per_s']:.0f} lines/s with submit_many + wait\n"
         f"ratio: {report['throughput_ratio']:.2f}x; gateway RSS peak {report['gateway_rss_peak_mib']} MiB at "
         f"{lines} lines, {report['gateway_rss_peak_mib_at_tenth']} MiB at {report['tenth_lines']}"
     )
-    for path in write_results(report, out):
-        console.print(f"wrote {path}")
-    if as_json:
-        typer.echo(json.dumps({k: v for k, v in report.items() if k != "rss_samples_mib"}))
+    publish(report, summary, write_results, out, as_json, hide=("rss_samples_mib",))
 
 
 @app.command()
@@ -98,7 +136,7 @@ def http(
 
     with redis_url_or_embedded(redis_url) as url:
         report = run_bench(url, jobs)
-    console.print(
+    summary = (
         f"producer: {report['producer_jobs_per_s']:.0f} jobs/s one by one (p50 {report['producer_p50_ms']} ms, "
         f"p99 {report['producer_p99_ms']} ms), {report['producer_bulk_jobs_per_s']:.0f} jobs/s with submit_many\n"
         f"gateway:  {report['gateway_jobs_per_s']:.0f} jobs/s one by one (p50 {report['gateway_p50_ms']} ms, "
@@ -106,10 +144,7 @@ def http(
         f"ratio: the gateway costs {report['jobs_per_s_ratio']:.1f}x the producer one by one "
         f"(p50 latency {report['latency_ratio_p50']:.1f}x), {report['bulk_jobs_per_s_ratio']:.1f}x in bulk"
     )
-    for path in write_results(report, out):
-        console.print(f"wrote {path}")
-    if as_json:
-        typer.echo(json.dumps(report))
+    publish(report, summary, write_results, out, as_json)
 
 
 @app.command()
@@ -132,16 +167,12 @@ def burst(
 
     with redis_url_or_embedded(redis_url) as url:
         report = run_bench(url, factor, seconds, wait_s, Path("/tmp/wicore-bench/burst"), rate_jobs)
-    console.print(
+    summary = (
         f"workers: {report['worker_jobs_per_s']} jobs/s; burst {report['burst_requests_per_s']} requests/s for "
         f"{seconds:g}s\ncapped ({report['capped_cap']} queued): p99 {report['capped_p99_s']} s, "
-        f"{report['capped_refused_429']} answered 429\nuncapped: p99 {report['uncapped_p99_s']} s",
-        markup=False,
+        f"{report['capped_refused_429']} answered 429\nuncapped: p99 {report['uncapped_p99_s']} s"
     )
-    for path in write_results(report, out):
-        console.print(f"wrote {path}")
-    if as_json:
-        typer.echo(json.dumps(report))
+    publish(report, summary, write_results, out, as_json, markup=False)
 
 
 @app.command()
@@ -182,15 +213,12 @@ def stream(
     if engine_option:
         bench = replace(bench, engine_options={**bench.engine_options, **engine_options(engine_option)})
     report = run_stream_bench(bench)
-    console.print(
+    summary = (
         f"streamed: first token p50 {report['streamed_ttft_p50_s']} s, p99 {report['streamed_ttft_p99_s']} s; "
         f"last token p50 {report['streamed_total_p50_s']} s\n"
         f"whole:    answer p50 {report['whole_total_p50_s']} s, p99 {report['whole_total_p99_s']} s"
     )
-    for path in write_stream_report(report, out):
-        console.print(f"wrote {path}")
-    if as_json:
-        typer.echo(json.dumps(report))
+    publish(report, summary, write_stream_report, out, as_json)
 
 
 @app.command()
@@ -211,6 +239,8 @@ def flow(
 ) -> None:
     """Redis' memory under `wicore caption --redis-url` over many photos: its used_memory peak with
     the flow-control window at its default (window_jobs, window_bytes) and unbounded."""
+    from functools import partial
+
     from wicore.bench.flow_bench import FlowBench, run_flow_bench, write_flow_report
 
     given = {"window_jobs": window_jobs, "window_bytes": window_bytes}
@@ -219,14 +249,17 @@ def flow(
     flags = [f"--{key.replace('_', '-')} {value}" for key, value in given.items() if value is not None]
     command = [f"wicore bench flow --photos {photos} --engine {engine}", *flags]
     report["command"] = " ".join(command + ([] if unbounded else ["--no-unbounded"]))
-    print_flow(report)
     name = f"flow-{engine}-{photos}" + "".join(f"-{key}-{value}" for key, value in given.items() if value is not None)
-    console.print(f"wrote {write_flow_report(report, out, name.replace('_', '-'))}")
-    if as_json:
-        typer.echo(json.dumps(report))
+    write = partial(write_flow_report, name=name.replace("_", "-"))
+    publish(report, flow_summary(report), write, out, as_json, markup=False)
 
 
-def print_flow(report: dict) -> None:
+def print_flow(report: Report) -> None:
+    console.print(flow_summary(report), markup=False)
+
+
+def flow_summary(report: Report) -> str:
+    """The photos, then a line per side: Redis' peak over its start, images/s, blobs left."""
     mib = 2**20
     lines = [f"{report['photos']} photos, {report['photo_bytes_total'] / mib:.0f} MiB"]
     for side in ("window", "unbounded"):
@@ -235,7 +268,7 @@ def print_flow(report: dict) -> None:
                 f"{side}: Redis peak {report[f'{side}_redis_peak_over_start_bytes'] / mib:.1f} MiB over start, "
                 f"{report[f'{side}_images_per_s']} images/s, {report[f'{side}_blobs_left']} blobs left"
             )
-    console.print("\n".join(lines), markup=False)
+    return "\n".join(lines)
 
 
 @app.command()
@@ -330,9 +363,25 @@ def caption(
     --guided-schema, free vs constrained."""
     require(PLOTS)
     from wicore.bench.caption_bench import CaptionBench
-    from wicore.bench.caption_fp8 import fp8_variant
-    from wicore.bench.caption_variants import images_per_prompt
     from wicore.cli.common import engine_options
+
+    check_caption_flags(preset, dtype, variant, gpus)
+    bench = CaptionBench(
+        workdir=workdir, preset=preset, images=images, batch_size=batch_size, engine=engine,
+        engine_options=engine_options(engine_option), hf_batches=tuple(int(b) for b in hf_batches.split(",")),
+        hf_images=hf_images, hf_repeats=hf_repeats, hf_peers=hf, decode_processes=decode_processes,
+        sample_stacks=sample_stacks, gpus=gpus, variant=variant,
+    )  # fmt: skip
+    plan = caption_plan(bench, out, dtype, guided_schema, sampling, compare_window)
+    mode = CAPTION_MODES[plan.mode]
+    report = mode.run(plan)
+    publish_caption(mode, report, plan)
+    echo_json(report, as_json, hide=[key for key in report if key.startswith("engine_stats")])
+
+
+def check_caption_flags(preset: str, dtype: str, variant: str, gpus: int) -> None:
+    """The flags every mode reads, checked before anything runs."""
+    from wicore.bench.caption_variants import images_per_prompt
     from wicore.errors import ConfigError
     from wicore.models.gemma3 import SEEDED_PRESETS
 
@@ -343,86 +392,41 @@ def caption(
     images_per_prompt(variant)  # a ConfigError naming the variants
     if gpus and variant != "one-image":
         raise ConfigError(f"--variant {variant} runs on one GPU (--gpus 0); the scaling run sends one image a prompt")
-    bench = CaptionBench(
-        workdir=workdir,
-        preset=preset,
-        images=images,
-        batch_size=batch_size,
-        engine=engine,
-        engine_options=engine_options(engine_option),
-        hf_batches=tuple(int(b) for b in hf_batches.split(",")),
-        hf_images=hf_images,
-        hf_repeats=hf_repeats,
-        hf_peers=hf,
-        decode_processes=decode_processes,
-        sample_stacks=sample_stacks,
-        gpus=gpus,
-        variant=variant,
-    )
+
+
+@dataclass(frozen=True)
+class CaptionPlan:
+    """The one run `bench caption` makes: its mode (a key of CAPTION_MODES), its bench config and
+    what that mode alone reads."""
+
+    mode: str
+    bench: CaptionBench
+    out: Path
+    sampling: dict = field(default_factory=dict)  # --sampling's generation parameters
+    guided: dict = field(default_factory=dict)  # --guided-schema's spec
+
+
+def caption_plan(
+    bench: CaptionBench, out: Path, dtype: str, guided_schema: Path | None, sampling: str | None, compare_window: bool
+) -> CaptionPlan:
+    """The mode the flags ask for, its own flags checked: the first of --guided-schema, --sampling,
+    --compare-window and --gpus N given, else --dtype's (fp8, or bf16 against HF generate)."""
+    from wicore.bench.caption_fp8 import fp8_variant
+    from wicore.bench.caption_guided import load_schema
+    from wicore.errors import ConfigError
+
+    fp8 = dtype == "fp8"
     if guided_schema is not None:
-        report = caption_guided(fp8_variant(bench) if dtype == "fp8" else bench, guided_schema, out)
-    elif sampling is not None:
-        if gpus or dtype == "fp8":
+        return CaptionPlan("guided", fp8_variant(bench) if fp8 else bench, out, guided=load_schema(guided_schema))
+    if sampling is not None:
+        if bench.gpus or fp8:
             raise ConfigError("--sampling runs on its own: without --gpus and --dtype fp8")
-        report = caption_sampling(bench, sampling_params(sampling), out)
-    elif compare_window:
-        report = caption_window(bench, out)
-    elif gpus:
-        report = caption_scaling(fp8_variant(bench) if dtype == "fp8" else bench, out)
-    else:
-        report = caption_fp8(bench, out) if dtype == "fp8" else caption_vs_hf(bench, out)
-    if as_json:
-        typer.echo(json.dumps({k: v for k, v in report.items() if not k.startswith("engine_stats")}))
-
-
-def caption_window(bench, out: Path) -> dict:
-    """`wicore caption --redis-url` with the window at its default vs unbounded, on the preset's
-    seeded model on the bench's device."""
-    from wicore.bench.caption_bench import device_name
-    from wicore.bench.flow_bench import FlowBench, run_flow_bench, write_flow_report
-    from wicore.models.gemma3 import make_seeded
-
-    bench.workdir.mkdir(parents=True, exist_ok=True)
-    model_dir = bench.model_dir or make_seeded(bench.workdir / bench.preset, bench.preset)
-    args = ("--model", str(model_dir), "--model-id", bench.preset, "--device", bench.device, "--batch-size",
-            str(bench.batch_size), "--max-new-tokens", str(bench.new_tokens), "--allow-random-weights")  # fmt: skip
-    flow = FlowBench(bench.workdir / "flow", photos=bench.images, engine=bench.engine, caption_args=args)
-    report = run_flow_bench(flow)
-    report["command"] = f"wicore bench caption --preset {bench.preset} --images {bench.images} --compare-window"
-    print_flow(report)
-    gpu = device_name(bench.device).replace(" ", "-")
-    console.print(f"wrote {write_flow_report(report, out, f'caption-window-{bench.preset}-{gpu}')}")
-    return report
-
-
-def caption_guided(bench, schema: Path, out: Path) -> dict:
-    from wicore.bench.caption_guided import load_schema, run_guided_bench
-    from wicore.bench.report import gpu_slug
-
-    report = run_guided_bench(bench, load_schema(schema))
-    out.mkdir(parents=True, exist_ok=True)
-    dtype = "fp8-" if bench.engine_options.get("gemm_dtype") == "fp8" else ""
-    path = out / f"caption-{bench.preset}-guided-{dtype}{gpu_slug(report['gpu'])}.json"
-    path.write_text(json.dumps(report, indent=2) + "\n")
-    console.print(f"wrote {path}")
-    free, constrained = report["free"], report["constrained"]
-    console.print(
-        f"free {free['images_per_s']:.2f} images/s, constrained {constrained['images_per_s']:.2f} images/s: "
-        f"ratio {report['images_per_s_ratio']:.3f} (output tokens/s ratio {report['output_tokens_per_s_ratio']:.3f})"
-    )
-    console.print(f"guided host per step (ms): {json.dumps(report['guided_host'])}")
-    return report
-
-
-def caption_vs_hf(bench, out: Path) -> dict:
-    from wicore.bench.caption_bench import run_caption_bench
-    from wicore.bench.report import print_caption_report, write_caption_report
-
-    report = run_caption_bench(bench)
-    for path in write_caption_report(report, out):
-        console.print(f"wrote {path}")
-    print_caption_report(report)
-    return report
+        return CaptionPlan("sampling", bench, out, sampling=sampling_params(sampling))
+    if compare_window:
+        return CaptionPlan("window", bench, out)
+    if bench.gpus:
+        return CaptionPlan("scaling", fp8_variant(bench) if fp8 else bench, out)
+    return CaptionPlan("fp8" if fp8 else "vs-hf", bench, out)
 
 
 def sampling_params(text: str) -> dict:
@@ -444,37 +448,123 @@ def sampling_params(text: str) -> dict:
     return given
 
 
-def caption_sampling(bench, sampling: dict, out: Path) -> dict:
-    from wicore.bench.caption_sampling import run_sampling_bench
-    from wicore.bench.report import print_sampling_report, write_sampling_report
+@dataclass(frozen=True)
+class CaptionMode:
+    """One way `bench caption` runs: `run` measures and returns the report, `write` puts its files
+    under --out, `show` prints its summary."""
 
-    report = run_sampling_bench(bench, sampling)
-    console.print("\n".join(f"wrote {path}" for path in write_sampling_report(report, out)))
-    print_sampling_report(report)
-    return report
+    run: Callable[[CaptionPlan], Report]
+    write: Callable[[Report, CaptionPlan], list[Path]]
+    show: Callable[[Report], None]
+    summary_first: bool = False  # the window's summary comes before its file, as `bench flow` prints it
 
 
-def caption_fp8(bench, out: Path) -> dict:
+def publish_caption(mode: CaptionMode, report: Report, plan: CaptionPlan) -> None:
+    """The mode's files under --out and its summary, in the mode's order."""
+    if mode.summary_first:
+        mode.show(report)
+    print_written(mode.write(report, plan))
+    if not mode.summary_first:
+        mode.show(report)
+
+
+def run_vs_hf(plan: CaptionPlan) -> Report:
+    from wicore.bench.caption_bench import run_caption_bench
+
+    return run_caption_bench(plan.bench)
+
+
+def run_fp8(plan: CaptionPlan) -> Report:
     from wicore.bench.caption_fp8 import run_fp8_bench
-    from wicore.bench.report import print_fp8_report, write_fp8_report
 
-    report = run_fp8_bench(bench)
-    console.print("\n".join(f"wrote {path}" for path in write_fp8_report(report, out)))
-    print_fp8_report(report)
-    return report
+    return run_fp8_bench(plan.bench)
 
 
-def caption_scaling(bench, out: Path) -> dict:
+def run_scaling(plan: CaptionPlan) -> Report:
     from wicore.bench.caption_scaling import gpu_count_check, run_scaling_bench
-    from wicore.bench.report import print_scaling_report, write_scaling_report
     from wicore.cli.worker_specs import cuda_device_count
 
-    gpu_count_check(bench.gpus, cuda_device_count())
-    report = run_scaling_bench(bench)
-    for path in write_scaling_report(report, out):
-        console.print(f"wrote {path}")
-    print_scaling_report(report)
+    gpu_count_check(plan.bench.gpus, cuda_device_count())
+    return run_scaling_bench(plan.bench)
+
+
+def run_sampling(plan: CaptionPlan) -> Report:
+    from wicore.bench.caption_sampling import run_sampling_bench
+
+    return run_sampling_bench(plan.bench, plan.sampling)
+
+
+def run_guided(plan: CaptionPlan) -> Report:
+    from wicore.bench.caption_guided import run_guided_bench
+
+    return run_guided_bench(plan.bench, plan.guided)
+
+
+def run_window(plan: CaptionPlan) -> Report:
+    """`wicore caption --redis-url` with the window at its default vs unbounded, on the preset's
+    seeded model on the bench's device."""
+    from wicore.bench.flow_bench import FlowBench, run_flow_bench
+    from wicore.models.gemma3 import make_seeded
+
+    bench = plan.bench
+    bench.workdir.mkdir(parents=True, exist_ok=True)
+    model_dir = bench.model_dir or make_seeded(bench.workdir / bench.preset, bench.preset)
+    args = ("--model", str(model_dir), "--model-id", bench.preset, "--device", bench.device, "--batch-size",
+            str(bench.batch_size), "--max-new-tokens", str(bench.new_tokens), "--allow-random-weights")  # fmt: skip
+    flow = FlowBench(bench.workdir / "flow", photos=bench.images, engine=bench.engine, caption_args=args)
+    report = run_flow_bench(flow)
+    report["command"] = f"wicore bench caption --preset {bench.preset} --images {bench.images} --compare-window"
     return report
+
+
+def write_vs_hf(report: Report, plan: CaptionPlan) -> list[Path]:
+    return write_caption_report(report, plan.out)
+
+
+def write_fp8(report: Report, plan: CaptionPlan) -> list[Path]:
+    return write_fp8_report(report, plan.out)
+
+
+def write_scaling(report: Report, plan: CaptionPlan) -> list[Path]:
+    return write_scaling_report(report, plan.out)
+
+
+def write_sampling(report: Report, plan: CaptionPlan) -> list[Path]:
+    return write_sampling_report(report, plan.out)
+
+
+def write_guided(report: Report, plan: CaptionPlan) -> list[Path]:
+    from wicore.bench.caption_guided import write_guided_report
+
+    return write_guided_report(report, plan.out)
+
+
+def write_window(report: Report, plan: CaptionPlan) -> list[Path]:
+    """caption-window-<preset>-<gpu>.json."""
+    from wicore.bench.caption_bench import device_name
+    from wicore.bench.flow_bench import write_flow_report
+
+    gpu = device_name(plan.bench.device).replace(" ", "-")
+    return write_flow_report(report, plan.out, f"caption-window-{plan.bench.preset}-{gpu}")
+
+
+def print_guided(report: Report) -> None:
+    free, constrained = report["free"], report["constrained"]
+    console.print(
+        f"free {free['images_per_s']:.2f} images/s, constrained {constrained['images_per_s']:.2f} images/s: "
+        f"ratio {report['images_per_s_ratio']:.3f} (output tokens/s ratio {report['output_tokens_per_s_ratio']:.3f})"
+    )
+    console.print(f"guided host per step (ms): {json.dumps(report['guided_host'])}")
+
+
+CAPTION_MODES = {
+    "vs-hf": CaptionMode(run_vs_hf, write_vs_hf, print_caption_report),
+    "fp8": CaptionMode(run_fp8, write_fp8, print_fp8_report),
+    "scaling": CaptionMode(run_scaling, write_scaling, print_scaling_report),
+    "sampling": CaptionMode(run_sampling, write_sampling, print_sampling_report),
+    "guided": CaptionMode(run_guided, write_guided, print_guided),
+    "window": CaptionMode(run_window, write_window, print_flow, summary_first=True),
+}
 
 
 @app.command("fp8-layers")
@@ -500,10 +590,9 @@ def fp8_layers(
     if reason is not None:
         raise ConfigError(f"bench fp8-layers needs an NVIDIA GPU of compute capability 8.9+ (Ada, Hopper): {reason}")
     report = run_fp8_layers(gemma3_4b_config(), compile=compile, repeats=repeats)
-    console.print(f"wrote {write_fp8_layers(report, out)}")
+    print_written([write_fp8_layers(report, out)])
     print_fp8_layers(report)
-    if as_json:
-        typer.echo(json.dumps(report))
+    echo_json(report, as_json)
 
 
 @app.command()
@@ -535,10 +624,9 @@ def kernels(
     report = run_kernel_profile(
         KernelBench(workdir=workdir, images=images, batch_size=batch_size, engine_options=options)
     )
-    console.print("\n".join(f"wrote {path}" for path in write_kernel_profile(report, out)))
+    print_written(write_kernel_profile(report, out))
     print_kernel_profile(report)
-    if as_json:
-        typer.echo(json.dumps(report))
+    echo_json(report, as_json)
 
 
 @app.command()
@@ -576,11 +664,9 @@ def mixed(
         engine_options=engine_options(engine_option) or None,
     )  # fmt: skip
     report = run_mixed_bench(bench)
-    for path in write_mixed_report(report, out):
-        console.print(f"wrote {path}")
+    print_written(write_mixed_report(report, out))
     print_mixed_report(report)
-    if as_json:
-        typer.echo(json.dumps({k: v for k, v in report.items() if k != "engine_stats"}))
+    echo_json(report, as_json, hide=("engine_stats",))
 
 
 @app.command("cache")
@@ -602,13 +688,10 @@ def cache_bench(
 
     bench = CacheBench(workdir=workdir, images=images, questions=questions, dup_images=dup_images, repeats=repeats)
     report = run_cache_bench(bench)
-    for path in write_cache_report(report, out):
-        console.print(f"wrote {path}")
+    print_written(write_cache_report(report, out))
     keys = ("gpu", "vqa_speedup", "restore_bw_fraction", "restore_bw_fraction_batched", "dup30_speedup")
-    summary = {k: report[k] for k in keys}
-    console.print(summary)
-    if as_json:
-        typer.echo(json.dumps({k: v for k, v in report.items() if k not in ("vqa", "dup30")}))
+    console.print({k: report[k] for k in keys})
+    echo_json(report, as_json, hide=("vqa", "dup30"))
 
 
 @app.command("fidelity")
@@ -640,8 +723,7 @@ def fidelity_bench(
         small_pool_pages=small_pool_pages, engine_options=engine_options(engine_option), max_margins=max_margins,
     )  # fmt: skip
     report = run_fidelity_bench(bench)
-    console.print(f"wrote {write_fidelity_report(report, out, tag)}")
+    print_written([write_fidelity_report(report, out, tag)])
     for line in summary(report):
         console.print(line)
-    if as_json:
-        typer.echo(json.dumps(report))
+    echo_json(report, as_json)
