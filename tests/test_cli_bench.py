@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import wicore
 from wicore.bench.caption_bench import CaptionBench
 from wicore.bench.guided_bench import SCHEMA
 from wicore.cli.bench import CAPTION_MODES, CaptionPlan, caption_plan, publish_caption
@@ -98,3 +99,11 @@ def test_the_window_mode_runs_through_the_table_on_cpu(tmp_path, tiny_model_dir,
     path = tmp_path / "out" / "caption-window-gemma3-4b-cpu.json"
     assert json.loads(path.read_text()) == report
     assert capsys.readouterr().err.splitlines()[-1] == f"wrote {path}"
+
+
+@pytest.mark.parametrize("sizes", ["a,b", "8,,32", "0,8"])
+def test_bad_hf_batch_sizes_are_one_line_exit_2(tmp_path, sizes):
+    done = wicore("bench", "caption", "--hf-batches", sizes, "--workdir", str(tmp_path), check=False)
+    assert done.returncode == 2, done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1 and "--hf-batches" in done.stderr
+    assert not (tmp_path / "images").exists(), "refused before anything runs"

@@ -368,7 +368,7 @@ def caption(
     check_caption_flags(preset, dtype, variant, gpus)
     bench = CaptionBench(
         workdir=workdir, preset=preset, images=images, batch_size=batch_size, engine=engine,
-        engine_options=engine_options(engine_option), hf_batches=tuple(int(b) for b in hf_batches.split(",")),
+        engine_options=engine_options(engine_option), hf_batches=batch_sizes(hf_batches),
         hf_images=hf_images, hf_repeats=hf_repeats, hf_peers=hf, decode_processes=decode_processes,
         sample_stacks=sample_stacks, gpus=gpus, variant=variant,
     )  # fmt: skip
@@ -392,6 +392,16 @@ def check_caption_flags(preset: str, dtype: str, variant: str, gpus: int) -> Non
     images_per_prompt(variant)  # a ConfigError naming the variants
     if gpus and variant != "one-image":
         raise ConfigError(f"--variant {variant} runs on one GPU (--gpus 0); the scaling run sends one image a prompt")
+
+
+def batch_sizes(text: str) -> tuple[int, ...]:
+    """--hf-batches "8,32,64" -> (8, 32, 64); ConfigError unless every one is a positive integer."""
+    from wicore.errors import ConfigError
+
+    sizes = tuple(int(size) for size in text.split(",") if size.strip().isdigit())
+    if len(sizes) != len(text.split(",")) or 0 in sizes:
+        raise ConfigError(f"--hf-batches {text}: give positive integers separated by commas, e.g. 8,32,64")
+    return sizes
 
 
 @dataclass(frozen=True)
