@@ -69,6 +69,21 @@ def test_include_usage_adds_a_last_chunk_of_no_choices_with_the_usage(client):
     assert all(c.usage is None for c in chunks[:-1]) and chunks[-2].choices[0].finish_reason == "stop"
 
 
+def test_asked_for_logprobs_the_last_chunk_carries_every_tokens(client):
+    image = IMAGES[1]
+    fields = {"max_tokens": 24, "logprobs": True, "top_logprobs": 2}
+    chunks = list(client.chat.completions.create(**chat(image, stream=True, **fields)))
+    whole = client.chat.completions.create(**chat(image, **fields)).choices[0].logprobs.content
+    *text_chunks, last = chunks
+    assert all(c.choices[0].logprobs is None for c in text_chunks)
+    streamed = last.choices[0].logprobs.content
+    assert last.choices[0].finish_reason == "stop" and [t.token for t in streamed] == [t.token for t in whole]
+    assert all(len(t.top_logprobs) == 2 for t in streamed)
+    assert [t.logprob for t in streamed] == pytest.approx([t.logprob for t in whole], abs=1e-4)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks)
+    assert "".join(t.token for t in streamed).startswith(text), "the tokens spell the text (then the stop token)"
+
+
 def test_a_client_that_closes_its_stream_midway_leaves_its_job_canceled(client, served):
     fields = chat(IMAGES[1], max_tokens=1500, stream=True, extra_body={"ignore_eos": True})
     stream = client.chat.completions.create(**fields)

@@ -1,6 +1,7 @@
 """OpenAI's streamed answers (`stream: true`) as server-sent events: a chat completion's chunks
 (the first with the role, then content deltas, the last with `finish_reason`), or a text
-completion's; with `stream_options.include_usage` a last chunk of no choices carries the usage;
+completion's. A chat that asked for `logprobs` gets every token's in its last chunk: the worker
+streams text, and the tokens are known once the job's result is. With `stream_options.include_usage` a last chunk of no choices carries the usage;
 then `data: [DONE]`. An error after the stream started is an event in OpenAI's error shape.
 
 A client that hangs up before the end cancels its job (`stream_cancel_on_disconnect`)."""
@@ -45,8 +46,10 @@ class ChunkShape:
             "usage": usage,
         }
 
-    def choice(self, text: str | None, finish_reason: str | None = None) -> dict[str, Any]:
-        body: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish_reason}
+    def choice(
+        self, text: str | None, finish_reason: str | None = None, logprobs: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        body: dict[str, Any] = {"index": 0, "logprobs": logprobs, "finish_reason": finish_reason}
         if self.kind == "chat":
             body["delta"] = {} if text is None else {"content": text}
         else:
@@ -83,7 +86,7 @@ async def completion_events(
             ended = True
             result = check(piece)
             reason = "length" if result.finish_reason == "length" else "stop"
-            yield sse(shape.chunk([shape.choice(None, reason)]))
+            yield sse(shape.chunk([shape.choice(None, reason, token_logprobs(result))]))
             if include_usage:
                 yield sse(shape.chunk([], usage(result).model_dump()))
         yield DONE
@@ -99,6 +102,13 @@ async def completion_events(
     finally:
         if not ended and gateway.config.stream_cancel_on_disconnect:
             cancel_later(gateway, job_id)
+
+
+def token_logprobs(result: CaptionResult) -> dict[str, Any] | None:
+    """OpenAI's `logprobs` of a chat choice, `{"content": [...]}`, when the request asked for them."""
+    if result.logprobs is None:
+        return None
+    return {"content": [token.model_dump(mode="json") for token in result.logprobs]}
 
 
 def event_stream(events: AsyncIterator[str]) -> StreamingResponse:
