@@ -398,8 +398,9 @@ def batch_sizes(text: str) -> tuple[int, ...]:
     """--hf-batches "8,32,64" -> (8, 32, 64); ConfigError unless every one is a positive integer."""
     from wicore.errors import ConfigError
 
-    sizes = tuple(int(size) for size in text.split(",") if size.strip().isdigit())
-    if len(sizes) != len(text.split(",")) or 0 in sizes:
+    parts = text.split(",")
+    sizes = tuple(int(part) for part in parts if part.strip().isdigit())
+    if len(sizes) != len(parts) or 0 in sizes:
         raise ConfigError(f"--hf-batches {text}: give positive integers separated by commas, e.g. 8,32,64")
     return sizes
 
@@ -527,20 +528,9 @@ def run_window(plan: CaptionPlan) -> Report:
     return report
 
 
-def write_vs_hf(report: Report, plan: CaptionPlan) -> list[Path]:
-    return write_caption_report(report, plan.out)
-
-
-def write_fp8(report: Report, plan: CaptionPlan) -> list[Path]:
-    return write_fp8_report(report, plan.out)
-
-
-def write_scaling(report: Report, plan: CaptionPlan) -> list[Path]:
-    return write_scaling_report(report, plan.out)
-
-
-def write_sampling(report: Report, plan: CaptionPlan) -> list[Path]:
-    return write_sampling_report(report, plan.out)
+def under_out(write: WriteReport) -> Callable[[Report, CaptionPlan], list[Path]]:
+    """A bench's writer of files into a folder, as a mode's: the folder is --out."""
+    return lambda report, plan: write(report, plan.out)
 
 
 def write_guided(report: Report, plan: CaptionPlan) -> list[Path]:
@@ -568,10 +558,10 @@ def print_guided(report: Report) -> None:
 
 
 CAPTION_MODES = {
-    "vs-hf": CaptionMode(run_vs_hf, write_vs_hf, print_caption_report),
-    "fp8": CaptionMode(run_fp8, write_fp8, print_fp8_report),
-    "scaling": CaptionMode(run_scaling, write_scaling, print_scaling_report),
-    "sampling": CaptionMode(run_sampling, write_sampling, print_sampling_report),
+    "vs-hf": CaptionMode(run_vs_hf, under_out(write_caption_report), print_caption_report),
+    "fp8": CaptionMode(run_fp8, under_out(write_fp8_report), print_fp8_report),
+    "scaling": CaptionMode(run_scaling, under_out(write_scaling_report), print_scaling_report),
+    "sampling": CaptionMode(run_sampling, under_out(write_sampling_report), print_sampling_report),
     "guided": CaptionMode(run_guided, write_guided, print_guided),
     "window": CaptionMode(run_window, write_window, print_flow, summary_first=True),
 }
