@@ -18,7 +18,7 @@ from starlette.responses import StreamingResponse
 
 from wicore.gateway.disconnect import ClientGone
 from wicore.gateway.errors import ApiError
-from wicore.gateway.openai_schemas import usage
+from wicore.gateway.openai_schemas import ChoiceLogprobs, usage
 from wicore.gateway.state import Gateway
 from wicore.gateway.streaming import DONE, SSE_HEADERS, StreamTimeout, cancel_later, job_text, sse, sse_error
 from wicore.producer import Outcome
@@ -108,7 +108,7 @@ def token_logprobs(result: CaptionResult) -> dict[str, Any] | None:
     """OpenAI's `logprobs` of a chat choice, `{"content": [...]}`, when the request asked for them."""
     if result.logprobs is None:
         return None
-    return {"content": [token.model_dump(mode="json") for token in result.logprobs]}
+    return ChoiceLogprobs(content=list(result.logprobs)).model_dump(mode="json")
 
 
 def event_stream(events: AsyncIterator[str]) -> StreamingResponse:
